@@ -1,0 +1,1 @@
+"""blade: a TorchScript clustering compiler for CPU inference (placeholder during bootstrap)."""

@@ -1,0 +1,1 @@
+"""Clustering: the lowering table, the partitioner and the splice (TorchScript-specific)."""

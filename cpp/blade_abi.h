@@ -1,0 +1,66 @@
+// blade runtime ABI: the one header that generated engine code includes (besides the C++ standard
+// library). An engine .so never links against torch: everything heavy (GEMM, threads) it asks of
+// the runtime through the function table below, which the Engine (cpp/engine.cpp) fills with
+// ATen-backed implementations. Test harnesses may fill it with their own (e.g. a serial, naive one).
+//
+// Bump BLADE_ABI_VERSION whenever BladeRuntime or the entry signature changes; the Engine refuses
+// to load a .so whose blade_engine_abi_version() differs.
+#pragma once
+#include <cstdint>
+
+#define BLADE_ABI_VERSION 1
+
+extern "C" {
+
+// A chunk [begin, end) of a parallel loop; ctx is the caller's closure.
+typedef void (*blade_range_fn)(void* ctx, int64_t begin, int64_t end);
+
+struct BladeRuntime {
+  int32_t abi_version;  // == BLADE_ABI_VERSION
+  // Row-major batched SGEMM: for b in [0, batch):
+  //   C_b = alpha * op(A_b) @ op(B_b) + beta * C_b,   op(A_b) is [m, k], op(B_b) is [k, n], C_b is [m, n]
+  // X_b starts at X + b * stride_x (elements). trans_a == 0: A_b[i][p] = A_b[i * lda + p];
+  // trans_a != 0: A_b[i][p] = A_b[p * lda + i]. Same for B. C_b[i][j] = C_b[i * ldc + j].
+  // stride_a / stride_b may be 0 (a shared operand, e.g. a weight broadcast over the batch).
+  void (*sgemm)(int64_t batch, int64_t m, int64_t n, int64_t k, float alpha,
+                const float* a, int64_t lda, int64_t stride_a, int32_t trans_a,
+                const float* b, int64_t ldb, int64_t stride_b, int32_t trans_b,
+                float beta, float* c, int64_t ldc, int64_t stride_c);
+  // Calls fn(ctx, b, e) over disjoint chunks covering [begin, end), possibly from several threads
+  // (the runtime's pool: ATen's intra-op pool, so torch.set_num_threads is honoured). Chunks are at
+  // least `grain` long except the last; a loop shorter than grain runs inline on the caller.
+  void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, blade_range_fn fn, void* ctx);
+};
+
+// Every engine .so exports these two symbols.
+//   blade_engine_abi_version(): the BLADE_ABI_VERSION it was compiled against.
+//   blade_engine_run(): computes the cluster. inputs/outputs/constants are data pointers of
+//     contiguous, densely packed tensors in the manifest's order, with the manifest's dtypes and
+//     shapes; outputs are allocated by the caller. scratch points to manifest.scratch_bytes bytes,
+//     64-byte aligned, owned by this call alone (concurrent calls get distinct scratch).
+//     Returns 0 on success; otherwise a BLADE_ERR_* code (no exceptions cross this boundary).
+int32_t blade_engine_abi_version(void);
+int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void* const* outputs,
+                         const void* const* constants, void* scratch);
+
+}  // extern "C"
+
+#define BLADE_OK 0
+#define BLADE_ERR_INDEX_OUT_OF_RANGE 1  // a gather/embedding index outside its dimension
+
+#ifdef __cplusplus
+namespace blade {
+// parallel_for over a C++ callable: blade::parallel_for(rt, 0, n, grain, [&](int64_t b, int64_t e) {...});
+template <class F>
+inline void parallel_for(const BladeRuntime* rt, int64_t begin, int64_t end, int64_t grain, F&& f) {
+  if (end - begin <= grain) {  // skip the runtime round trip for small loops
+    if (end > begin) f(begin, end);
+    return;
+  }
+  rt->parallel_for(
+      begin, end, grain,
+      [](void* ctx, int64_t b, int64_t e) { (*static_cast<F*>(ctx))(b, e); },
+      static_cast<void*>(&f));
+}
+}  // namespace blade
+#endif
