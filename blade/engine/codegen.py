@@ -1,0 +1,706 @@
+"""IR -> C++: fused loop nests over a scratch arena, GEMM through the runtime (torch-free).
+
+How a graph becomes code:
+
+1. ``Schedule`` decides which IR nodes get memory (are *materialized*): graph outputs, reductions,
+   matmuls, concats, and values that several consumers would otherwise recompute at a real cost
+   (or that feed a reshape strides can't express). Everything else stays *lazy*.
+2. Each materialized node is one kernel: a loop nest over its shape whose body asks
+   ``Emitter.value(node, idx)`` for the C++ expression of the node at a multi-index. Lazy
+   producers are inlined there (producer-consumer fusion); views only rewrite the index; loads of
+   buffers use their strides (broadcast = stride 0). Every computed value becomes a ``const`` temp
+   memoized per (node, index) — that is CSE — and is placed in the outermost loop scope that binds
+   the variables its index uses (loop-invariant code motion: a per-row value is computed once per row).
+3. Reductions put their accumulator loop inside that body, so their input is fused in too.
+4. Scratch buffers get arena offsets after all kernels exist, from their live ranges.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import views
+from .ir import ELEMENTWISE, Graph, Node
+from .manifest import DTYPES, TensorSpec
+from .views import Layout, contiguous_strides, linear_index
+
+INLINE_CONST_MAX = 64          # constants with at most this many elements are compiled into the code
+PARALLEL_WORK = 16384          # elements of work below which a loop is not worth a thread
+ALIGN = 64
+DECLS = "@DECLS@"              # where a kernel's buffer pointers get declared
+
+
+# ---------------------------------------------------------------------------------------------
+# C++ types and literals
+
+@dataclass(frozen=True)
+class CType:
+    dtype: str
+
+    @property
+    def name(self) -> str:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in ("float32", "float64")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def literal(value, dtype: str) -> str:
+    """A C++ literal that reproduces value exactly in dtype."""
+    if dtype == "bool":
+        return "true" if value else "false"
+    if dtype in ("float32", "float64"):
+        limits = f"std::numeric_limits<{DTYPES[dtype][0]}>"
+        value = float(value)
+        if math.isnan(value):
+            return f"{limits}::quiet_NaN()"
+        if math.isinf(value):
+            return f"{'-' if value < 0 else ''}{limits}::infinity()"
+        # repr round-trips the double, which is exactly the float32 value: parsing it back as a
+        # float literal gives the same float.
+        return repr(value) + ("f" if dtype == "float32" else "")
+    value = int(value)
+    if dtype == "int64":
+        return "INT64_MIN" if value == -2**63 else f"int64_t({value}LL)"
+    return "INT32_MIN" if value == -2**31 else f"int32_t({value})"
+
+
+def _neg_inf_or_lowest(t: CType) -> str:
+    return f"-std::numeric_limits<{t}>::infinity()" if t.is_float else f"std::numeric_limits<{t}>::lowest()"
+
+
+def _inf_or_max(t: CType) -> str:
+    return f"std::numeric_limits<{t}>::infinity()" if t.is_float else f"std::numeric_limits<{t}>::max()"
+
+
+# ---------------------------------------------------------------------------------------------
+# Op tables. Arguments are always atoms (temps, literals, loads), so repeating one is free.
+# t: the C++ type of the result.
+
+def _call(fn):
+    return lambda t, a: f"{fn}({a})"
+
+
+CODE_FOR_OP = {
+    "Add": lambda t, a, b: f"{a} + {b}",
+    "Sub": lambda t, a, b: f"{a} - {b}",
+    "Mul": lambda t, a, b: f"{a} * {b}",
+    # ONNX integer division truncates (as C++ does); x / 0 must not trap the process.
+    "Div": lambda t, a, b: f"{a} / {b}" if t.is_float else f"({b} == 0 ? {t}(0) : {t}({a} / {b}))",
+    "Pow": lambda t, a, b: (f"std::pow({a}, {b})" if t.is_float
+                            else f"static_cast<{t}>(std::pow(double({a}), double({b})))"),
+    "Neg": lambda t, a: f"-{a}",
+    "Abs": _call("std::abs"),
+    "Relu": lambda t, a: f"({a} < {t}(0) ? {t}(0) : {a})",   # NaN passes through, like torch
+    "Sigmoid": lambda t, a: f"{t}(1) / ({t}(1) + std::exp(-{a}))",
+    "Tanh": _call("std::tanh"),
+    "Exp": _call("std::exp"),
+    "Log": _call("std::log"),
+    "Sqrt": _call("std::sqrt"),
+    "Reciprocal": lambda t, a: f"{t}(1) / {a}",
+    "Erf": _call("std::erf"),
+    "Floor": _call("std::floor"),
+    "Ceil": _call("std::ceil"),
+    "Sin": _call("std::sin"),
+    "Cos": _call("std::cos"),
+    "Max": lambda t, a, b: f"({a} != {a} || {a} > {b}) ? {a} : {b}",   # NaN wins, like torch
+    "Min": lambda t, a, b: f"({a} != {a} || {a} < {b}) ? {a} : {b}",
+    "Where": lambda t, c, a, b: f"{c} ? {a} : {b}",
+    "Equal": lambda t, a, b: f"{a} == {b}",
+    "Less": lambda t, a, b: f"{a} < {b}",
+    "LessOrEqual": lambda t, a, b: f"{a} <= {b}",
+    "Greater": lambda t, a, b: f"{a} > {b}",
+    "GreaterOrEqual": lambda t, a, b: f"{a} >= {b}",
+    "Not": lambda t, a: f"!{a}",
+    "And": lambda t, a, b: f"{a} && {b}",
+    "Or": lambda t, a, b: f"{a} || {b}",
+    "Cast": lambda t, a: f"{a} != 0" if t.dtype == "bool" else f"static_cast<{t}>({a})",
+}
+assert CODE_FOR_OP.keys() == ELEMENTWISE.keys(), "ir.ELEMENTWISE and CODE_FOR_OP must list the same ops"
+
+# Rough cost of one element of an op, to decide between recomputing a shared value and storing it.
+EXPENSIVE_OPS = {"Div": 4, "Sqrt": 4, "Reciprocal": 4, "Pow": 20, "Sigmoid": 20, "Tanh": 20,
+                 "Exp": 20, "Log": 20, "Erf": 20, "Sin": 20, "Cos": 20}
+RECOMPUTE_MAX_COST = 2
+
+
+@dataclass(frozen=True)
+class Reduction:
+    init: object       # CType -> C++ initial accumulator
+    combine: object    # (acc, value) -> C++ expression
+    simd: str = ""     # OpenMP simd reduction operator when the combine is associative enough
+
+
+REDUCE = {
+    "sum": Reduction(lambda t: f"{t}(0)", lambda acc, v: f"{acc} + {v}", "+"),
+    "max": Reduction(_neg_inf_or_lowest, lambda acc, v: f"({v} != {v} || {v} > {acc}) ? {v} : {acc}"),
+    "min": Reduction(_inf_or_max, lambda acc, v: f"({v} != {v} || {v} < {acc}) ? {v} : {acc}"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+@dataclass(eq=False)
+class Buffer:
+    kind: str          # "input" | "output" | "const" | "inline" | "scratch"
+    index: int         # position in inputs / outputs / constants, or scratch number
+    dtype: str
+    numel: int
+    values: object = None          # inline constants: the numpy array
+    first: int = -1                # scratch live range, in kernel numbers
+    last: int = -1
+    offset: int = 0                # scratch arena offset (bytes), planned at the end
+    referenced: bool = False       # some kernel reads or writes it through a pointer
+
+    @property
+    def ident(self) -> str:
+        prefix = {"input": "in", "output": "out", "const": "c", "inline": "k", "scratch": "s"}[self.kind]
+        return f"{prefix}{self.index}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype][1]
+
+
+@dataclass
+class Strided:
+    buf: Buffer
+    shape: tuple
+    layout: Layout
+
+    @classmethod
+    def dense(cls, buf: Buffer, shape) -> "Strided":
+        return cls(buf, tuple(shape), Layout(0, contiguous_strides(shape)))
+
+    def address(self, idx) -> str:
+        return linear_index(idx, self.layout.strides, self.layout.offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scopes: statement lists of nested loop bodies, with memo and loop-invariant placement
+
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+class Scope:
+    def __init__(self, emitter, parent=None, binds=()):
+        self.emitter, self.parent = emitter, parent
+        self.binds = set(binds)       # loop variables (and index temps) defined here
+        self.lines: list[str] = []
+        self.memo: dict = {}
+        self.has_side_effects = False
+
+    def child(self, binds) -> "Scope":
+        return Scope(self.emitter, self, binds)
+
+    def lookup(self, key):
+        scope = self
+        while scope is not None:
+            if key in scope.memo:
+                return scope.memo[key]
+            scope = scope.parent
+        return None
+
+    def home_for(self, idx) -> "Scope":
+        """The outermost enclosing scope in which every variable used by idx is defined."""
+        used = {name for text in idx for name in _IDENT.findall(text)}
+        scope = self
+        while scope.parent is not None and not (scope.binds & used):
+            scope = scope.parent
+        return scope
+
+    def define(self, ctype: CType, text: str, key=None, prefix="t") -> str:
+        name = self.emitter.fresh(prefix)
+        self.lines.append(f"const {ctype} {name} = {text};")
+        if key is not None:
+            self.memo[key] = name
+        return name
+
+    def mark_side_effects(self):
+        scope = self
+        while scope is not None:
+            scope.has_side_effects = True
+            scope = scope.parent
+
+
+def _indent(lines, depth=1):
+    pad = "  " * depth
+    return [pad + line if line else line for line in lines]
+
+
+def _for(var: str, begin, end, body_lines, pragma: str = ""):
+    head = [pragma] if pragma else []
+    return head + [f"for (int64_t {var} = {begin}; {var} < {end}; ++{var}) {{", *_indent(body_lines), "}"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling: which nodes get memory
+
+class Schedule:
+    ALWAYS_MATERIALIZED = ("reduce", "matmul", "concat")
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.live = self._live_nodes()
+        self.materialized = self._choose()
+
+    def _live_nodes(self):
+        live, stack = set(), [node for _, node in self.graph.outputs]
+        while stack:
+            node = stack.pop()
+            if node not in live:
+                live.add(node)
+                stack.extend(node.args)
+        return [n for n in self.graph.nodes if n in live]
+
+    def _cost(self, node, stored, memo):
+        """Per-element cost of computing node inline, down to stored values."""
+        if node.op not in ("ew", "gather", "view") or node in stored:
+            return 0
+        if node not in memo:
+            own = EXPENSIVE_OPS.get(node.attrs.get("fn"), 1) if node.op != "view" else 0
+            memo[node] = own + sum(self._cost(a, stored, memo) for a in node.args)
+        return memo[node]
+
+    def _choose(self) -> set:
+        outputs = {node for _, node in self.graph.outputs}
+        # reads[n]: how many times each element of n is read by the rest of the graph, looking
+        # through views (a view is read-through; an expand multiplies reads).
+        reads = {n: 0 for n in self.live}
+        for node in outputs:
+            reads[node] += 1
+        must_store = set()
+        for node in reversed(self.live):
+            for arg in node.args:
+                if node.op == "view":
+                    grows = node.attrs["view"] == "expand" and node.numel > arg.numel
+                    reads[arg] += max(reads[node], 2) if grows and reads[node] else reads[node]
+                    if node.attrs["view"] == "reshape" and not views.only_unit_dims_change(arg.shape, node.shape):
+                        must_store.add(arg)
+                else:
+                    reads[arg] += 1
+                if node.op == "matmul":
+                    must_store.add(arg)
+        chosen, cost_memo = set(), {}
+        for node in self.live:
+            if node.op in self.ALWAYS_MATERIALIZED or node in outputs:
+                chosen.add(node)
+            elif node.op in ("ew", "gather"):
+                if node in must_store or (reads[node] > 1 and
+                                          self._cost(node, chosen, cost_memo) > RECOMPUTE_MAX_COST):
+                    chosen.add(node)
+        # A stored view (reshape/matmul operand) means its compute source is stored instead.
+        for node in list(must_store):
+            while node.op == "view":
+                node = node.args[0]
+            if node.op in ("ew", "gather"):
+                chosen.add(node)
+        return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# The emitter
+
+@dataclass
+class Kernel:
+    number: int
+    comment: str
+    uses: dict = field(default_factory=dict)       # Buffer -> written?
+
+
+@dataclass
+class Program:
+    source: str
+    inputs: list
+    outputs: list
+    constants: list          # TensorSpec of run-time constants, in `constants` pointer order
+    scratch_bytes: int
+
+
+class Emitter:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.schedule = Schedule(graph)
+        self.counter = 0
+        self.buffers: dict[Node, Buffer] = {}
+        self.scratch: list[Buffer] = []
+        self.runtime_consts: list[tuple[str, Node]] = []
+        self.inline_consts: list[Buffer] = []
+        self.kernels_code: list[str] = []
+        self.kernel: Kernel | None = None
+        self.strided_memo: dict = {}
+        for i, node in enumerate(graph.inputs):
+            self.buffers[node] = Buffer("input", i, node.dtype, node.numel)
+
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    # ---- memory of nodes ----
+
+    def _const_buffer(self, node: Node) -> Buffer:
+        if node not in self.buffers:
+            if node.numel <= INLINE_CONST_MAX:
+                buf = Buffer("inline", len(self.inline_consts), node.dtype, node.numel, node.attrs["value"])
+                self.inline_consts.append(buf)
+            else:
+                buf = Buffer("const", len(self.runtime_consts), node.dtype, node.numel)
+                self.runtime_consts.append((node.name, node))
+            self.buffers[node] = buf
+        return self.buffers[node]
+
+    def new_scratch(self, dtype: str, shape) -> Strided:
+        buf = Buffer("scratch", len(self.scratch), dtype, math.prod(shape))
+        self.scratch.append(buf)
+        return Strided.dense(buf, shape)
+
+    def strided_of(self, node: Node) -> Strided | None:
+        """node as a strided view of memory, when it has (or views) memory."""
+        if node in self.strided_memo:
+            return self.strided_memo[node]
+        result = None
+        if node.op == "const":
+            result = Strided.dense(self._const_buffer(node), node.shape)
+        elif node in self.buffers:
+            result = Strided.dense(self.buffers[node], node.shape)
+        elif node.op == "view":
+            src = self.strided_of(node.args[0])
+            layout = src and views.view_layout(node, src.layout)
+            result = layout and Strided(src.buf, node.shape, layout)
+        self.strided_memo[node] = result
+        return result
+
+    def use(self, buf: Buffer, write: bool = False) -> str:
+        buf.referenced = True
+        self.kernel.uses[buf] = self.kernel.uses.get(buf, False) or write
+        if buf.kind == "scratch":
+            if write and buf.first < 0:
+                buf.first = self.kernel.number
+            buf.last = max(buf.last, self.kernel.number)
+        return buf.ident
+
+    # ---- values ----
+
+    def load(self, s: Strided, idx) -> str:
+        if s.buf.kind == "inline" and s.buf.numel == 1:
+            return literal(s.buf.values.reshape(-1)[0], s.buf.dtype)
+        return f"{self.use(s.buf)}[{s.address(idx)}]"
+
+    def value(self, node: Node, idx, scope: Scope) -> str:
+        """The C++ expression (an atom) of node at multi-index idx, emitting statements as needed."""
+        idx = tuple(idx)
+        key = (id(node), idx)
+        hit = scope.lookup(key)
+        if hit is not None:
+            return hit
+        home = scope.home_for(idx)
+        strided = self.strided_of(node)
+        if strided is None:
+            return self.compute(node, idx, home, key)
+        text = self.load(strided, idx)
+        if strided.buf.kind == "inline" and strided.buf.numel == 1:
+            return text
+        # Different views of one buffer can load the same element: memoize by address too.
+        hit = scope.lookup(text)
+        if hit is None:
+            hit = home.define(CType(node.dtype), text, text)
+        home.memo[key] = hit
+        return hit
+
+    def compute(self, node: Node, idx, scope: Scope, key=None) -> str:
+        """The value of node from its definition (inlining lazy producers), ignoring its buffer."""
+        if node.op not in LAZY:
+            raise AssertionError(f"{node} should have been materialized")
+        return LAZY[node.op](self, node, tuple(idx), scope.home_for(idx), key)
+
+    def _view_value(self, node, idx, scope, key):
+        return self.value(node.args[0], views.view_index(node, idx), scope)
+
+    def _elementwise_value(self, node, idx, scope, key):
+        ctype = CType(node.dtype)
+        args = [self.value(a, idx, scope) for a in node.args]
+        return scope.define(ctype, CODE_FOR_OP[node.attrs["fn"]](ctype, *args), key)
+
+    def _gather_value(self, node, idx, scope, key):
+        data, indices = node.args
+        axis, n = node.attrs["axis"], data.shape[node.attrs["axis"]]
+        raw = self.value(indices, idx[axis:axis + indices.rank], scope)
+        pos = self.fresh("g")
+        scope.lines += [
+            f"int64_t {pos} = static_cast<int64_t>({raw});",
+            f"if ({pos} < 0) {pos} += {n};",
+            # Out of range: flag the error and read a valid element instead of faulting.
+            f"if ({pos} < 0 || {pos} >= {max(n, 1)}) {{ status.store(BLADE_ERR_INDEX_OUT_OF_RANGE, "
+            f"std::memory_order_relaxed); {pos} = 0; }}",
+        ]
+        scope.binds.add(pos)
+        scope.mark_side_effects()
+        result = literal(0, node.dtype) if n == 0 else \
+            self.value(data, idx[:axis] + (pos,) + idx[axis + indices.rank:], scope)
+        if key is not None:
+            scope.memo[key] = result
+        return result
+
+    def reduction_value(self, node: Node, idx, scope: Scope) -> str:
+        """The accumulator loop of a reduce node for one output element (its input fused in)."""
+        (src,), kind = node.args, node.attrs["kind"]
+        rule, ctype = REDUCE[kind], CType(node.dtype)
+        acc = self.fresh("acc")
+        scope.lines.append(f"{ctype} {acc} = {rule.init(ctype)};")
+        axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
+        loop_vars = {a: self.fresh("r") for a in axes}
+        chain = [scope]                        # chain[j + 1] is the body of the loop over axes[j]
+        for a in axes:
+            chain.append(chain[-1].child([loop_vars[a]]))
+        src_idx = [loop_vars.get(d, "0" if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
+        v = self.value(src, src_idx, chain[-1])
+        chain[-1].lines.append(f"{acc} = {rule.combine(acc, v)};")
+        # Vectorize the innermost accumulation when reassociating it is harmless (float sums).
+        simd = rule.simd and ctype.is_float and not chain[-1].has_side_effects
+        body = chain[-1].lines
+        for level in range(len(axes), 0, -1):
+            pragma = f"#pragma omp simd reduction({rule.simd}:{acc})" if simd and level == len(axes) else ""
+            body = chain[level - 1].lines + _for(loop_vars[axes[level - 1]], 0, src.shape[axes[level - 1]],
+                                                 body, pragma)
+        scope.lines[:] = body
+        return acc
+
+    # ---- kernels ----
+
+    def begin_kernel(self, comment: str):
+        self.kernel = Kernel(len(self.kernels_code), comment)
+
+    def end_kernel(self, body_lines):
+        """Closes the kernel; its buffer pointers are declared where body_lines has DECLS (inside
+        the parallel lambda, so that __restrict__ reaches the loops)."""
+        decls = [self._pointer_decl(buf, written) for buf, written in self.kernel.uses.items()
+                 if buf.kind != "inline"]
+        lines = []
+        for line in body_lines:
+            pad = line[:len(line) - len(line.lstrip())]
+            lines += [pad + d for d in decls] if line.strip() == DECLS else [line]
+        self.kernels_code.append((self.kernel.comment, lines))
+        self.kernel = None
+
+    @staticmethod
+    def _pointer_decl(buf: Buffer, written: bool) -> str:
+        ctype = DTYPES[buf.dtype][0]
+        qual = "" if written else "const "
+        source = {"input": f"inputs[{buf.index}]", "output": f"outputs[{buf.index}]",
+                  "const": f"constants[{buf.index}]"}.get(buf.kind)
+        if source is None:
+            return f"{qual}{ctype}* __restrict__ {buf.ident} = reinterpret_cast<{qual}{ctype}*>(arena + @OFFSET{buf.index}@);"
+        return f"{qual}{ctype}* __restrict__ {buf.ident} = static_cast<{qual}{ctype}*>({source});"
+
+    def emit_loop_kernel(self, comment, dest: Strided, value_fn, work_per_element=1):
+        """dest[idx] = value_fn(scope, idx) for every idx of dest.shape, parallel over outer loops."""
+        shape = dest.shape
+        if math.prod(shape) == 0:
+            return
+        self.begin_kernel(comment)
+        loop_dims = [d for d, n in enumerate(shape) if n != 1]
+        names = {d: f"i{d}" for d in loop_dims}
+        idx = [names.get(d, "0") for d in range(len(shape))]
+        root = Scope(self)
+        dest_ident = self.use(dest.buf, write=True)
+        store = lambda scope: scope.lines.append(f"{dest_ident}[{dest.address(idx)}] = {value_fn(scope, idx)};")
+        if not loop_dims:
+            store(root)
+            self.end_kernel(["{", *_indent([DECLS] + root.lines), "}"])
+            return
+        inner_dim, outer_dims = loop_dims[-1], loop_dims[:-1]
+        outer_scope = root.child([names[d] for d in outer_dims] + ["o"])
+        inner_scope = outer_scope.child([names[inner_dim]])
+        store(inner_scope)
+        inner_n = shape[inner_dim]
+        if not outer_dims:  # one loop: split it across threads directly
+            loop = _for(names[inner_dim], "lo", "hi", inner_scope.lines)
+            total, grain = inner_n, max(1, PARALLEL_WORK // work_per_element)
+            body = root.lines + outer_scope.lines + loop
+        else:
+            total = math.prod(shape[d] for d in outer_dims)
+            grain = max(1, -(-PARALLEL_WORK // (inner_n * work_per_element)))
+            unflatten, step = [], 1
+            for d in reversed(outer_dims):
+                q = "o" if step == 1 else f"o / {step}"
+                unflatten.insert(0, f"const int64_t {names[d]} = {q if d == outer_dims[0] else f'({q}) % {shape[d]}'};")
+                step *= shape[d]
+            loop = _for(names[inner_dim], 0, inner_n, inner_scope.lines)
+            body = root.lines + _for("o", "lo", "hi", unflatten + outer_scope.lines + loop)
+        self.end_kernel([f"blade::parallel_for(rt, 0, {total}, {grain}, [&](int64_t lo, int64_t hi) {{",
+                         *_indent([DECLS] + body), "});"])
+
+    def _emit_elementwise(self, node, dest):
+        self.emit_loop_kernel(f"{node!r} = {node.op} {node.attrs.get('fn', '')}", dest,
+                              lambda scope, idx: self.compute(node, idx, scope))
+
+    def _emit_reduce(self, node, dest):
+        src = node.args[0]
+        work = max(1, src.numel // max(node.numel, 1))
+        self.emit_loop_kernel(f"{node!r} = reduce {node.attrs['kind']} over axes {node.attrs['axes']}",
+                              dest, lambda scope, idx: self.reduction_value(node, idx, scope), work)
+
+    def _emit_concat(self, node, dest):
+        axis, start = node.attrs["axis"], 0
+        for arg in node.args:
+            part = Strided(dest.buf, arg.shape, Layout(dest.layout.offset + start * dest.layout.strides[axis],
+                                                       dest.layout.strides))
+            self.emit_loop_kernel(f"{node!r} = concat part {arg!r}", part,
+                                  lambda scope, idx, arg=arg: self.value(arg, idx, scope))
+            start += arg.shape[axis]
+
+    def _gemm_operand(self, node: Node):
+        """(Strided, trans, ld) for a matmul operand, copying it to scratch if its layout can't be used."""
+        s = self.strided_of(node)
+        if s is not None:
+            rows, cols = s.shape[-2:]
+            rs, cs = s.layout.strides[-2:]
+            if (cols == 1 or cs == 1) and (rows == 1 or rs >= cols):
+                return s, 0, rs if rows > 1 else max(cols, 1)
+            if (rows == 1 or rs == 1) and (cols == 1 or cs >= rows):
+                return s, 1, cs if cols > 1 else max(rows, 1)
+        copy = self.new_scratch(node.dtype, node.shape)
+        self.emit_loop_kernel(f"contiguous copy of {node!r} for GEMM", copy,
+                              lambda scope, idx: self.value(node, idx, scope))
+        return copy, 0, max(node.shape[-1], 1)
+
+    def _emit_matmul(self, node, dest):
+        a_node, b_node = node.args
+        m, n = node.shape[-2:]
+        k = a_node.shape[-1]
+        if node.numel == 0:
+            return
+        if k == 0:  # an empty sum
+            self.emit_loop_kernel(f"{node!r} = matmul with k == 0", dest, lambda scope, idx: literal(0, node.dtype))
+            return
+        (a, ta, lda), (b, tb, ldb) = self._gemm_operand(a_node), self._gemm_operand(b_node)
+        self.begin_kernel(f"{node!r} = matmul {a_node!r} @ {b_node!r}")
+        names = [self.use(a.buf), self.use(b.buf), self.use(dest.buf, write=True)]
+        operands = (a, b, dest)
+        # Batch dims (size > 1): the innermost goes to sgemm's batch, the others become loops.
+        batch = [(size, [o.layout.strides[d] for o in operands])
+                 for d, size in enumerate(node.shape[:-2]) if size != 1]
+        merged = []
+        for size, strides in batch:
+            if merged and all(so == s * size for so, s in zip(merged[-1][1], strides)):
+                merged[-1] = (merged[-1][0] * size, strides)
+            else:
+                merged.append((size, strides))
+        sgemm_batch, sgemm_strides = merged.pop() if merged else (1, [0, 0, 0])
+        loop_vars = [self.fresh("b") for _ in merged]
+        ptrs = [f"{name} + {views.index_sum([views.index_mul(st[i], v) for v, (_, st) in zip(loop_vars, merged)], o.layout.offset)}"
+                for i, (name, o) in enumerate(zip(names, operands))]
+        call = [f"rt->sgemm({sgemm_batch}, {m}, {n}, {k}, {literal(node.attrs['alpha'], 'float32')}, "
+                f"{ptrs[0]}, {lda}, {sgemm_strides[0]}, {ta}, {ptrs[1]}, {ldb}, {sgemm_strides[1]}, {tb}, "
+                f"0.0f, {ptrs[2]}, {n}, {sgemm_strides[2]});"]
+        for var, (size, _) in reversed(list(zip(loop_vars, merged))):
+            call = _for(var, 0, size, call)
+        self.end_kernel(["{", *_indent([DECLS] + call), "}"])
+
+    # ---- whole program ----
+
+    def run(self) -> Program:
+        sched = self.schedule
+        output_nodes = [node for _, node in self.graph.outputs]
+        for k, node in enumerate(output_nodes):
+            if node in sched.materialized and node not in self.buffers:
+                self.buffers[node] = Buffer("output", k, node.dtype, node.numel)
+        for node in sched.live:
+            if node in sched.materialized and node.op not in ("input", "const"):
+                if node not in self.buffers:
+                    self.buffers[node] = self.new_scratch(node.dtype, node.shape).buf
+                MATERIALIZE[node.op](self, node, Strided.dense(self.buffers[node], node.shape))
+        for k, node in enumerate(output_nodes):
+            buf = self.buffers.get(node)
+            if buf is None or (buf.kind, buf.index) != ("output", k):
+                out = Strided.dense(Buffer("output", k, node.dtype, node.numel), node.shape)
+                self.emit_loop_kernel(f"output {k} = copy of {node!r}", out,
+                                      lambda scope, idx, node=node: self.value(node, idx, scope))
+        scratch_bytes = plan_arena(self.scratch)
+        return Program(self._render(), self._specs(self.graph.inputs),
+                       [TensorSpec(name, n.dtype, list(n.shape)) for name, n in self.graph.outputs],
+                       [TensorSpec(name, n.dtype, list(n.shape)) for name, n in self.runtime_consts],
+                       scratch_bytes)
+
+    @staticmethod
+    def _specs(nodes):
+        return [TensorSpec(n.name, n.dtype, list(n.shape)) for n in nodes]
+
+    def _render(self) -> str:
+        lines = [HEADER, "namespace {"]
+        for buf in self.inline_consts:
+            if not buf.referenced:
+                continue
+            values = ", ".join(literal(v, buf.dtype) for v in np.asarray(buf.values).reshape(-1))
+            lines.append(f"constexpr {DTYPES[buf.dtype][0]} {buf.ident}[{max(buf.numel, 1)}] = {{{values}}};")
+        lines += ["}  // namespace", "", ENTRY_BEGIN]
+        offsets = {f"@OFFSET{b.index}@": str(b.offset) for b in self.scratch}
+        for comment, body in self.kernels_code:
+            block = [re.sub(r"@OFFSET\d+@", lambda m: offsets[m.group(0)], line) for line in body]
+            lines += ["", f"  // {comment}", *_indent(block)]
+        lines += ["  return status.load(std::memory_order_relaxed);", "}", ""]
+        return "\n".join(lines)
+
+
+LAZY = {
+    "view": Emitter._view_value,
+    "ew": Emitter._elementwise_value,
+    "gather": Emitter._gather_value,
+}
+
+MATERIALIZE = {
+    "ew": Emitter._emit_elementwise,
+    "gather": Emitter._emit_elementwise,
+    "reduce": Emitter._emit_reduce,
+    "concat": Emitter._emit_concat,
+    "matmul": Emitter._emit_matmul,
+}
+
+HEADER = """// Generated by blade.engine from one ONNX cluster. Do not edit.
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include "blade_abi.h"
+"""
+
+ENTRY_BEGIN = """extern "C" int32_t blade_engine_abi_version(void) { return BLADE_ABI_VERSION; }
+
+extern "C" int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs,
+                                    void* const* outputs, const void* const* constants, void* scratch) {
+  (void)rt; (void)inputs; (void)outputs; (void)constants;
+  std::atomic<int32_t> status{BLADE_OK};
+  char* const arena = static_cast<char*>(scratch);
+  (void)arena;"""
+
+
+def plan_arena(buffers) -> int:
+    """Arena offsets for scratch buffers: buffers whose live ranges overlap never share bytes.
+    Greedy, largest first, lowest fitting offset. Returns the arena size."""
+    placed = []
+    for buf in sorted(buffers, key=lambda b: -b.nbytes):
+        if buf.first < 0:
+            buf.first = buf.last = max(buf.last, 0)
+        size = -(-max(buf.nbytes, 1) // ALIGN) * ALIGN
+        conflicts = sorted((p.offset, p.offset + -(-max(p.nbytes, 1) // ALIGN) * ALIGN) for p in placed
+                           if p.first <= buf.last and buf.first <= p.last)
+        offset = 0
+        for start, end in conflicts:
+            if offset + size <= start:
+                break
+            offset = max(offset, end)
+        buf.offset = offset
+        placed.append(buf)
+    return max((b.offset + b.nbytes for b in placed), default=0)
+
+
+def generate(graph: Graph) -> Program:
+    return Emitter(graph).run()

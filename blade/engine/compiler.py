@@ -1,0 +1,153 @@
+"""compile_onnx: one ONNX cluster -> engine.cpp -> g++ -> engine.so + manifest.json (torch-free).
+
+The pipeline is data (``STAGES``): each stage's output can be dumped next to the artifacts, and
+every failure carries the command that reproduces it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from . import codegen, ir
+from .ir import UnsupportedOnnxOp  # noqa: F401  (re-exported: the error users catch)
+from .manifest import Manifest
+
+DEFAULT_OPTIONS = {
+    "isa": "native",            # "native" or a concrete -march level (x86-64, x86-64-v2/v3/v4)
+    "cxx": None,                # compiler path; None: $CXX or g++
+    "opt_level": "-O3",
+    "extra_flags": [],          # appended to the command line
+    "timeout_s": None,          # g++ wall-time limit inside one compile
+}
+BASE_FLAGS = ["-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
+
+
+class EngineCompileError(RuntimeError):
+    """A compile failed; the message names the command and the log that reproduce it."""
+
+
+class CompilerNotFound(EngineCompileError):
+    pass
+
+
+def resolve_options(options: dict | None) -> dict:
+    unknown = set(options or {}) - DEFAULT_OPTIONS.keys()
+    if unknown:
+        raise ValueError(f"unknown engine compile options {sorted(unknown)}; known: {sorted(DEFAULT_OPTIONS)}")
+    merged = {**DEFAULT_OPTIONS, **(options or {})}
+    merged["cxx"] = merged["cxx"] or os.environ.get("CXX") or "g++"
+    merged["isa"] = resolve_isa(merged["isa"])
+    return merged
+
+
+def abi_header_dir() -> Path:
+    """The directory holding blade_abi.h: a packaged copy (blade/include) or the repo's cpp/."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "include", package.parent / "cpp"):
+        if (candidate / "blade_abi.h").is_file():
+            return candidate
+    raise FileNotFoundError(f"blade_abi.h not found in {package / 'include'} or {package.parent / 'cpp'}")
+
+
+@functools.lru_cache(maxsize=None)
+def abi_version() -> int:
+    text = (abi_header_dir() / "blade_abi.h").read_text()
+    return int(re.search(r"#define\s+BLADE_ABI_VERSION\s+(\d+)", text).group(1))
+
+
+# x86-64 micro-architecture levels by the cpuinfo flags they need, best first.
+ISA_LEVELS = [
+    ("x86-64-v4", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}),
+    ("x86-64-v3", {"avx2", "fma", "bmi2", "f16c", "movbe"}),
+    ("x86-64-v2", {"sse4_2", "popcnt", "ssse3"}),
+    ("x86-64", set()),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def native_isa() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "x86-64"
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    flags = set(match.group(1).split()) if match else set()
+    return next(level for level, needs in ISA_LEVELS if needs <= flags)
+
+
+def resolve_isa(isa: str) -> str:
+    return native_isa() if isa == "native" else isa
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version(cxx: str) -> str:
+    """`cxx --version` (first line); raises CompilerNotFound if it does not run."""
+    if shutil.which(cxx) is None:
+        raise CompilerNotFound(f"C++ compiler {cxx!r} not found (set the engine option 'cxx' or $CXX)")
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def compile_command(options: dict, source: Path, target: Path) -> list[str]:
+    return [options["cxx"], options["opt_level"], f"-march={options['isa']}", *BASE_FLAGS,
+            f"-I{abi_header_dir()}", str(source), "-o", str(target), *options["extra_flags"]]
+
+
+def load_constants(onnx_path_or_model, manifest: Manifest) -> list[np.ndarray]:
+    """The run-time constants of an engine, in manifest order (contiguous, manifest dtypes)."""
+    values = ir.constant_tensors(ir.load_model(onnx_path_or_model))
+    out = []
+    for spec in manifest.constants:
+        value = np.ascontiguousarray(values[spec.name], dtype=spec.dtype)
+        if list(value.shape) != spec.shape:
+            raise ValueError(f"constant {spec.name!r} has shape {value.shape}, manifest says {spec.shape}")
+        out.append(value)
+    return out
+
+
+# The pipeline as data: name -> (function of the previous stage's output, dump file or None).
+STAGES = {
+    "onnx": (ir.load_model, None),
+    "ir": (ir.lower_onnx, None),
+    "cpp": (codegen.generate, "engine.cpp"),
+}
+
+
+def compile_onnx(onnx_path, out_dir, options: dict | None = None) -> Manifest:
+    """Compiles one cluster; writes engine.cpp, compile_command.txt, compile.log, engine.so and
+    manifest.json into out_dir and returns the manifest."""
+    options = resolve_options(options)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    value = onnx_path
+    for name, (stage, dump) in STAGES.items():
+        value = stage(value)
+        if dump:
+            (out_dir / dump).write_text(value.source)
+    program = value
+    version = compiler_version(options["cxx"])
+    source, target, log = out_dir / "engine.cpp", out_dir / "engine.so", out_dir / "compile.log"
+    command = compile_command(options, source, target)
+    (out_dir / "compile_command.txt").write_text(" ".join(command) + "\n")
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=options["timeout_s"])
+    except subprocess.TimeoutExpired:
+        log.write_text(f"timed out after {options['timeout_s']} s\n")
+        raise EngineCompileError(f"compiler timed out; reproduce with: {' '.join(command)}") from None
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[:20])
+        raise EngineCompileError(f"compiler failed (exit {proc.returncode}); log {log}; "
+                                 f"reproduce with: {' '.join(command)}\n{tail}")
+    manifest = Manifest(abi_version=abi_version(), isa=options["isa"], inputs=program.inputs,
+                        outputs=program.outputs, constants=program.constants,
+                        scratch_bytes=program.scratch_bytes, compile_command=command,
+                        compiler_version=version)
+    (out_dir / "manifest.json").write_text(manifest.to_json())
+    return manifest

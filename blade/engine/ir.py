@@ -1,0 +1,500 @@
+"""The engine's primitive IR and the ONNX -> IR lowering (torch-free).
+
+A cluster becomes a DAG of a handful of primitives, each with a static shape and dtype:
+
+  input / const   leaves backed by memory (a graph input, an initializer)
+  ew              elementwise op over arguments of the node's own shape (broadcasts are explicit views)
+  view            index remapping without compute: permute, expand, slice, reshape (see views.py)
+  reduce          sum / max / min over axes, keeping the reduced dims as size 1
+  matmul          float32 batched [.., m, k] @ [.., k, n] with equal batch dims (alpha scale)
+  gather          data[..., indices[...], ...] along one axis (range-checked at run time)
+  concat          along one axis
+
+Every ONNX op is one entry of ``ONNX_RULES``: a function from (builder, node attributes, IR
+arguments) to IR outputs. Elementwise ops are described by ``ELEMENTWISE`` (result dtype rule);
+composites (Softmax, LayerNormalization, Gelu, Gemm, ...) decompose into primitives right in their
+rule, so code generation only ever sees the primitives above.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .manifest import DTYPES
+
+
+class UnsupportedOnnxOp(Exception):
+    """The cluster contains an ONNX op (or an attribute value) the engine cannot compile."""
+
+
+@dataclass(eq=False)
+class Node:
+    op: str
+    shape: tuple
+    dtype: str
+    args: tuple = ()
+    attrs: dict = field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:  # short: nodes print inside error messages and generated comments
+        return f"{self.op}:{self.name}{list(self.shape)}{self.dtype}"
+
+
+@dataclass
+class Graph:
+    inputs: list        # Node(op="input"), in ONNX graph-input order
+    outputs: list       # (onnx name, Node), in ONNX graph-output order
+    nodes: list         # every IR node, topologically sorted
+
+
+# ONNX elementwise op -> result dtype rule ("same": the first argument's, "bool", "cast": attrs["to"]).
+ELEMENTWISE = {
+    **{op: "same" for op in (
+        "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Log",
+        "Sqrt", "Reciprocal", "Erf", "Floor", "Ceil", "Sin", "Cos", "Max", "Min", "Not", "And", "Or")},
+    **{op: "bool" for op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
+    "Where": "second",
+    "Cast": "cast",
+}
+
+
+def broadcast_shapes(*shapes) -> tuple:
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for d in range(rank):
+        dims = {s[d - rank + len(s)] for s in shapes if d - rank + len(s) >= 0} - {1}
+        if len(dims) > 1:
+            raise ValueError(f"shapes {shapes} do not broadcast")
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def normalize_axis(axis: int, rank: int) -> int:
+    if not -rank <= axis < max(rank, 1):
+        raise ValueError(f"axis {axis} out of range for rank {rank}")
+    return axis % rank if rank else 0
+
+
+class Builder:
+    """Creates IR nodes (appending them in topological order) with the shape rules of each primitive."""
+
+    def __init__(self):
+        self.nodes: list[Node] = []
+
+    def _add(self, op, shape, dtype, args=(), **attrs) -> Node:
+        node = Node(op, tuple(int(d) for d in shape), dtype, tuple(args), attrs, f"v{len(self.nodes)}")
+        self.nodes.append(node)
+        return node
+
+    # leaves
+    def input(self, name, shape, dtype) -> Node:
+        node = self._add("input", shape, dtype)
+        node.name = name
+        return node
+
+    def const(self, value, dtype=None, name="") -> Node:
+        value = np.asarray(value, dtype=dtype)
+        node = self._add("const", value.shape, value.dtype.name, value=value)
+        node.name = name or node.name
+        return node
+
+    @staticmethod
+    def const_value(node: Node | None, what: str):
+        """The numpy value of a node that must be a compile-time constant (shapes, axes, ...)."""
+        if node is None:
+            return None
+        if node.op != "const":
+            raise UnsupportedOnnxOp(f"{what} must be a constant initializer, got a computed value")
+        return node.attrs["value"]
+
+    # compute
+    def ew(self, op, *args, to=None) -> Node:
+        shape = broadcast_shapes(*(a.shape for a in args))
+        args = [self.expand(a, shape) for a in args]
+        rule = ELEMENTWISE[op]
+        dtype = {"same": args[0].dtype, "bool": "bool", "cast": to,
+                 "second": args[1].dtype if len(args) > 1 else None}[rule]
+        return self._add("ew", shape, dtype, args, fn=op)
+
+    def cast(self, x, dtype) -> Node:
+        return x if x.dtype == dtype else self.ew("Cast", x, to=dtype)
+
+    def scalar(self, value, dtype) -> Node:
+        return self.const(np.array(value, dtype=dtype))
+
+    def reduce(self, kind, x, axes, keepdims=True) -> Node:
+        axes = sorted({normalize_axis(a, x.rank) for a in axes})
+        kept = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+        out = self._add("reduce", kept, x.dtype, [x], kind=kind, axes=axes)
+        if keepdims:
+            return out
+        return self.reshape(out, [n for d, n in enumerate(x.shape) if d not in axes])
+
+    def mean(self, x, axes, keepdims=True) -> Node:
+        count = math.prod(x.shape[normalize_axis(a, x.rank)] for a in axes)
+        total = self.reduce("sum", x, axes, keepdims)
+        return self.ew("Div", total, self.scalar(count, x.dtype))
+
+    def matmul(self, a, b, alpha=1.0) -> Node:
+        """Batched matmul of operands with rank >= 2 and broadcastable batch dims."""
+        batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        m, k = a.shape[-2:]
+        k2, n = b.shape[-2:]
+        if k != k2:
+            raise ValueError(f"matmul inner dims differ: {a.shape} @ {b.shape}")
+        a = self.expand(a, batch + (m, k))
+        b = self.expand(b, batch + (k, n))
+        if a.dtype == "float32":
+            return self._add("matmul", batch + (m, n), a.dtype, [a, b], alpha=float(alpha))
+        # No GEMM for other dtypes: a broadcast multiply reduced over k, which the reduction
+        # codegen turns into a plain loop nest.
+        prod = self.ew("Mul", self.unsqueeze(a, [-1]), self.unsqueeze(b, [-3]))
+        out = self.reduce("sum", prod, [-2], keepdims=False)
+        return out if alpha == 1.0 else self.ew("Mul", out, self.scalar(alpha, a.dtype))
+
+    def gather(self, data, indices, axis) -> Node:
+        axis = normalize_axis(axis, data.rank)
+        shape = data.shape[:axis] + indices.shape + data.shape[axis + 1:]
+        return self._add("gather", shape, data.dtype, [data, indices], axis=axis)
+
+    def concat(self, args, axis) -> Node:
+        axis = normalize_axis(axis, args[0].rank)
+        shape = list(args[0].shape)
+        shape[axis] = sum(a.shape[axis] for a in args)
+        return self._add("concat", shape, args[0].dtype, args, axis=axis)
+
+    # views
+    def permute(self, x, perm) -> Node:
+        perm = [normalize_axis(p, x.rank) for p in perm]
+        if perm == list(range(x.rank)):
+            return x
+        return self._add("view", [x.shape[p] for p in perm], x.dtype, [x], view="permute", perm=perm)
+
+    def expand(self, x, shape) -> Node:
+        shape = tuple(shape)
+        if x.shape == shape:
+            return x
+        if x.rank < len(shape):
+            x = self.reshape(x, (1,) * (len(shape) - x.rank) + x.shape)
+        if x.shape == shape:
+            return x
+        return self._add("view", shape, x.dtype, [x], view="expand")
+
+    def slice(self, x, starts, steps, shape) -> Node:
+        if shape == x.shape and all(s == 0 for s in starts) and all(s == 1 for s in steps):
+            return x
+        return self._add("view", shape, x.dtype, [x], view="slice", starts=list(starts), steps=list(steps))
+
+    def reshape(self, x, shape) -> Node:
+        shape = tuple(int(d) for d in shape)
+        if math.prod(shape) != x.numel:
+            raise ValueError(f"cannot reshape {x.shape} to {shape}")
+        if shape == x.shape:
+            return x
+        return self._add("view", shape, x.dtype, [x], view="reshape")
+
+    def unsqueeze(self, x, axes) -> Node:
+        rank = x.rank + len(axes)
+        axes = {normalize_axis(a, rank) for a in axes}
+        dims = iter(x.shape)
+        return self.reshape(x, [1 if d in axes else next(dims) for d in range(rank)])
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX op rules: rule(b, attrs, *args) -> list of IR nodes, one per ONNX output (missing optional
+# inputs arrive as None).
+
+def _elementwise(op):
+    return lambda b, attrs, *args: [b.ew(op, *args)]
+
+
+def _variadic(op):
+    def rule(b, attrs, first, *rest):
+        out = first
+        for arg in rest:
+            out = b.ew(op, out, arg)
+        return [out]
+    return rule
+
+
+def _cast(b, attrs, x):
+    to = helper.tensor_dtype_to_np_dtype(attrs["to"]).name
+    if to not in DTYPES:
+        raise UnsupportedOnnxOp(f"Cast to {to}")
+    return [b.cast(x, to)]
+
+
+def _pow(b, attrs, x, exponent):
+    if exponent.op == "const" and exponent.numel == 1:
+        # Small integer exponents as products: exact, and much cheaper than std::pow.
+        power = float(exponent.attrs["value"].reshape(()))
+        if power == 1.0:
+            return [b.expand(x, broadcast_shapes(x.shape, exponent.shape))]
+        if power == 2.0:
+            return [b.expand(b.ew("Mul", x, x), broadcast_shapes(x.shape, exponent.shape))]
+    return [b.ew("Pow", x, b.cast(exponent, x.dtype))]
+
+
+def _clip(b, attrs, x, low=None, high=None):
+    if low is not None:
+        x = b.ew("Max", x, low)
+    if high is not None:
+        x = b.ew("Min", x, high)
+    return [x]
+
+
+def _gelu(b, attrs, x):
+    half, one = b.scalar(0.5, x.dtype), b.scalar(1.0, x.dtype)
+    if attrs.get("approximate", "none") == "tanh":
+        cube = b.ew("Mul", b.ew("Mul", x, x), x)
+        inner = b.ew("Add", x, b.ew("Mul", cube, b.scalar(0.044715, x.dtype)))
+        gate = b.ew("Tanh", b.ew("Mul", inner, b.scalar(math.sqrt(2.0 / math.pi), x.dtype)))
+    else:
+        gate = b.ew("Erf", b.ew("Mul", x, b.scalar(math.sqrt(0.5), x.dtype)))
+    return [b.ew("Mul", b.ew("Mul", x, half), b.ew("Add", gate, one))]
+
+
+def _reduce_axes(b, attrs, x, axes_node):
+    axes = b.const_value(axes_node, "reduction axes")
+    axes = list(attrs.get("axes", [])) if axes is None else [int(a) for a in axes.reshape(-1)]
+    if not axes:
+        return None if attrs.get("noop_with_empty_axes", 0) else list(range(x.rank))
+    return axes
+
+
+def _reduction(kind):
+    def rule(b, attrs, x, axes_node=None):
+        axes = _reduce_axes(b, attrs, x, axes_node)
+        if axes is None:
+            return [x]
+        keep = bool(attrs.get("keepdims", 1))
+        return [b.mean(x, axes, keep) if kind == "mean" else b.reduce(kind, x, axes, keep)]
+    return rule
+
+
+def _softmax(log):
+    def rule(b, attrs, x):
+        axis = attrs.get("axis", -1)
+        shifted = b.ew("Sub", x, b.reduce("max", x, [axis]))    # stable: exp never overflows
+        exp = b.ew("Exp", shifted)
+        total = b.reduce("sum", exp, [axis])
+        if log:
+            return [b.ew("Sub", shifted, b.ew("Log", total))]
+        return [b.ew("Div", exp, total)]
+    return rule
+
+
+def _layer_norm(b, attrs, x, scale, bias=None):
+    axes = list(range(normalize_axis(attrs.get("axis", -1), x.rank), x.rank))
+    mean = b.mean(x, axes)
+    centered = b.ew("Sub", x, mean)
+    var = b.mean(b.ew("Mul", centered, centered), axes)
+    inv_std = b.ew("Reciprocal", b.ew("Sqrt", b.ew("Add", var, b.scalar(attrs.get("epsilon", 1e-5), x.dtype))))
+    y = b.ew("Mul", b.ew("Mul", centered, inv_std), scale)
+    if bias is not None:
+        y = b.ew("Add", y, bias)
+    return [y, mean, inv_std]
+
+
+def _matmul(b, attrs, x, y):
+    # numpy semantics for 1-D operands: promote to a matrix, then drop the added dim.
+    a = b.unsqueeze(x, [0]) if x.rank == 1 else x
+    w = b.unsqueeze(y, [-1]) if y.rank == 1 else y
+    out = b.matmul(a, w)
+    drop = ([-2] if x.rank == 1 else []) + ([-1] if y.rank == 1 else [])
+    if drop:
+        out = b.reshape(out, [n for d, n in enumerate(out.shape) if d - out.rank not in drop])
+    return [out]
+
+
+def _gemm(b, attrs, a, w, c=None):
+    a = b.permute(a, [1, 0]) if attrs.get("transA", 0) else a
+    w = b.permute(w, [1, 0]) if attrs.get("transB", 0) else w
+    out = b.matmul(a, w, attrs.get("alpha", 1.0))
+    if c is not None:
+        beta = attrs.get("beta", 1.0)
+        out = b.ew("Add", out, c if beta == 1.0 else b.ew("Mul", c, b.scalar(beta, c.dtype)))
+    return [out]
+
+
+def _reshape(b, attrs, x, shape_node):
+    shape = [int(d) for d in b.const_value(shape_node, "Reshape shape")]
+    if not attrs.get("allowzero", 0):
+        shape = [x.shape[d] if n == 0 else n for d, n in enumerate(shape)]
+    if -1 in shape:
+        known = math.prod(n for n in shape if n != -1)
+        shape[shape.index(-1)] = x.numel // known if known else 0
+    return [b.reshape(x, shape)]
+
+
+def _flatten(b, attrs, x):
+    axis = attrs.get("axis", 1)
+    axis = axis + x.rank if axis < 0 else axis
+    return [b.reshape(x, [math.prod(x.shape[:axis]), math.prod(x.shape[axis:])])]
+
+
+def _transpose(b, attrs, x):
+    return [b.permute(x, attrs.get("perm", list(range(x.rank))[::-1]))]
+
+
+def _unsqueeze(b, attrs, x, axes):
+    return [b.unsqueeze(x, [int(a) for a in b.const_value(axes, "Unsqueeze axes").reshape(-1)])]
+
+
+def _squeeze(b, attrs, x, axes=None):
+    axes = b.const_value(axes, "Squeeze axes")
+    drop = ({normalize_axis(int(a), x.rank) for a in axes.reshape(-1)} if axes is not None
+            else {d for d, n in enumerate(x.shape) if n == 1})
+    return [b.reshape(x, [n for d, n in enumerate(x.shape) if d not in drop])]
+
+
+def _expand(b, attrs, x, shape):
+    return [b.expand(x, broadcast_shapes(x.shape, tuple(int(d) for d in b.const_value(shape, "Expand shape"))))]
+
+
+def _slice(b, attrs, x, starts, ends, axes=None, steps=None):
+    starts = b.const_value(starts, "Slice starts").reshape(-1)
+    ends = b.const_value(ends, "Slice ends").reshape(-1)
+    axes = b.const_value(axes, "Slice axes")
+    axes = range(len(starts)) if axes is None else axes.reshape(-1)
+    steps = b.const_value(steps, "Slice steps")
+    steps = [1] * len(starts) if steps is None else steps.reshape(-1)
+    first, step_of, shape = [0] * x.rank, [1] * x.rank, list(x.shape)
+    for axis, start, end, step in zip(axes, starts, ends, steps):
+        axis = normalize_axis(int(axis), x.rank)
+        # ONNX clamps exactly like Python slicing does.
+        picked = range(*slice(int(start), int(end), int(step)).indices(x.shape[axis]))
+        first[axis], step_of[axis], shape[axis] = picked.start, picked.step, len(picked)
+    return [b.slice(x, first, step_of, tuple(shape))]
+
+
+def _concat(b, attrs, *args):
+    return [b.concat(list(args), attrs["axis"])]
+
+
+def _gather(b, attrs, data, indices):
+    return [b.gather(data, indices, attrs.get("axis", 0))]
+
+
+ONNX_RULES = {
+    **{op: _elementwise(op) for op in ELEMENTWISE if op not in ("Max", "Min", "Cast", "Pow")},
+    "Max": _variadic("Max"),
+    "Min": _variadic("Min"),
+    "Cast": _cast,
+    "Pow": _pow,
+    "Identity": lambda b, attrs, x: [x],
+    "Clip": _clip,
+    "Gelu": _gelu,
+    "ReduceSum": _reduction("sum"),
+    "ReduceMean": _reduction("mean"),
+    "ReduceMax": _reduction("max"),
+    "ReduceMin": _reduction("min"),
+    "Softmax": _softmax(log=False),
+    "LogSoftmax": _softmax(log=True),
+    "LayerNormalization": _layer_norm,
+    "MatMul": _matmul,
+    "Gemm": _gemm,
+    "Reshape": _reshape,
+    "Flatten": _flatten,
+    "Transpose": _transpose,
+    "Unsqueeze": _unsqueeze,
+    "Squeeze": _squeeze,
+    "Expand": _expand,
+    "Slice": _slice,
+    "Concat": _concat,
+    "Gather": _gather,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX model -> IR graph
+
+def _np_dtype(elem_type: int) -> str:
+    return helper.tensor_dtype_to_np_dtype(elem_type).name
+
+
+def _static_shape(value_info) -> tuple:
+    dims = value_info.type.tensor_type.shape.dim
+    if any(not d.HasField("dim_value") for d in dims):
+        raise ValueError(f"value {value_info.name!r} has no static shape")
+    return tuple(d.dim_value for d in dims)
+
+
+def constant_tensors(model: onnx.ModelProto) -> dict:
+    """Every constant of the graph by value name: initializers and Constant-node outputs."""
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            attr = node.attribute[0]
+            if attr.name != "value":
+                raise UnsupportedOnnxOp(f"Constant with attribute {attr.name!r}")
+            values[node.output[0]] = numpy_helper.to_array(attr.t)
+    return values
+
+
+def load_model(onnx_path_or_model) -> onnx.ModelProto:
+    if isinstance(onnx_path_or_model, onnx.ModelProto):
+        return onnx_path_or_model
+    return onnx.load(str(onnx_path_or_model))
+
+
+def lower_onnx(model: onnx.ModelProto) -> Graph:
+    """Checks the backend contract and lowers the graph into IR primitives."""
+    onnx.checker.check_model(model)
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph
+    typed = {v.name: v for v in list(inferred.value_info) + list(inferred.output)}
+    constants = constant_tensors(model)
+    graph = model.graph
+    b = Builder()
+    env: dict[str, Node] = {"": None}
+    for name, value in constants.items():
+        if value.dtype.name not in DTYPES:
+            raise UnsupportedOnnxOp(f"constant {name!r} of dtype {value.dtype}")
+        env[name] = b.const(value, name=name)
+    inputs = []
+    for value in graph.input:
+        if value.name in constants:
+            continue  # an initializer listed as input (old exporters): still a constant
+        dtype = _np_dtype(value.type.tensor_type.elem_type)
+        if dtype not in DTYPES:
+            raise UnsupportedOnnxOp(f"graph input {value.name!r} of dtype {dtype}")
+        env[value.name] = b.input(value.name, _static_shape(value), dtype)
+        inputs.append(env[value.name])
+    for node in graph.node:
+        if node.op_type == "Constant":
+            continue
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_RULES:
+            raise UnsupportedOnnxOp(f"ONNX op {node.domain + '::' if node.domain else ''}{node.op_type} "
+                                    f"(node {node.name or node.output[0]!r}) is not supported by the engine")
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+        outs = ONNX_RULES[node.op_type](b, attrs, *(env[name] for name in node.input))
+        for name, out in zip(node.output, outs):
+            if not name:
+                continue
+            _check_against_inference(node, name, out, typed.get(name))
+            env[name] = out
+    outputs = [(v.name, env[v.name]) for v in graph.output]
+    return Graph(inputs, outputs, b.nodes)
+
+
+def _check_against_inference(node, name, out: Node, value_info) -> None:
+    """Our shape rules must agree with ONNX's: a mismatch is a bug in a rule, caught at compile time."""
+    if value_info is None:
+        return
+    shape, dtype = _static_shape(value_info), _np_dtype(value_info.type.tensor_type.elem_type)
+    if tuple(shape) != out.shape or dtype != out.dtype:
+        raise AssertionError(f"{node.op_type} rule for {name!r} gives {out.shape} {out.dtype}, "
+                             f"ONNX infers {shape} {dtype}")

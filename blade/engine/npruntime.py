@@ -1,0 +1,108 @@
+"""A torch-free runner for engine .so files: numpy GEMM and a serial parallel_for, through ctypes.
+
+For tests and debugging only (the real runtime is the ATen-backed Engine in cpp/engine.cpp).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from .manifest import Manifest
+
+RANGE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+SGEMM_FN = ctypes.CFUNCTYPE(
+    None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+    ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
+PARALLEL_FOR_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_void_p)
+
+
+class BladeRuntime(ctypes.Structure):
+    _fields_ = [("abi_version", ctypes.c_int32), ("sgemm", SGEMM_FN), ("parallel_for", PARALLEL_FOR_FN)]
+
+
+class EngineRunError(RuntimeError):
+    def __init__(self, code: int):
+        super().__init__(f"engine returned error code {code}" +
+                         (" (BLADE_ERR_INDEX_OUT_OF_RANGE)" if code == 1 else ""))
+        self.code = code
+
+
+F32 = np.dtype(np.float32).itemsize
+
+
+def _matrices(ptr, batch, rows, cols, ld, stride, trans):
+    """The batch of [rows, cols] float32 matrices op(X_b) described by a BLAS-style operand."""
+    if rows == 0 or cols == 0 or batch == 0:
+        return np.zeros((batch, rows, cols), np.float32)
+    # element (b, i, j) of op(X) lives at b*stride + (j*ld + i if trans else i*ld + j)
+    strides = (stride, 1, ld) if trans else (stride, ld, 1)
+    extent = (batch - 1) * stride + (rows - 1) * strides[1] + (cols - 1) * strides[2] + 1
+    flat = np.ctypeslib.as_array((ctypes.c_float * extent).from_address(ptr))
+    return np.lib.stride_tricks.as_strided(flat, (batch, rows, cols), tuple(s * F32 for s in strides))
+
+
+def _sgemm(batch, m, n, k, alpha, a, lda, sa, ta, b, ldb, sb, tb, beta, c, ldc, sc):
+    lhs = _matrices(a, batch, m, k, lda, sa, ta).astype(np.float64)
+    rhs = _matrices(b, batch, k, n, ldb, sb, tb).astype(np.float64)
+    out = _matrices(c, batch, m, n, ldc, sc, 0)
+    result = alpha * (lhs @ rhs)
+    if beta != 0.0:
+        result += beta * out
+    out[...] = result.astype(np.float32)
+
+
+def _parallel_for(begin, end, grain, fn, ctx):
+    chunk = RANGE_FN(fn)
+    step = max(grain, 1)
+    for lo in range(begin, end, step):
+        chunk(ctx, lo, min(lo + step, end))
+
+
+class NumpyEngine:
+    """Loads engine.so + manifest; __call__(*inputs) -> list of outputs."""
+
+    def __init__(self, so_path, manifest: Manifest | None = None, constants=()):
+        so_path = Path(so_path)
+        if manifest is None:
+            manifest = Manifest.from_json((so_path.parent / "manifest.json").read_text())
+        self.manifest = manifest
+        self.lib = ctypes.CDLL(str(so_path))
+        if self.lib.blade_engine_abi_version() != manifest.abi_version:
+            raise RuntimeError(f"{so_path}: ABI {self.lib.blade_engine_abi_version()} != manifest {manifest.abi_version}")
+        self.run = self.lib.blade_engine_run
+        self.run.restype = ctypes.c_int32
+        self.run.argtypes = [ctypes.POINTER(BladeRuntime)] + [ctypes.c_void_p] * 4
+        self.constants = [np.ascontiguousarray(c, dtype=s.dtype) for c, s in zip(constants, manifest.constants)]
+        if len(self.constants) != len(manifest.constants):
+            raise ValueError(f"engine needs {len(manifest.constants)} constants, got {len(self.constants)}")
+        self.runtime = BladeRuntime(manifest.abi_version, SGEMM_FN(_sgemm), PARALLEL_FOR_FN(_parallel_for))
+
+    @staticmethod
+    def _pointers(arrays):
+        return (ctypes.c_void_p * max(len(arrays), 1))(*[a.ctypes.data for a in arrays])
+
+    def __call__(self, *inputs):
+        specs = self.manifest.inputs
+        if len(inputs) != len(specs):
+            raise ValueError(f"expected {len(specs)} inputs, got {len(inputs)}")
+        args = []
+        for spec, value in zip(specs, inputs):
+            value = np.ascontiguousarray(value, dtype=spec.dtype)
+            if list(value.shape) != spec.shape:
+                raise ValueError(f"input {spec.name!r}: shape {list(value.shape)}, expected {spec.shape}")
+            args.append(value)
+        outputs = [np.empty(s.shape, s.dtype) for s in self.manifest.outputs]
+        # 64-byte aligned scratch, poisoned so that reads of never-written scratch show up as NaNs.
+        raw = np.full(self.manifest.scratch_bytes + 64, 0xFF, np.uint8)
+        start = (-raw.ctypes.data) % 64
+        scratch = raw[start:start + self.manifest.scratch_bytes]
+        code = self.run(ctypes.byref(self.runtime), self._pointers(args), self._pointers(outputs),
+                        self._pointers(self.constants), scratch.ctypes.data if scratch.size else None)
+        if code != 0:
+            raise EngineRunError(code)
+        return outputs

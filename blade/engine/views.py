@@ -1,0 +1,150 @@
+"""View semantics: how each view kind maps indices (for lazy values) and strides (for buffers).
+
+A view never computes. On a value held in memory it is pure stride arithmetic (``VIEW_LAYOUT``);
+on a lazy value it rewrites the index expressions the consumer asks with (``VIEW_INDEX``). Index
+expressions are C++ strings over loop variables; the helpers fold constants so that the common
+cases stay readable (``i1``, ``2 * i0 + 1``, ``0``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where element idx of a strided view lives: offset + sum(idx[d] * strides[d]) elements."""
+    offset: int
+    strides: tuple
+
+
+def contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+# ---- index expression helpers ----
+
+def _is_int(text: str) -> bool:
+    return text.lstrip("-").isdigit()
+
+
+def index_mul(coef: int, idx: str) -> str:
+    if coef == 0 or idx == "0":
+        return "0"
+    if _is_int(idx):
+        return str(coef * int(idx))
+    return idx if coef == 1 else f"{coef} * {idx}"
+
+
+def index_sum(terms, constant: int = 0) -> str:
+    """The sum of index terms (strings) and a constant, leaving out zeros."""
+    parts = [t for t in terms if t != "0"]
+    constant += sum(int(t) for t in parts if _is_int(t))
+    parts = [t for t in parts if not _is_int(t)]
+    if constant or not parts:
+        parts.append(str(constant))
+    return " + ".join(parts).replace("+ -", "- ")
+
+
+def linear_index(idx, strides, offset: int = 0) -> str:
+    return index_sum([index_mul(s, i) for s, i in zip(strides, idx)], offset)
+
+
+# ---- per-kind rules: index(node, out_idx) -> src_idx; layout(node, src_shape, Layout) -> Layout|None ----
+
+def _permute_index(node, idx):
+    src = [None] * len(idx)
+    for out_dim, src_dim in enumerate(node.attrs["perm"]):
+        src[src_dim] = idx[out_dim]
+    return src
+
+
+def _permute_layout(node, src_shape, layout):
+    return Layout(layout.offset, tuple(layout.strides[p] for p in node.attrs["perm"]))
+
+
+def _expand_index(node, idx):
+    src_shape = node.args[0].shape
+    return ["0" if n == 1 else i for n, i in zip(src_shape, idx)]
+
+
+def _expand_layout(node, src_shape, layout):
+    return Layout(layout.offset, tuple(0 if n == 1 else s for n, s in zip(src_shape, layout.strides)))
+
+
+def _slice_index(node, idx):
+    return [index_sum([index_mul(step, i)], start)
+            for i, start, step in zip(idx, node.attrs["starts"], node.attrs["steps"])]
+
+
+def _slice_layout(node, src_shape, layout):
+    starts, steps = node.attrs["starts"], node.attrs["steps"]
+    offset = layout.offset + sum(a * s for a, s in zip(starts, layout.strides))
+    return Layout(offset, tuple(s * step for s, step in zip(layout.strides, steps)))
+
+
+def only_unit_dims_change(src_shape, shape) -> bool:
+    """A reshape that only adds/removes size-1 dims: a pure renaming of index variables."""
+    return [n for n in src_shape if n != 1] == [n for n in shape if n != 1]
+
+
+def _reshape_index(node, idx):
+    src_shape, shape = node.args[0].shape, node.shape
+    if only_unit_dims_change(src_shape, shape):
+        kept = iter(i for n, i in zip(shape, idx) if n != 1)
+        return ["0" if n == 1 else next(kept) for n in src_shape]
+    # General case: through the row-major linear index (div/mod by constants).
+    linear = linear_index(idx, contiguous_strides(shape))
+    src = []
+    for d, (n, stride) in enumerate(zip(src_shape, contiguous_strides(src_shape))):
+        term = linear if stride == 1 else f"({linear}) / {stride}"
+        src.append("0" if n == 1 else term if d == 0 else f"({term}) % {n}")
+    return src
+
+
+def reshape_strides(old_shape, old_strides, new_shape):
+    """Strides that view (old_shape, old_strides) as new_shape without copying, or None
+    (the algorithm of ATen's computeStride)."""
+    if math.prod(old_shape) == 0 or not old_shape:
+        return contiguous_strides(new_shape)
+    new_strides = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base = old_strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(old_shape) - 1, -1, -1):
+        tensor_numel *= old_shape[tensor_d]
+        if tensor_d == 0 or (old_shape[tensor_d - 1] != 1
+                             and old_strides[tensor_d - 1] != tensor_numel * chunk_base):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_strides[view_d] = view_numel * chunk_base
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base = old_strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return tuple(new_strides) if view_d == -1 else None
+
+
+def _reshape_layout(node, src_shape, layout):
+    strides = reshape_strides(src_shape, layout.strides, node.shape)
+    return None if strides is None else Layout(layout.offset, strides)
+
+
+VIEW_INDEX = {"permute": _permute_index, "expand": _expand_index, "slice": _slice_index,
+              "reshape": _reshape_index}
+VIEW_LAYOUT = {"permute": _permute_layout, "expand": _expand_layout, "slice": _slice_layout,
+               "reshape": _reshape_layout}
+
+
+def view_index(node, idx):
+    return VIEW_INDEX[node.attrs["view"]](node, list(idx))
+
+
+def view_layout(node, layout: Layout):
+    return VIEW_LAYOUT[node.attrs["view"]](node, node.args[0].shape, layout)
