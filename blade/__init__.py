@@ -1,1 +1,13 @@
-"""blade: a TorchScript clustering compiler for CPU inference (placeholder during bootstrap)."""
+"""blade: a TorchScript clustering compiler for CPU inference.
+
+``import blade`` registers the dynamo backend ``tt_infer`` and the TorchScript class
+``torch.classes.blade.Engine`` (so saved blade modules load with plain ``torch.jit.load``).
+"""
+import torch  # noqa: F401  (loads libtorch before our extension needs it)
+
+from blade import _C  # noqa: F401  (registers torch.classes.blade.Engine)
+from blade import dynamo as _dynamo  # noqa: F401  (registers the tt_infer backend)
+from blade.config import Config
+from blade.pipeline import CompiledModule, CompileReport
+
+__all__ = ["Config", "CompiledModule", "CompileReport"]

@@ -1,0 +1,67 @@
+"""Lower one cluster (TorchScript nodes) to its ONNX file: the backend contract, checked."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.shape_inference
+
+from blade.cluster.onnx_builder import NP_TO_ONNX, OnnxBuilder
+from blade.cluster.partition import Cluster
+from blade.cluster.support import LOWERING, LowerCtx, LoweringError, tensor_info
+
+ONNX_TO_NP = {code: dtype for dtype, code in NP_TO_ONNX.items()}
+
+
+def lower_cluster(cluster: Cluster, name: str) -> onnx.ModelProto:
+    """The cluster as an ONNX model whose inputs/outputs follow cluster.inputs/outputs in order.
+    Raises LoweringError when a rule fails or ONNX disagrees with torch about a shape/dtype."""
+    builder = OnnxBuilder(name)
+    names: dict = {}
+    for i, value in enumerate(cluster.inputs):
+        dtype, shape = tensor_info(value)
+        names[value] = f"input_{i}"
+        builder.add_input(names[value], dtype, shape)
+    ctx = LowerCtx(builder, names)
+    for node in cluster.nodes:
+        try:
+            results = LOWERING[node.kind()].lower(ctx, node)
+        except LoweringError:
+            raise
+        except Exception as err:  # a rule crashing is a lowering bug; keep the cluster in TorchScript
+            raise LoweringError(f"lowering {node.kind()} failed: {err}") from err
+        for value, result in zip(node.outputs(), results):
+            names[value] = result
+    for j, value in enumerate(cluster.outputs):
+        dtype, shape = tensor_info(value)
+        out_name = f"output_{j}"
+        builder.nodes.append(onnx.helper.make_node("Identity", [names[value]], [out_name]))
+        builder.add_output(out_name, dtype, shape)
+    model = builder.model()
+    check_contract(model)
+    return model
+
+
+def check_contract(model: onnx.ModelProto) -> None:
+    """onnx.checker plus strict shape inference; the declared outputs must be what ONNX infers."""
+    try:
+        onnx.checker.check_model(model)
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as err:  # noqa: BLE001 - onnx raises several types
+        raise LoweringError(f"ONNX contract check failed: {err}") from err
+    known = {v.name: v for v in inferred.graph.value_info}
+    producers = {out: node for node in model.graph.node for out in node.output}
+    for output in model.graph.output:
+        source = producers[output.name].input[0]
+        info = known.get(source)
+        if info is None:
+            continue  # it is a graph input or initializer: declared types already match
+        want = _signature(output)
+        got = _signature(info)
+        if got != want:
+            raise LoweringError(f"ONNX infers {got} for {output.name}, torch has {want}")
+
+
+def _signature(value_info) -> tuple:
+    ttype = value_info.type.tensor_type
+    dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim)
+    return str(ONNX_TO_NP.get(ttype.elem_type, ttype.elem_type)), dims

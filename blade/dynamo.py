@@ -1,0 +1,27 @@
+"""The ``tt_infer`` dynamo backend: GraphModule + example inputs -> a callable running engines."""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch._dynamo.backends.registry import register_backend
+
+from blade.config import Config
+from blade.pipeline import compile_fx
+
+log = logging.getLogger("blade")
+
+
+def tt_infer(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
+    config = Config.from_options(options)  # bad option names are the user's error: raise
+    try:
+        return compile_fx(gm, list(example_inputs), config)
+    except Exception as err:  # noqa: BLE001 - blade never takes the model down
+        warnings.warn(f"blade: tt_infer could not compile this graph ({type(err).__name__}: {err}); "
+                      f"it runs eagerly")
+        log.debug("tt_infer failure", exc_info=True)
+        return gm.forward
+
+
+register_backend(name="tt_infer", compiler_fn=tt_infer)

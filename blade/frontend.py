@@ -1,0 +1,210 @@
+"""Frontend: an FX GraphModule (from dynamo) -> a frozen, fully typed TorchScript graph.
+
+This is one of the two TorchScript-specific layers (with cluster/splice.py); the engine compiler
+never sees TorchScript. Steps:
+  1. parameters and buffers that dynamo lifted to graph inputs become module constants (inference
+     freezing, as Inductor's freezing and torch_blade do); the rest stay runtime inputs;
+  2. torch.jit.script, or torch.jit.trace with the example inputs when scripting fails;
+  3. freeze, inline, constant-propagate, remove mutation, specialize sizes to the static shapes;
+  4. give every tensor value of the top-level block its concrete shape and dtype, measured by
+     running the graph once on the example inputs (exact for every op, no shape functions needed).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+log = logging.getLogger("blade")
+
+
+class FrontendError(RuntimeError):
+    """The FX graph could not be turned into TorchScript (neither scripted nor traced)."""
+
+
+@dataclass
+class Frontend:
+    module: torch.jit.ScriptModule   # frozen; its forward graph is typed and ready to cluster
+    runtime_inputs: list[int]        # positions of the dynamo arguments the module takes
+    example_inputs: list             # those arguments' example values
+    how: str                         # "script" or "trace"
+
+    @property
+    def graph(self) -> torch.Graph:
+        return self.module.graph
+
+
+def is_frozen_input(value) -> bool:
+    """Parameters and buffers dynamo lifted to inputs (it marks them as static inputs)."""
+    return isinstance(value, torch.nn.Parameter) or hasattr(value, "_dynamo_static_input_type")
+
+
+def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool):
+    """Copy gm into a plain GraphModule (torch 2.13 hands backends a lazy one) and turn frozen
+    inputs into attributes. Returns the module and the positions of the inputs it still takes."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    root = torch.nn.Module()
+    for name, sub in gm.named_children():
+        root.add_module(name, sub)
+    for name, buf in gm.named_buffers(recurse=False):
+        root.register_buffer(name, buf)
+    for name, param in gm.named_parameters(recurse=False):
+        root.register_parameter(name, param)
+    runtime_inputs = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position, node in enumerate(placeholders):
+        value = example_inputs[position] if position < len(example_inputs) else None
+        if freeze and isinstance(value, torch.Tensor) and is_frozen_input(value):
+            attr = f"_blade_frozen_{position}"
+            root.register_buffer(attr, value.detach())
+            env[node] = graph.get_attr(attr)
+        else:
+            env[node] = graph.placeholder(node.name, type_expr=node.type)
+            runtime_inputs.append(position)
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    for name, value in vars(gm).items():  # constants dynamo attached as plain attributes
+        if isinstance(value, torch.Tensor) and not hasattr(root, name):
+            setattr(root, name, value)
+    return torch.fx.GraphModule(root, graph).eval(), runtime_inputs
+
+
+def _script(module: torch.fx.GraphModule, inputs: list):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's annotation chatter about FX internals
+        return torch.jit.script(module)
+
+
+def _trace(module: torch.fx.GraphModule, inputs: list):
+    if not all(isinstance(x, torch.Tensor) for x in inputs):
+        raise FrontendError("torch.jit.trace needs tensor inputs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.jit.trace(module, tuple(inputs), check_trace=False, strict=False)
+
+
+CONVERTERS = {"script": _script, "trace": _trace}  # tried in this order
+
+
+def _specialize_sizes(graph: torch.Graph) -> None:
+    """aten::size/dim/numel of a statically shaped tensor become constants."""
+    for node in list(graph.nodes()):
+        kind = node.kind()
+        if kind not in ("aten::size", "aten::dim", "aten::numel"):
+            continue
+        inputs = list(node.inputs())
+        shape = static_shape(inputs[0])
+        if shape is None:
+            continue
+        if kind == "aten::dim":
+            value = len(shape)
+        elif kind == "aten::numel":
+            value = 1
+            for d in shape:
+                value *= d
+        elif len(inputs) == 1:
+            value = list(shape)
+        else:
+            dim = inputs[1].toIValue()
+            if dim is None:
+                continue
+            value = shape[dim]
+        with graph.insert_point_guard(node):
+            const = graph.insertConstant(value)
+        node.output().replaceAllUsesWith(const)
+        node.destroy()
+
+
+def static_shape(value: torch.Value):
+    """The complete static shape of a tensor value, or None."""
+    vtype = value.type()
+    if not isinstance(vtype, torch.TensorType):
+        return None
+    sizes = vtype.sizes()
+    return list(sizes) if sizes is not None and all(s is not None for s in sizes) else None
+
+
+def _clean(graph: torch.Graph) -> None:
+    torch._C._jit_pass_inline(graph)
+    torch._C._jit_pass_constant_propagation(graph)
+    torch._C._jit_pass_peephole(graph)
+    torch._C._jit_pass_remove_mutation(graph)
+    torch._C._jit_pass_dce(graph)
+    torch._C._jit_pass_cse(graph)
+
+
+def _assign_types(module: torch.jit.ScriptModule, inputs: list) -> None:
+    """Run a copy of the graph that returns every top-level tensor value, and stamp each value's
+    concrete shape and dtype onto the real graph."""
+    graph = module.graph
+    values = []
+    for node in graph.nodes():
+        for value in node.outputs():
+            if not isinstance(value.type(), torch.TensorType):
+                continue
+            if node.kind() == "prim::Constant":  # typed from the constant itself
+                constant = value.toIValue()  # (a traced wrapped number comes back as a Python scalar)
+                if isinstance(constant, (torch.Tensor, bool, int, float)):
+                    value.setType(torch._C.TensorType.create_from_tensor(torch.as_tensor(constant)))
+            else:
+                values.append(value)
+    for graph_input, example in zip(list(graph.inputs())[1:], inputs):
+        if isinstance(example, torch.Tensor):
+            values.append(graph_input)
+    probe = graph.copy()
+    probe_values = {}
+    for original, copied in zip(_all_values(graph), _all_values(probe)):
+        probe_values[original] = copied
+    for out_index in reversed(range(len(list(probe.outputs())))):
+        probe.eraseOutput(out_index)
+    for value in values:
+        probe.registerOutput(probe_values[value])
+    probe.makeMultiOutputIntoTuple()
+    fn = torch._C._create_function_from_graph("blade_type_probe", probe)
+    with torch.no_grad():
+        results = fn(module._c, *inputs)
+    if not isinstance(results, tuple):
+        results = (results,)
+    for value, result in zip(values, results):
+        if isinstance(result, torch.Tensor):
+            value.setType(torch._C.TensorType.create_from_tensor(result))
+
+
+def _all_values(graph: torch.Graph):
+    yield from graph.inputs()
+    for node in graph.nodes():
+        yield from node.outputs()
+
+
+def _prepare(scripted, inputs: list) -> torch.jit.ScriptModule:
+    frozen = torch.jit.freeze(scripted.eval(), optimize_numerics=False)
+    _clean(frozen.graph)
+    _assign_types(frozen, inputs)
+    _specialize_sizes(frozen.graph)
+    torch._C._jit_pass_constant_propagation(frozen.graph)
+    torch._C._jit_pass_dce(frozen.graph)
+    _assign_types(frozen, inputs)  # again: constant propagation made new, untyped values
+    return frozen
+
+
+def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool = True) -> Frontend:
+    """Script (else trace) gm; a conversion counts only if the result runs on the example inputs.
+    (Scripting can succeed and still fail at run time, e.g. on ``torch.tensor([])``.)"""
+    fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
+    inputs = [example_inputs[i] for i in runtime_inputs]
+    errors = []
+    for how, convert in CONVERTERS.items():
+        try:
+            module = _prepare(convert(fx_module, inputs), inputs)
+        except Exception as err:  # noqa: BLE001 - any failure: try the next converter
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            errors.append(f"{how}: {first_line}")
+            log.info("torch.jit.%s of the FX graph failed: %s", how, first_line)
+            continue
+        return Frontend(module, runtime_inputs, inputs, how)
+    raise FrontendError("could not convert the FX graph to TorchScript; " + "; ".join(errors))

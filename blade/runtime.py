@@ -1,0 +1,24 @@
+"""Torch-side construction of ``torch.classes.blade.Engine`` from a compiled cluster."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+import blade._C  # noqa: F401  (registers torch.classes.blade.Engine)
+from blade.engine.compiler import load_constants
+from blade.engine.manifest import Manifest
+
+
+def make_engine(name: str, so_bytes: bytes, manifest: Manifest, onnx_model, info: dict):
+    """An Engine holding the .so bytes, its tensor specs and its run-time constants."""
+    constants = [torch.from_numpy(np.array(c, order="C")) for c in load_constants(onnx_model, manifest)]
+    so_tensor = torch.frombuffer(bytearray(so_bytes), dtype=torch.uint8)
+    return torch.classes.blade.Engine(
+        name, so_tensor, manifest.isa, manifest.abi_version,
+        [t.name for t in manifest.inputs], [t.dtype for t in manifest.inputs],
+        [list(t.shape) for t in manifest.inputs],
+        [t.name for t in manifest.outputs], [t.dtype for t in manifest.outputs],
+        [list(t.shape) for t in manifest.outputs],
+        constants, manifest.scratch_bytes, json.dumps(info))
