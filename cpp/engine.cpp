@@ -1,0 +1,141 @@
+#include "engine.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/SmallVector.h>
+
+#include <cstdint>
+#include <exception>
+
+#include "isa.h"
+#include "runtime.h"
+
+namespace blade {
+namespace {
+
+constexpr uintptr_t kScratchAlignment = 64;  // promised to engines by blade_abi.h
+
+using AbiVersionFn = decltype(&blade_engine_abi_version);
+
+std::string describe_error_code(int32_t code) {
+  switch (code) {
+    case BLADE_ERR_INDEX_OUT_OF_RANGE:
+      return "index out of range in a gather/embedding";
+    default:
+      return "unknown error code " + std::to_string(code);
+  }
+}
+
+std::string list_isas() {
+  std::string out;
+  for (const auto& isa : known_isas()) out += (out.empty() ? "" : ", ") + isa;
+  return out;
+}
+
+}  // namespace
+
+void throw_engine_error(const std::string& engine_name, const std::string& message) {
+  TORCH_CHECK(false, "blade engine '", engine_name, "': ", message);
+}
+
+Engine::Engine(EngineDefinition definition) : def_(std::move(definition)) {
+  const at::Tensor& bytes = def_.so_bytes;
+  if (!bytes.defined() || bytes.scalar_type() != at::kByte || bytes.dim() != 1 || !bytes.device().is_cpu()) {
+    throw_engine_error(def_.name, "the .so bytes must be a 1-D uint8 CPU tensor, got " + describe(bytes));
+  }
+  def_.so_bytes = bytes.contiguous();
+  if (def_.scratch_bytes < 0) throw_engine_error(def_.name, "negative scratch_bytes");
+  for (size_t i = 0; i < def_.constants.size(); ++i) {
+    at::Tensor& constant = def_.constants[i];
+    if (!constant.defined() || !constant.device().is_cpu() || constant.layout() != c10::kStrided) {
+      throw_engine_error(def_.name, "constant " + std::to_string(i) + " must be a CPU tensor, got " +
+                                        describe(constant));
+    }
+    constant = constant.contiguous();
+    constant_data_.push_back(constant.const_data_ptr());
+  }
+  load();
+}
+
+void Engine::load() {
+  if (def_.abi_version != BLADE_ABI_VERSION) {
+    throw_engine_error(def_.name, "compiled for runtime ABI version " + std::to_string(def_.abi_version) +
+                                      ", this runtime speaks version " + std::to_string(BLADE_ABI_VERSION) +
+                                      "; recompile the model with this blade");
+  }
+  if (!isa_supported(def_.isa)) {
+    throw_engine_error(def_.name, "compiled for ISA '" + def_.isa + "', which this CPU (" + host_isa() +
+                                      ") cannot run (known ISAs: " + list_isas() + ")");
+  }
+  try {
+    library_ = std::make_unique<SharedLibrary>(def_.so_bytes.const_data_ptr(),
+                                               static_cast<size_t>(def_.so_bytes.numel()));
+  } catch (const std::exception& e) {
+    throw_engine_error(def_.name, std::string("cannot load the engine .so: ") + e.what());
+  }
+  auto abi_version = reinterpret_cast<AbiVersionFn>(library_->find("blade_engine_abi_version"));
+  run_ = reinterpret_cast<RunFn>(library_->find("blade_engine_run"));
+  if (!abi_version || !run_) {
+    throw_engine_error(def_.name, "the .so does not export blade_engine_abi_version and blade_engine_run");
+  }
+  if (abi_version() != BLADE_ABI_VERSION) {
+    throw_engine_error(def_.name, "the .so was built against runtime ABI version " +
+                                      std::to_string(abi_version()) + ", this runtime speaks version " +
+                                      std::to_string(BLADE_ABI_VERSION));
+  }
+}
+
+std::vector<at::Tensor> Engine::execute(const std::vector<at::Tensor>& inputs) const {
+  const size_t num_inputs = def_.inputs.size();
+  if (inputs.size() != num_inputs) throw_input_count(inputs.size());
+
+  c10::SmallVector<const void*, 8> input_data(num_inputs);
+  c10::SmallVector<at::Tensor, 2> contiguous_copies;  // keep copies alive through the run
+  for (size_t i = 0; i < num_inputs; ++i) {
+    const at::Tensor& input = inputs[i];
+    if (!def_.inputs[i].accepts(input)) throw_input_mismatch(i, input);
+    if (input.is_contiguous()) {
+      input_data[i] = input.const_data_ptr();
+    } else {
+      contiguous_copies.push_back(input.contiguous());
+      input_data[i] = contiguous_copies.back().const_data_ptr();
+    }
+  }
+
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(def_.outputs.size());
+  c10::SmallVector<void*, 8> output_data;
+  for (const TensorSpec& spec : def_.outputs) {
+    outputs.push_back(at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype)));
+    output_data.push_back(outputs.back().mutable_data_ptr());
+  }
+
+  c10::DataPtr scratch;
+  if (def_.scratch_bytes > 0) {
+    scratch = c10::GetCPUAllocator()->allocate(static_cast<size_t>(def_.scratch_bytes));
+    if (reinterpret_cast<uintptr_t>(scratch.get()) % kScratchAlignment != 0) {
+      throw_engine_error(def_.name, "the CPU allocator returned scratch memory that is not 64-byte aligned");
+    }
+  }
+
+  int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), scratch.get());
+  if (code != BLADE_OK) throw_run_failure(code);
+  return outputs;
+}
+
+void Engine::throw_input_count(size_t got) const {
+  throw_engine_error(def_.name, "expected " + std::to_string(def_.inputs.size()) + " inputs, got " +
+                                    std::to_string(got));
+}
+
+void Engine::throw_input_mismatch(size_t index, const at::Tensor& got) const {
+  const TensorSpec& spec = def_.inputs[index];
+  throw_engine_error(def_.name, "input " + std::to_string(index) + " ('" + spec.name + "') expected " +
+                                    spec.describe() + ", got " + describe(got));
+}
+
+void Engine::throw_run_failure(int32_t code) const {
+  throw_engine_error(def_.name, "execution failed: " + describe_error_code(code));
+}
+
+}  // namespace blade

@@ -1,0 +1,22 @@
+// blade._C, the Python face of the runtime. Importing it also registers torch.classes.blade.Engine
+// (engine_registration.cpp is linked into this extension).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "blade_abi.h"
+#include "isa.h"
+#include "python_testing.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "blade runtime: the Engine custom class, the engine ABI and host checks";
+  m.def("abi_version", [] { return BLADE_ABI_VERSION; },
+        "The runtime ABI version (BLADE_ABI_VERSION) engines must be compiled against.");
+  m.def("host_isa", &blade::host_isa,
+        "The highest x86-64 level (x86-64, x86-64-v2, -v3, -v4) this CPU supports.");
+  m.def("isa_supported", &blade::isa_supported, pybind11::arg("isa"),
+        "Whether code compiled with -march=<isa> runs on this CPU (False for unknown names).");
+  m.def("known_isas", &blade::known_isas, "The ISA levels blade knows, lowest first.");
+
+  auto testing = m.def_submodule("_testing", "Hooks into the runtime for blade's own tests.");
+  blade::bind_testing(testing);
+}

@@ -1,0 +1,71 @@
+#include "python_testing.h"
+
+#include <torch/python.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime.h"
+
+namespace blade {
+namespace {
+
+// The last element an operand of the runtime's sgemm reads or writes, checked against the tensor
+// so a wrong argument in a test raises instead of touching memory outside it.
+void check_extent(const char* what, const at::Tensor& t, int64_t batch, int64_t stride, int64_t rows,
+                  int64_t cols, int64_t ld, bool transposed) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
+              " must be a contiguous float32 CPU tensor");
+  if (batch <= 0 || rows <= 0 || cols <= 0) return;
+  int64_t last = (batch - 1) * stride + (transposed ? (cols - 1) * ld + rows - 1 : (rows - 1) * ld + cols - 1);
+  TORCH_CHECK(stride >= 0 && ld >= 0 && last < t.numel(), what, " is too small for these strides");
+}
+
+void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, double alpha, const at::Tensor& a, int64_t lda,
+           int64_t stride_a, bool trans_a, const at::Tensor& b, int64_t ldb, int64_t stride_b, bool trans_b,
+           double beta, at::Tensor& c, int64_t ldc, int64_t stride_c) {
+  check_extent("a", a, batch, stride_a, m, k, lda, trans_a);
+  check_extent("b", b, batch, stride_b, k, n, ldb, trans_b);
+  check_extent("c", c, batch, stride_c, m, n, ldc, false);
+  runtime()->sgemm(batch, m, n, k, static_cast<float>(alpha), a.const_data_ptr<float>(), lda, stride_a,
+                   trans_a, b.const_data_ptr<float>(), ldb, stride_b, trans_b, static_cast<float>(beta),
+                   c.mutable_data_ptr<float>(), ldc, stride_c);
+}
+
+// The chunks the runtime's parallel_for calls back with, sorted.
+std::vector<std::pair<int64_t, int64_t>> parallel_for_chunks(int64_t begin, int64_t end, int64_t grain) {
+  struct Recorder {
+    std::mutex mutex;
+    std::vector<std::pair<int64_t, int64_t>> chunks;
+  } recorder;
+  auto record = [](void* ctx, int64_t chunk_begin, int64_t chunk_end) {
+    auto* r = static_cast<Recorder*>(ctx);
+    std::lock_guard<std::mutex> lock(r->mutex);
+    r->chunks.emplace_back(chunk_begin, chunk_end);
+  };
+  {
+    pybind11::gil_scoped_release no_gil;
+    runtime()->parallel_for(begin, end, grain, record, &recorder);
+  }
+  std::sort(recorder.chunks.begin(), recorder.chunks.end());
+  return recorder.chunks;
+}
+
+}  // namespace
+
+void bind_testing(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("sgemm", &sgemm, "Calls the runtime table's sgemm on float32 tensors (C is updated in place).",
+        py::arg("batch"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("alpha"), py::arg("a"),
+        py::arg("lda"), py::arg("stride_a"), py::arg("trans_a"), py::arg("b"), py::arg("ldb"),
+        py::arg("stride_b"), py::arg("trans_b"), py::arg("beta"), py::arg("c"), py::arg("ldc"),
+        py::arg("stride_c"));
+  m.def("parallel_for_chunks", &parallel_for_chunks,
+        "The [begin, end) chunks the runtime's parallel_for hands out, sorted.", py::arg("begin"),
+        py::arg("end"), py::arg("grain"));
+}
+
+}  // namespace blade

@@ -1,0 +1,10 @@
+// The BladeRuntime table (blade_abi.h) this process hands to every engine call.
+#pragma once
+#include "blade_abi.h"
+
+namespace blade {
+
+// One static instance: GEMM through ATen (MKL underneath), loops on ATen's intra-op thread pool.
+const BladeRuntime* runtime();
+
+}  // namespace blade

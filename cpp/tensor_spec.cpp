@@ -1,0 +1,73 @@
+#include "tensor_spec.h"
+
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+namespace blade {
+namespace {
+
+// The dtypes engine code handles (blade/engine/manifest.py DTYPES), by manifest name.
+const std::pair<const char*, c10::ScalarType> kDtypes[] = {
+    {"float32", c10::kFloat}, {"float64", c10::kDouble}, {"int64", c10::kLong},
+    {"int32", c10::kInt},     {"bool", c10::kBool},
+};
+
+}  // namespace
+
+c10::ScalarType dtype_from_name(const std::string& name) {
+  for (const auto& [known, dtype] : kDtypes) {
+    if (name == known) return dtype;
+  }
+  throw std::invalid_argument("unsupported dtype '" + name +
+                              "' (engines take float32, float64, int64, int32, bool)");
+}
+
+std::string dtype_name(c10::ScalarType dtype) {
+  for (const auto& [known, candidate] : kDtypes) {
+    if (dtype == candidate) return known;
+  }
+  return c10::toString(dtype);
+}
+
+std::string TensorSpec::describe() const {
+  std::ostringstream out;
+  out << dtype_name(dtype) << c10::IntArrayRef(shape) << " on cpu";
+  return out.str();
+}
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "an undefined tensor";
+  std::ostringstream out;
+  out << dtype_name(t.scalar_type()) << t.sizes() << " on " << t.device();
+  if (t.layout() != c10::kStrided) out << " (layout " << t.layout() << ")";
+  return out.str();
+}
+
+std::vector<TensorSpec> make_specs(const std::string& what, const std::vector<std::string>& names,
+                                   const std::vector<std::string>& dtypes,
+                                   const std::vector<std::vector<int64_t>>& shapes) {
+  if (dtypes.size() != names.size() || shapes.size() != names.size()) {
+    throw std::invalid_argument(what + " names, dtypes and shapes differ in length (" +
+                                std::to_string(names.size()) + ", " + std::to_string(dtypes.size()) +
+                                ", " + std::to_string(shapes.size()) + ")");
+  }
+  std::vector<TensorSpec> specs;
+  specs.reserve(names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    for (int64_t dim : shapes[i]) {
+      if (dim < 0) {
+        throw std::invalid_argument(what + " " + std::to_string(i) + " ('" + names[i] +
+                                    "') has a negative dimension");
+      }
+    }
+    try {
+      specs.push_back({names[i], dtype_from_name(dtypes[i]), shapes[i]});
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(what + " " + std::to_string(i) + " ('" + names[i] + "'): " + e.what());
+    }
+  }
+  return specs;
+}
+
+}  // namespace blade

@@ -1,0 +1,76 @@
+"""Builds blade: the Python packages and the runtime extension ``blade._C`` (sources in cpp/).
+
+    pip install --no-build-isolation -e .      # torch is already installed; never re-download it
+"""
+import os
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = Path(__file__).resolve().parent
+
+# The runtime proper: the Engine custom class, its state, the BladeRuntime table, the .so loader,
+# ISA checks. Free of pybind/Python, so the same list builds a plain shared library for C++
+# programs that load saved blade modules with libtorch alone.
+RUNTIME_SOURCES = [
+    "cpp/engine.cpp",
+    "cpp/engine_registration.cpp",
+    "cpp/engine_state.cpp",
+    "cpp/isa.cpp",
+    "cpp/runtime.cpp",
+    "cpp/shared_library.cpp",
+    "cpp/tensor_spec.cpp",
+]
+# What the Python extension adds on top: the pybind module and its test hooks.
+PYTHON_SOURCES = ["cpp/python_module.cpp", "cpp/python_testing.cpp"]
+HEADERS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "cpp").glob("*.h"))
+
+# torch 2.13's headers use a C++20 extension (bit-field initializers) that g++ accepts in C++17.
+# -fopenmp: at::parallel_for is an inline `#pragma omp parallel` in torch's OpenMP builds; without
+# it the runtime's parallel_for would run serially. The libgomp.so.1 this links resolves (by soname)
+# to the one torch already loaded, so there is still a single OpenMP runtime in the process.
+CXX_FLAGS = ["-O2", "-std=c++17", "-Wno-c++20-extensions", "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
+
+# Generated engine code includes this header; installed copies find it at blade/include/.
+ABI_HEADER = "cpp/blade_abi.h"
+ABI_HEADER_INSTALLED = "blade/include/blade_abi.h"
+
+
+class BuildPyWithAbiHeader(build_py):
+    """build_py that also ships cpp/blade_abi.h as blade/include/blade_abi.h (editable checkouts
+    read it from cpp/ directly)."""
+
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / ABI_HEADER_INSTALLED
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ROOT / ABI_HEADER, target)
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, ABI_HEADER_INSTALLED)]
+
+
+setup(
+    name="blade",
+    version="0.1.0",
+    description="A TorchScript clustering compiler for PyTorch CPU inference",
+    python_requires=">=3.10",
+    packages=["blade", "blade.cluster", "blade.engine"],
+    install_requires=["torch==2.13.0", "onnx", "numpy"],
+    ext_modules=[
+        CppExtension(
+            name="blade._C",
+            sources=RUNTIME_SOURCES + PYTHON_SOURCES,
+            depends=HEADERS,
+            include_dirs=[str(ROOT / "cpp")],
+            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_link_args=LINK_FLAGS,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithAbiHeader},
+    zip_safe=False,
+)
