@@ -291,10 +291,10 @@ class Schedule:
                     must_store.add(arg)
         chosen, cost_memo = set(), {}
         for node in self.live:
-            if node.op in self.ALWAYS_MATERIALIZED or node in outputs:
+            if node.op in self.ALWAYS_MATERIALIZED:
                 chosen.add(node)
             elif node.op in ("ew", "gather"):
-                if node in must_store or (reads[node] > 1 and
+                if node in outputs or node in must_store or (reads[node] > 1 and
                                           self._cost(node, chosen, cost_memo) > RECOMPUTE_MAX_COST):
                     chosen.add(node)
         # A stored view (reshape/matmul operand) means its compute source is stored instead.

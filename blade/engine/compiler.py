@@ -104,7 +104,7 @@ def load_constants(onnx_path_or_model, manifest: Manifest) -> list[np.ndarray]:
     values = ir.constant_tensors(ir.load_model(onnx_path_or_model))
     out = []
     for spec in manifest.constants:
-        value = np.ascontiguousarray(values[spec.name], dtype=spec.dtype)
+        value = np.require(np.asarray(values[spec.name], dtype=spec.dtype), requirements="C")
         if list(value.shape) != spec.shape:
             raise ValueError(f"constant {spec.name!r} has shape {value.shape}, manifest says {spec.shape}")
         out.append(value)

@@ -77,7 +77,7 @@ class NumpyEngine:
         self.run = self.lib.blade_engine_run
         self.run.restype = ctypes.c_int32
         self.run.argtypes = [ctypes.POINTER(BladeRuntime)] + [ctypes.c_void_p] * 4
-        self.constants = [np.ascontiguousarray(c, dtype=s.dtype) for c, s in zip(constants, manifest.constants)]
+        self.constants = [np.require(np.asarray(c, dtype=s.dtype), requirements="C") for c, s in zip(constants, manifest.constants)]
         if len(self.constants) != len(manifest.constants):
             raise ValueError(f"engine needs {len(manifest.constants)} constants, got {len(self.constants)}")
         self.runtime = BladeRuntime(manifest.abi_version, SGEMM_FN(_sgemm), PARALLEL_FOR_FN(_parallel_for))
@@ -92,7 +92,7 @@ class NumpyEngine:
             raise ValueError(f"expected {len(specs)} inputs, got {len(inputs)}")
         args = []
         for spec, value in zip(specs, inputs):
-            value = np.ascontiguousarray(value, dtype=spec.dtype)
+            value = np.require(np.asarray(value, dtype=spec.dtype), requirements="C")
             if list(value.shape) != spec.shape:
                 raise ValueError(f"input {spec.name!r}: shape {list(value.shape)}, expected {spec.shape}")
             args.append(value)

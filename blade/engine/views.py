@@ -37,7 +37,9 @@ def index_mul(coef: int, idx: str) -> str:
         return "0"
     if _is_int(idx):
         return str(coef * int(idx))
-    return idx if coef == 1 else f"{coef} * {idx}"
+    if coef == 1:
+        return idx
+    return f"{coef} * {idx}" if idx.isidentifier() else f"{coef} * ({idx})"
 
 
 def index_sum(terms, constant: int = 0) -> str:

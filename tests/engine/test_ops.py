@@ -1,0 +1,171 @@
+"""Per-op and fused-chain engine tests against onnx's numpy reference: one line per case.
+
+All cases compile once per session (in parallel threads); each test runs its engine via npruntime.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from onnx_cases import check_case, compile_cases, graph_case, op_case, run_case
+from blade.engine.npruntime import EngineRunError
+
+f32, i64 = np.float32, np.int64
+arr = np.array
+positive = {"x0": np.abs(np.random.default_rng(1).standard_normal((3, 17))).astype(f32) + 0.1}
+ints_nonzero = {"x1": arr([[3, -2, 5, -7]], i64)}
+
+
+def node(op, ins, outs, **attrs):
+    return helper.make_node(op, ins, outs, **attrs)
+
+
+CASES = [
+    # elementwise, unary
+    *[op_case(op, [(3, 17)]) for op in
+      ("Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Erf", "Floor", "Ceil", "Sin", "Cos", "Identity")],
+    *[op_case(op, [(3, 17)], values=positive) for op in ("Sqrt", "Log", "Reciprocal")],
+    op_case("Neg", [(5,)], dtype="int64"),
+    op_case("Abs", [(5,)], dtype="int32"),
+    op_case("Not", [(2, 3)], dtype="bool"),
+    # elementwise, binary with broadcasting
+    op_case("Add", [(4, 1, 5), (3, 1)]),
+    op_case("Sub", [(2, 3), (3,)]),
+    op_case("Mul", [(5,), (4, 5)]),
+    op_case("Div", [(2, 3, 4), (2, 1, 4)]),
+    op_case("Div", [(2, 4), (1, 4)], dtype="int64", values=ints_nonzero),
+    op_case("Add", [(), (3,)], name="Add-scalar-broadcast"),
+    op_case("Mul", [(), ()], name="Mul-0d"),
+    op_case("Add", [(0, 3), (3,)], name="Add-empty"),
+    op_case("Pow", [(3, 17)], arr(2.0, f32), values=positive, name="Pow-square"),
+    op_case("Pow", [(3, 17), (17,)], values=positive, name="Pow-tensor"),
+    op_case("Pow", [(3, 17)], arr(3, i64), values=positive, name="Pow-int-exponent"),
+    op_case("Max", [(3, 4), (4,), (3, 1)]),
+    op_case("Min", [(3, 4), (4,)]),
+    op_case("Max", [(4,), (4,)], values={"x0": arr([1, np.nan, 3, -np.inf], f32)}, name="Max-nan"),
+    op_case("Where", [(2, 3), (3,), (2, 1)], dtypes=["bool", "float32", "float32"]),
+    *[op_case(op, [(3, 4), (4,)], dtype="int64") for op in
+      ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")],
+    op_case("Less", [(3, 4), (3, 4)]),
+    op_case("And", [(3, 4), (4,)], dtype="bool"),
+    op_case("Or", [(3, 4), (4,)], dtype="bool"),
+    op_case("Cast", [(3, 5)], to=7, name="Cast-f32-i64", values={"x0": arr([[1.7, -1.7, 2.5, -0.2, 0]] * 3, f32)}),
+    op_case("Cast", [(3, 5)], to=9, name="Cast-f32-bool", values={"x0": arr([[1.7, -1.7, 0, -0.0, 3]] * 3, f32)}),
+    op_case("Cast", [(2, 3)], to=1, dtype="bool", name="Cast-bool-f32"),
+    op_case("Cast", [(2, 3)], to=1, dtype="int64", name="Cast-i64-f32"),
+    op_case("Cast", [(2, 3)], to=11, name="Cast-f32-f64"),
+    op_case("Cast", [(2, 3)], to=6, dtype="int64", name="Cast-i64-i32"),
+    op_case("Clip", [(3, 17)], arr(-0.5, f32), arr(0.5, f32)),
+    op_case("Clip", [(3, 17)], None, arr(0.5, f32), name="Clip-max-only"),
+    op_case("Clip", [(3, 17)], name="Clip-no-bounds"),
+    op_case("Gelu", [(3, 17)]),
+    op_case("Gelu", [(3, 17)], approximate="tanh", name="Gelu-tanh"),
+    # reductions
+    op_case("ReduceSum", [(3, 4, 5)], arr([1], i64)),
+    op_case("ReduceSum", [(3, 4, 5)], arr([-1, 0], i64), keepdims=0, name="ReduceSum-neg-axes-nokeep"),
+    op_case("ReduceSum", [(3, 4, 5)], name="ReduceSum-all"),
+    op_case("ReduceSum", [(3, 4)], arr([], i64), noop_with_empty_axes=1, name="ReduceSum-noop"),
+    op_case("ReduceSum", [(3, 4)], arr([1], i64), dtype="int64"),
+    op_case("ReduceSum", [(3, 0)], arr([1], i64), name="ReduceSum-empty-axis"),
+    op_case("ReduceMean", [(2, 3, 64)], arr([-1], i64)),
+    op_case("ReduceMax", [(4, 6)], arr([0], i64), keepdims=0),
+    op_case("ReduceMax", [(2, 3)], arr([1], i64), values={"x0": arr([[1, np.nan, 2], [1, 2, 3]], f32)},
+            name="ReduceMax-nan"),
+    op_case("ReduceMin", [(3, 4, 5)], arr([0, 2], i64)),
+    op_case("Softmax", [(4, 33)], axis=-1),
+    op_case("Softmax", [(2, 5, 3)], axis=1),
+    op_case("LogSoftmax", [(4, 33)], axis=0),
+    op_case("LayerNormalization", [(2, 5, 16), (16,), (16,)], axis=-1, epsilon=1e-5, rtol=1e-4, atol=1e-5),
+    op_case("LayerNormalization", [(2, 3, 8), (3, 8)], axis=1, name="LayerNorm-axis1-nobias",
+            rtol=1e-4, atol=1e-5),
+    # linear algebra
+    op_case("MatMul", [(4, 5), (5, 3)]),
+    op_case("MatMul", [(5,), (5, 3)], name="MatMul-1d-2d"),
+    op_case("MatMul", [(4, 5), (5,)], name="MatMul-2d-1d"),
+    op_case("MatMul", [(5,), (5,)], name="MatMul-1d-1d"),
+    op_case("MatMul", [(2, 3, 4, 5), (5, 6)], name="MatMul-broadcast-weight", rtol=1e-4),
+    op_case("MatMul", [(2, 1, 4, 5), (3, 5, 6)], name="MatMul-batch-broadcast", rtol=1e-4),
+    op_case("MatMul", [(0, 4), (4, 3)], name="MatMul-empty-m"),
+    op_case("MatMul", [(2, 0), (0, 3)], name="MatMul-empty-k"),
+    op_case("MatMul", [(3, 4), (4, 2)], dtype="int64", name="MatMul-int64"),
+    op_case("MatMul", [(2, 3, 4), (4, 2)], dtype="float64", name="MatMul-f64"),
+    op_case("Gemm", [(4, 5), (5, 3), (3,)], rtol=1e-4),
+    op_case("Gemm", [(5, 4), (3, 5), (4, 1)], transA=1, transB=1, alpha=0.5, beta=2.0, name="Gemm-trans",
+            rtol=1e-4),
+    op_case("Gemm", [(4, 5), (3, 5)], transB=1, name="Gemm-noC"),
+    # data movement
+    op_case("Reshape", [(2, 3, 4)], arr([0, -1], i64)),
+    op_case("Flatten", [(2, 3, 4, 5)], axis=2),
+    op_case("Transpose", [(2, 3, 4)], perm=[2, 0, 1]),
+    op_case("Transpose", [(2, 3)], name="Transpose-default"),
+    op_case("Unsqueeze", [(3, 4)], arr([0, -1], i64)),
+    op_case("Squeeze", [(1, 3, 1, 4)], arr([2], i64)),
+    op_case("Squeeze", [(1, 3, 1, 4)], name="Squeeze-all"),
+    op_case("Expand", [(3, 1)], arr([2, 3, 4], i64)),
+    op_case("Slice", [(6, 7)], arr([1, -2], i64), arr([5, 100], i64)),
+    op_case("Slice", [(6, 7)], arr([-1, 5], i64), arr([-100, 0], i64), arr([0, 1], i64), arr([-2, -1], i64),
+            name="Slice-negative-steps"),
+    op_case("Slice", [(4, 5, 6)], arr([2], i64), arr([9], i64), arr([-1], i64), arr([3], i64),
+            name="Slice-one-axis-step"),
+    op_case("Concat", [(2, 3), (2, 1), (2, 0)], axis=1),
+    op_case("Concat", [(2, 3)], arr(np.ones((4, 3), f32)), axis=0, name="Concat-with-const"),
+    op_case("Gather", [(10, 4)], arr([[1, 9], [-1, 0]], i64), name="Gather-embedding"),
+    op_case("Gather", [(3, 5, 2)], arr(-2, i64), axis=1, name="Gather-scalar-index"),
+    op_case("Gather", [(3, 5), (2, 2)], dtypes=["float32", "int64"], axis=1, name="Gather-runtime-indices",
+            values={"x1": arr([[4, -5], [0, 2]], i64)}),
+    op_case("Gather", [(4, 3)], arr([0, 99], i64), name="Gather-out-of-range"),
+    # fused chains
+    graph_case("silu-bias", [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["m"]),
+                             node("Add", ["m", "b"], ["y"])],
+               {"x": ((8, 16), "float32")}, ["y"], {"b": np.linspace(-1, 1, 16).astype(f32)}),
+    graph_case("attention", [
+        node("MatMul", ["x", "wq"], ["q0"]), node("Add", ["q0", "bq"], ["q1"]),
+        node("Reshape", ["q1", "heads"], ["q2"]), node("Transpose", ["q2"], ["q"], perm=[0, 2, 1, 3]),
+        node("Transpose", ["q2"], ["kt"], perm=[0, 2, 3, 1]),
+        node("MatMul", ["q", "kt"], ["s0"]), node("Mul", ["s0", "scale"], ["s1"]),
+        node("Softmax", ["s1"], ["p"], axis=-1), node("MatMul", ["p", "q"], ["o0"]),
+        node("Transpose", ["o0"], ["o1"], perm=[0, 2, 1, 3]), node("Reshape", ["o1", "flat"], ["y"])],
+        {"x": ((2, 7, 16), "float32")}, ["y"],
+        {"wq": np.random.default_rng(2).standard_normal((16, 16)).astype(f32) * 0.3,
+         "bq": np.random.default_rng(3).standard_normal(16).astype(f32),
+         "heads": arr([2, 7, 4, 4], i64), "flat": arr([2, 7, 16], i64), "scale": arr(0.5, f32)},
+        rtol=1e-4, atol=1e-5),
+    graph_case("layernorm-gelu-residual", [
+        node("LayerNormalization", ["x", "g", "b"], ["n"], axis=-1), node("Gelu", ["n"], ["a"]),
+        node("Add", ["a", "x"], ["y"]), node("ReduceMean", ["y", "ax"], ["z"], keepdims=0)],
+        {"x": ((3, 40), "float32")}, ["y", "z"],
+        {"g": np.linspace(0.5, 1.5, 40).astype(f32), "b": np.linspace(-0.1, 0.1, 40).astype(f32),
+         "ax": arr([0], i64)}, rtol=1e-4, atol=1e-5),
+    graph_case("transposed-matmul-operands", [
+        node("Transpose", ["a"], ["at"], perm=[0, 2, 1]), node("Transpose", ["b"], ["bt"], perm=[1, 0]),
+        node("MatMul", ["at", "bt"], ["y"])],
+        {"a": ((2, 5, 4), "float32"), "b": ((3, 5), "float32")}, ["y"], rtol=1e-4),
+    graph_case("shared-exp-two-outputs", [node("Exp", ["x"], ["e"]), node("Add", ["e", "e"], ["y"]),
+                                          node("Neg", ["e"], ["z"])],
+               {"x": ((5, 6), "float32")}, ["y", "z", "e"]),
+    graph_case("outputs-alias", [node("Identity", ["x"], ["y"])], {"x": ((3,), "float32")},
+               ["y", "x", "c", "y"], {"c": np.arange(100, dtype=f32)}),
+    graph_case("sliced-concat-of-expanded", [
+        node("Expand", ["x", "shape"], ["e"]), node("Slice", ["e", "st", "en", "ax", "sp"], ["s"]),
+        node("Concat", ["s", "e"], ["y"], axis=1), node("ReduceMax", ["y"], ["z"], keepdims=1)],
+        {"x": ((1, 5), "float32")}, ["y", "z"],
+        {"shape": arr([3, 5], i64), "st": arr([4], i64), "en": arr([-100], i64), "ax": arr([1], i64),
+         "sp": arr([-2], i64)}),
+]
+ERRORS = {"Gather-out-of-range": "BLADE_ERR_INDEX_OUT_OF_RANGE"}   # expected run-time errors
+assert len({c.name for c in CASES}) == len(CASES), "case names must be unique"
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    return compile_cases(CASES, tmp_path_factory.mktemp("engine_ops"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_op(case, compiled):
+    if case.name in ERRORS:
+        with pytest.raises(EngineRunError, match=ERRORS[case.name]):
+            run_case(case, *compiled[case.name])
+    else:
+        check_case(case, compiled[case.name])
