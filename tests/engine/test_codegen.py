@@ -1,0 +1,116 @@
+"""Properties of the generated code itself: fusion, CSE, GEMM operand folding, arena reuse, tables."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from onnx_cases import graph_case, op_case
+from test_ops import CASES
+from blade.engine import codegen, compiler, ir
+
+
+def source_of(case):
+    return codegen.generate(ir.lower_onnx(case.model))
+
+
+def kernels(program):
+    return re.findall(r"^  // (.*)$", program.source, re.MULTILINE)
+
+
+def node(op, ins, outs, **attrs):
+    return helper.make_node(op, ins, outs, **attrs)
+
+
+def test_elementwise_chain_is_one_loop_nest_with_shared_subexpressions():
+    case = graph_case("silu", [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["m"]),
+                               node("Add", ["m", "b"], ["y"])], {"x": ((8, 16), "float32")}, ["y"],
+                      {"b": np.ones((1, 16), np.float32)})
+    program = source_of(case)
+    assert len(kernels(program)) == 1
+    assert program.source.count("std::exp") == 1
+    assert program.source.count("in0[") == 1, "x must be loaded once per element (CSE)"
+    assert program.scratch_bytes == 0
+
+
+def test_softmax_and_layernorm_stay_few_passes():
+    softmax = source_of(op_case("Softmax", [(4, 33)], axis=-1))
+    assert len(kernels(softmax)) <= 4
+    norm = source_of(op_case("LayerNormalization", [(2, 5, 16), (16,), (16,)], axis=-1))
+    assert len(kernels(norm)) <= 5
+    assert "omp simd reduction(+:" in norm.source
+
+
+def test_transposed_operand_folds_into_gemm_flags_and_weight_broadcast_has_stride_zero():
+    case = graph_case("mm", [node("Transpose", ["b"], ["bt"], perm=[1, 0]), node("MatMul", ["a", "bt"], ["y"])],
+                      {"a": ((2, 4, 5), "float32"), "b": ((3, 5), "float32")}, ["y"])
+    program = source_of(case)
+    assert "copy" not in program.source
+    (call,) = re.findall(r"rt->sgemm\((.*)\);", program.source)
+    args = [a.strip() for a in call.split(",")]
+    assert args[0] == "2" and args[11] == "0" and args[12] == "1"   # batch, stride_b == 0, trans_b
+
+
+def test_arena_reuses_dead_buffers():
+    chain = [node("Exp", ["x"], ["e1"]), node("ReduceSum", ["e1"], ["s1"]),
+             node("Sub", ["x", "s1"], ["d1"]), node("Exp", ["d1"], ["e2"]), node("ReduceSum", ["e2"], ["s2"]),
+             node("Sub", ["x", "s2"], ["d2"]), node("Exp", ["d2"], ["e3"]), node("ReduceSum", ["e3"], ["y"])]
+    case = graph_case("chain", chain, {"x": ((64, 64), "float32")}, ["y"])
+    program = source_of(case)
+    assert 0 < program.scratch_bytes < 2 * 64 * 64 * 4
+
+
+def test_plan_arena_keeps_overlapping_lifetimes_apart():
+    bufs = [codegen.Buffer("scratch", i, "float32", n) for i, n in enumerate([100, 50, 100])]
+    for buf, (first, last) in zip(bufs, [(0, 1), (1, 2), (2, 3)]):
+        buf.first, buf.last = first, last
+    size = codegen.plan_arena(bufs)
+    def span(b):
+        return range(b.offset, b.offset + b.nbytes)
+    for a, b in [(bufs[0], bufs[1]), (bufs[1], bufs[2])]:
+        assert not set(span(a)) & set(span(b))
+    assert bufs[0].offset == bufs[2].offset and all(b.offset % 64 == 0 for b in bufs)
+    assert size == 448 + 200
+
+
+def test_generated_code_is_reentrant_and_self_contained():
+    src = source_of(CASES[0]).source
+    assert "static " not in src.replace("static_cast", "")
+    assert set(re.findall(r'#include [<"](.*)[>"]', src)) <= {"atomic", "cmath", "cstdint", "limits", "blade_abi.h"}
+
+
+@pytest.mark.parametrize("value", [0.1, -1e-30, 3.4e38, 1e-45, 2.0 / 3.0, -0.0])
+def test_float_literals_are_exact(value):
+    text = codegen.literal(np.float32(value), "float32")
+    assert np.float32(float(text.rstrip("f"))) == np.float32(value)
+    assert np.isnan(float("nan")) and "quiet_NaN" in codegen.literal(np.nan, "float32")
+
+
+def test_unsupported_op_is_named():
+    case = op_case("Relu", [(2,)], name="r")
+    case.model.graph.node[0].op_type = "HardSwish"
+    with pytest.raises(ir.UnsupportedOnnxOp, match="HardSwish"):
+        ir.lower_onnx(case.model)
+
+
+def test_every_onnx_rule_has_a_test_case():
+    tested = {n.op_type for case in CASES for n in case.model.graph.node}
+    assert set(ir.ONNX_RULES) - tested == set()
+
+
+def test_isa_levels():
+    assert compiler.resolve_isa("x86-64-v3") == "x86-64-v3"
+    assert compiler.resolve_isa("native") in [level for level, _ in compiler.ISA_LEVELS]
+    flags = open("/proc/cpuinfo").read()
+    if all(f in flags for f in ("avx512f", "avx512bw", "avx512vl")):
+        assert compiler.native_isa() == "x86-64-v4"
+
+
+def test_big_constants_are_passed_at_run_time_small_ones_inlined():
+    case = op_case("Add", [(100,)], np.arange(100, dtype=np.float32), name="big")
+    assert [c.name for c in source_of(case).constants] == ["k0"]
+    small = op_case("Add", [(8,)], np.arange(8, dtype=np.float32), name="small")
+    program = source_of(small)
+    assert program.constants == [] and "constexpr float k" in program.source
