@@ -15,6 +15,9 @@ f32, i64 = np.float32, np.int64
 arr = np.array
 positive = {"x0": np.abs(np.random.default_rng(1).standard_normal((3, 17))).astype(f32) + 0.1}
 ints_nonzero = {"x1": arr([[3, -2, 5, -7]], i64)}
+# exp/tanh/sigmoid have own vectorizable float32 versions: check them over the whole float range.
+wide = np.concatenate([np.linspace(-110, 95, 1001), np.geomspace(1e-8, 10, 200), -np.geomspace(1e-8, 10, 200),
+                       [0, -0.0, np.inf, -np.inf, np.nan, 88.72, 88.73, -87.4, -103.9, -104]]).astype(f32)
 
 
 def node(op, ins, outs, **attrs):
@@ -26,6 +29,8 @@ CASES = [
     *[op_case(op, [(3, 17)]) for op in
       ("Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Erf", "Floor", "Ceil", "Sin", "Cos", "Identity")],
     *[op_case(op, [(3, 17)], values=positive) for op in ("Sqrt", "Log", "Reciprocal")],
+    *[op_case(op, [wide.shape], values={"x0": wide}, rtol=1e-6, atol=1.2e-38, name=f"{op}-whole-range")
+      for op in ("Exp", "Tanh", "Sigmoid")],
     op_case("Neg", [(5,)], dtype="int64"),
     op_case("Abs", [(5,)], dtype="int32"),
     op_case("Not", [(2, 3)], dtype="bool"),
