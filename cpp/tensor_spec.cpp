@@ -13,6 +13,14 @@ const std::pair<const char*, c10::ScalarType> kDtypes[] = {
     {"int32", c10::kInt},     {"bool", c10::kBool},
 };
 
+// numpy spellings of dtypes engines do not take, so error messages name what users passed the
+// way the manifest names what the engine wanted.
+const std::pair<const char*, c10::ScalarType> kOtherDtypes[] = {
+    {"uint8", c10::kByte},        {"int8", c10::kChar},         {"int16", c10::kShort},
+    {"float16", c10::kHalf},      {"bfloat16", c10::kBFloat16}, {"complex64", c10::kComplexFloat},
+    {"complex128", c10::kComplexDouble},
+};
+
 }  // namespace
 
 c10::ScalarType dtype_from_name(const std::string& name) {
@@ -24,8 +32,10 @@ c10::ScalarType dtype_from_name(const std::string& name) {
 }
 
 std::string dtype_name(c10::ScalarType dtype) {
-  for (const auto& [known, candidate] : kDtypes) {
-    if (dtype == candidate) return known;
+  for (const auto& table : {c10::ArrayRef(kDtypes), c10::ArrayRef(kOtherDtypes)}) {
+    for (const auto& [known, candidate] : table) {
+      if (dtype == candidate) return known;
+    }
   }
   return c10::toString(dtype);
 }

@@ -10,7 +10,7 @@ namespace blade {
 // Manifest dtype names are numpy spellings ("float32", "int64", "bool"). Throws
 // std::invalid_argument for a name engines do not support.
 c10::ScalarType dtype_from_name(const std::string& name);
-// The numpy spelling of a dtype; c10's name for dtypes engines never use (e.g. "Half").
+// The numpy spelling of a dtype ("float16" too, for error messages); c10's name for exotic ones.
 std::string dtype_name(c10::ScalarType dtype);
 
 struct TensorSpec {

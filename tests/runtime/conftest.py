@@ -16,13 +16,14 @@ ENGINE_SOURCES = Path(__file__).resolve().parent / "engines"
 CXX_FLAGS = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-I{REPO / 'cpp'}"]
 
 
-def compile_engine(source: str, out_dir: Path, defines: dict[str, str] | None = None) -> Path:
-    """engines/<source>.cpp -> <out_dir>/<source>[-defines].so"""
+def compile_engine(source: str, out_dir: Path, defines: dict[str, str] | None = None,
+                   extra_flags: tuple[str, ...] = ()) -> Path:
+    """engines/<source>.cpp -> <out_dir>/<source>[-defines][-flags].so"""
     defines = defines or {}
-    suffix = "".join(f"-{k}={v}" for k, v in sorted(defines.items()))
+    suffix = "".join(f"-{k}={v}" for k, v in sorted(defines.items())) + "".join(extra_flags).replace("/", "_")
     so_path = out_dir / f"{source}{suffix}.so"
     if not so_path.exists():
-        command = ["g++", *CXX_FLAGS, *(f"-D{k}={v}" for k, v in defines.items()),
+        command = ["g++", *CXX_FLAGS, *(f"-D{k}={v}" for k, v in defines.items()), *extra_flags,
                    str(ENGINE_SOURCES / f"{source}.cpp"), "-o", str(so_path)]
         subprocess.run(command, check=True, capture_output=True, text=True)
     return so_path
@@ -34,7 +35,7 @@ def engine_args(name: str, so_bytes: bytes, inputs: list[TensorSpec], outputs: l
     """The Engine constructor's arguments, in order; tests change single entries to break them."""
     return [
         name,
-        torch.frombuffer(bytearray(so_bytes), dtype=torch.uint8),
+        torch.tensor(list(so_bytes), dtype=torch.uint8),
         blade._C.host_isa() if isa is None else isa,
         blade._C.abi_version() if abi_version is None else abi_version,
         [t.name for t in inputs], [t.dtype for t in inputs], [list(t.shape) for t in inputs],

@@ -1,0 +1,96 @@
+"""The BladeRuntime table engines call back into: sgemm against numpy over its whole contract, and
+parallel_for's chunking on ATen's pool."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from blade._C import _testing
+
+
+def operand(rng, batch, batch_stride, rows, cols, ld, transposed):
+    """A flat buffer holding `batch` [rows, cols] matrices laid out as the sgemm contract says, plus
+    the dense [batch, rows, cols] array it represents. Padding holds NaN so stray reads show."""
+    size = (batch - 1) * batch_stride + (cols - 1) * ld + rows if transposed else \
+        (batch - 1) * batch_stride + (rows - 1) * ld + cols
+    flat = np.full(max(size, 0), np.nan, dtype=np.float32)
+    dense = rng.standard_normal((batch, rows, cols)).astype(np.float32)
+    for b in range(batch):
+        for i in range(rows):
+            for j in range(cols):
+                flat[b * batch_stride + (j * ld + i if transposed else i * ld + j)] = dense[0 if batch_stride == 0 else b, i, j]
+    if batch_stride == 0:
+        dense[:] = dense[0]
+    return flat, dense
+
+
+def run_sgemm(batch, m, n, k, alpha, beta, trans_a, trans_b, shared_a=False, shared_b=False, pad=3, seed=0):
+    rng = np.random.default_rng(seed)
+    lda = max(1, (m if trans_a else k) + pad)  # BLAS wants ld >= 1 even for an empty dimension
+    ldb = max(1, (k if trans_b else n) + pad)
+    ldc = n + pad
+    stride_a = 0 if shared_a else (k if trans_a else m) * lda
+    stride_b = 0 if shared_b else (n if trans_b else k) * ldb
+    stride_c = m * ldc
+    a_flat, a = operand(rng, batch, stride_a, m, k, lda, trans_a)
+    b_flat, b = operand(rng, batch, stride_b, k, n, ldb, trans_b)
+    c_flat, c = operand(rng, batch, stride_c, m, n, ldc, False)
+    if beta == 0:  # C's old contents must be ignored entirely, even NaN
+        c_flat[:] = np.nan
+    want = alpha * (a.astype(np.float64) @ b.astype(np.float64)) + (beta * c if beta != 0 else 0)
+
+    c_tensor = torch.from_numpy(c_flat)
+    _testing.sgemm(batch, m, n, k, alpha, torch.from_numpy(a_flat), lda, stride_a, trans_a,
+                   torch.from_numpy(b_flat), ldb, stride_b, trans_b, beta, c_tensor, ldc, stride_c)
+    got = np.stack([[c_flat[bi * stride_c + i * ldc: bi * stride_c + i * ldc + n] for i in range(m)]
+                    for bi in range(batch)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # Padding between C's rows is not C's: it must be untouched.
+    if beta != 0:
+        for bi, i in itertools.product(range(batch), range(m)):
+            row_end = bi * stride_c + i * ldc + n
+            assert np.isnan(c_flat[row_end: row_end + pad]).all()
+
+
+@pytest.mark.parametrize("trans_a, trans_b", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (1.0, 1.0), (-2.5, 0.5)])
+def test_sgemm_matches_numpy(trans_a, trans_b, batch, alpha, beta):
+    run_sgemm(batch, 5, 7, 6, alpha, beta, trans_a, trans_b)
+
+
+@pytest.mark.parametrize("shared_a, shared_b", [(False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, True)])
+def test_sgemm_batch_stride_zero(shared_a, shared_b, trans_a, trans_b):
+    run_sgemm(4, 6, 5, 8, 1.5, 1.0, trans_a, trans_b, shared_a=shared_a, shared_b=shared_b)
+
+
+@pytest.mark.parametrize("batch, m, n, k", [(1, 1, 1, 1), (1, 64, 48, 96), (12, 32, 32, 64), (2, 3, 4, 0)])
+def test_sgemm_sizes(batch, m, n, k):
+    run_sgemm(batch, m, n, k, 1.0, 0.0, False, True, pad=0)
+    run_sgemm(batch, m, n, k, 0.5, 1.0, True, False, pad=1)
+
+
+def test_parallel_for_covers_range_in_grain_sized_chunks():
+    for begin, end, grain in [(0, 1000, 7), (5, 105, 10), (0, 3, 1)]:
+        chunks = _testing.parallel_for_chunks(begin, end, grain)
+        assert chunks[0][0] == begin and chunks[-1][1] == end
+        assert all(prev[1] == nxt[0] for prev, nxt in zip(chunks, chunks[1:])), chunks
+        assert all(e - b >= grain for b, e in chunks[:-1]), chunks
+
+
+def test_parallel_for_runs_short_loops_inline_and_empty_loops_not_at_all():
+    assert _testing.parallel_for_chunks(0, 5, 10) == [(0, 5)]
+    assert _testing.parallel_for_chunks(4, 4, 1) == []
+
+
+def test_parallel_for_follows_torch_set_num_threads():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _testing.parallel_for_chunks(0, 100, 10) == [(0, 100)]
+        torch.set_num_threads(2)
+        assert len(_testing.parallel_for_chunks(0, 100, 10)) == 2
+    finally:
+        torch.set_num_threads(before)
