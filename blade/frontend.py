@@ -182,7 +182,9 @@ def _all_values(graph: torch.Graph):
 
 
 def _prepare(scripted, inputs: list) -> torch.jit.ScriptModule:
-    frozen = torch.jit.freeze(scripted.eval(), optimize_numerics=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's own deprecation notice
+        frozen = torch.jit.freeze(scripted.eval(), optimize_numerics=False)
     _clean(frozen.graph)
     _assign_types(frozen, inputs)
     _specialize_sizes(frozen.graph)

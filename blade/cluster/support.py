@@ -536,6 +536,12 @@ def _cat_check(node):
     return None
 
 
+def _bool_only(node):
+    if any(is_tensor(v) and v.type().dtype() != torch.bool for v in node.inputs()):
+        return f"{node.kind()} on non-bool tensors (bitwise integer ops are not supported)"
+    return None
+
+
 def _div_check(node):
     args = _args(node)
     if len(args) > 2 and constant_value(args[2]) not in (None, "floor", "trunc"):
@@ -592,6 +598,11 @@ LOWERING: dict[str, Rule] = {
     "aten::logical_not": Rule(unary("Not")),
     "aten::logical_and": Rule(binary("And")),
     "aten::logical_or": Rule(binary("Or")),
+    "aten::__and__": Rule(binary("And"), _bool_only),
+    "aten::__or__": Rule(binary("Or"), _bool_only),
+    "aten::bitwise_and": Rule(binary("And"), _bool_only),
+    "aten::bitwise_or": Rule(binary("Or"), _bool_only),
+    "aten::bitwise_not": Rule(unary("Not"), _bool_only),
     # casts
     "aten::to": Rule(cast_to_output, _to_check),
     "aten::type_as": Rule(cast_to_output),

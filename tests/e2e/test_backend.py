@@ -1,0 +1,110 @@
+"""The tt_infer backend as users call it: registration, entry points, grad modes, options,
+serialization of the spliced module, concurrent calls."""
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import blade
+from blade_testing import Capture, assert_close
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).eval()
+
+
+def test_registered_by_name():
+    from torch._dynamo import list_backends
+    assert "tt_infer" in list_backends()
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_torch_compile_by_name(grad_mode):
+    model, x = _mlp(), torch.randn(4, 32)
+    with grad_mode():
+        expected = model(x)
+        actual = torch.compile(model, backend="tt_infer")(x)
+    assert_close(actual, expected)
+
+
+def test_dynamo_optimize_static():
+    model, x = _mlp(), torch.randn(4, 32)
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch._dynamo.optimize(backend="tt_infer", dynamic=False)(model)(x)
+    assert_close(actual, expected)
+
+
+def test_options_reach_config_and_unknown_is_an_error():
+    model, x = _mlp(), torch.randn(4, 32)
+    with torch.no_grad():
+        # a min cluster size above the model's op count leaves everything in TorchScript
+        capture = Capture(min_cluster_size=1000)
+        torch.compile(model, backend=capture)(x)
+        assert capture.engine_calls() == 0
+        with pytest.raises(Exception, match="unknown blade option"):
+            torch.compile(model, backend="tt_infer", options={"no_such_option": 1})(x)
+
+
+def test_excluded_ops_stay_in_torchscript():
+    model, x = _mlp(), torch.randn(4, 32)
+    capture = Capture(excluded_ops=("aten::gelu",), min_cluster_size=1)
+    with torch.no_grad():
+        expected = model(x)
+        assert_close(torch.compile(model, backend=capture)(x), expected)
+    assert "aten::gelu" in capture.graph_text
+    assert ("aten::gelu", "excluded by config (excluded_ops)") in capture.report.left_out
+    assert capture.engine_calls() == 2  # the linears on either side still compile
+
+
+def test_save_and_load_in_fresh_process(tmp_path):
+    model, x = _mlp(), torch.randn(4, 32)
+    capture = Capture()
+    with torch.no_grad():
+        out = torch.compile(model, backend=capture)(x)
+    module = capture.compiled[0].module
+    assert 'prim::CallMethod[name="execute"]' in str(module.graph)
+    torch.jit.save(module, tmp_path / "m.pt")
+    torch.save({"x": x, "out": out}, tmp_path / "io.pt")
+    script = textwrap.dedent(f"""
+        import torch, blade
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        m = torch.jit.load({str(tmp_path / 'm.pt')!r})
+        assert 'prim::CallMethod[name="execute"]' in str(m.graph)
+        got = m(io["x"])[0]
+        assert torch.equal(got, io["out"]), (got - io["out"]).abs().max()
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={"PATH": "/nonexistent"})  # no compiler reachable: loading must not compile
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
+
+
+def test_concurrent_calls_share_engines():
+    model = _mlp()
+    inputs = [torch.randn(4, 32) for _ in range(4)]
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="tt_infer")
+        expected = [model(x) for x in inputs]
+        compiled(inputs[0])  # compile once, before the threads start
+    errors = []
+
+    def worker(i):
+        try:
+            with torch.no_grad():
+                for _ in range(50):
+                    assert_close(compiled(inputs[i]), expected[i])
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
