@@ -648,9 +648,9 @@ class Emitter:
             lines.append(f"constexpr {DTYPES[buf.dtype][0]} {buf.ident}[{max(buf.numel, 1)}] = {{{values}}};")
         lines += ["}  // namespace", "", ENTRY_BEGIN]
         offsets = {f"@OFFSET{b.index}@": str(b.offset) for b in self.scratch}
-        for comment, body in self.kernels_code:
+        for number, (comment, body) in enumerate(self.kernels_code):
             block = [re.sub(r"@OFFSET\d+@", lambda m: offsets[m.group(0)], line) for line in body]
-            lines += ["", f"  // {comment}", *_indent(block)]
+            lines += ["", f"  // kernel {number}: {comment}", *_indent(block)]
         lines += ["  return status.load(std::memory_order_relaxed);", "}", ""]
         return "\n".join(lines)
 
