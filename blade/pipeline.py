@@ -38,6 +38,8 @@ class ClusterReport:
     output_shapes: list
     status: str = "pending"      # "compiled", "lowering failed", "compile failed", "engine failed"
     seconds: float = 0.0
+    started: float = 0.0         # time.monotonic() when its compile started / finished
+    finished: float = 0.0
     cache_hit: bool = False
     work_dir: str = ""
     log_path: str = ""
@@ -119,10 +121,11 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
                            cache_dir=config.cache_dir if config.use_cache else None)
     report.compile_wall_s = time.perf_counter() - compile_started
 
-    spliced = set()
+    spliced, replaced = set(), {}
     for result in results:
         rep = cluster_reports[result.name]
         rep.seconds, rep.cache_hit, rep.log_path = result.seconds, result.cache_hit, result.log_path
+        rep.started, rep.finished = result.started, result.finished
         if not result.ok:
             rep.status, rep.error = "compile failed", result.error or ""
             warnings.warn(f"blade: {result.name} failed to compile and stays in TorchScript: "
@@ -138,7 +141,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
                           f"stays in TorchScript: {err} (log: {result.log_path})")
             continue
         aten_inside = sum(1 for n in cluster.nodes if _is_aten(n))
-        splice(front.module, cluster, engine, result.name)
+        splice(front.module, cluster, engine, result.name, replaced)
         rep.status = "compiled"
         report.aten_in_engines += aten_inside
         spliced.add(result.name)

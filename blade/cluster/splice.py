@@ -40,7 +40,10 @@ def _hoist_dependents(cluster: Cluster) -> torch.Node:
     return last
 
 
-def splice(module: torch.jit.ScriptModule, cluster: Cluster, engine, attr_name: str) -> None:
+def splice(module: torch.jit.ScriptModule, cluster: Cluster, engine, attr_name: str,
+           replaced: dict) -> None:
+    """Replace the cluster's nodes by a call of `engine`. `replaced` maps values of clusters
+    spliced earlier (now destroyed) to the engine outputs that stand for them; it is updated."""
     graph = module.graph
     module._c._register_attribute(attr_name, engine._type(), engine)
     last = _hoist_dependents(cluster)
@@ -50,7 +53,7 @@ def splice(module: torch.jit.ScriptModule, cluster: Cluster, engine, attr_name: 
     get_engine = graph.create("prim::GetAttr", [self_value])
     get_engine.s_("name", attr_name)
     get_engine.output().setType(engine._type())
-    pack = graph.create("prim::ListConstruct", list(cluster.inputs))
+    pack = graph.create("prim::ListConstruct", [replaced.get(v, v) for v in cluster.inputs])
     pack.output().setType(tensor_list)
     call = graph.create("prim::CallMethod", [get_engine.output(), pack.output()])
     call.s_("name", "execute")
@@ -64,5 +67,6 @@ def splice(module: torch.jit.ScriptModule, cluster: Cluster, engine, attr_name: 
     for original, replacement in zip(cluster.outputs, unpack.outputs()):
         replacement.setType(original.type())
         original.replaceAllUsesWith(replacement)
+        replaced[original] = replacement
     for node in reversed(cluster.nodes):
         node.destroy()

@@ -25,7 +25,10 @@ DEFAULT_OPTIONS = {
     "extra_flags": [],          # appended to the command line
     "timeout_s": None,          # g++ wall-time limit inside one compile
 }
-BASE_FLAGS = ["-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
+# -fno-gnu-unique: inline/template statics would otherwise be process-wide unique symbols even
+# under RTLD_LOCAL, shared between engines and pinning the .so in memory.
+BASE_FLAGS = ["-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd",
+              "-fno-gnu-unique"]
 
 
 class EngineCompileError(RuntimeError):
