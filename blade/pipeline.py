@@ -41,6 +41,7 @@ class ClusterReport:
     started: float = 0.0         # time.monotonic() when its compile started / finished
     finished: float = 0.0
     cache_hit: bool = False
+    isa: str = ""                # the -march level its engine needs
     work_dir: str = ""
     log_path: str = ""
     error: str = ""
@@ -126,6 +127,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
         rep = cluster_reports[result.name]
         rep.seconds, rep.cache_hit, rep.log_path = result.seconds, result.cache_hit, result.log_path
         rep.started, rep.finished = result.started, result.finished
+        rep.isa = result.manifest.isa if result.manifest else ""
         if not result.ok:
             rep.status, rep.error = "compile failed", result.error or ""
             warnings.warn(f"blade: {result.name} failed to compile and stays in TorchScript: "

@@ -1,53 +1,13 @@
-"""Helpers for the runtime tests: compile the hand-written engines in engines/ with g++ the way the
-engine compiler does (against cpp/blade_abi.h) and wrap them into torch.classes.blade.Engine."""
+"""Fixtures of the runtime tests: hand-written engines compiled once per session."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-import blade._C  # noqa: F401  (registers torch.classes.blade.Engine)
 from blade.engine.manifest import TensorSpec
-
-REPO = Path(__file__).resolve().parents[2]
-ENGINE_SOURCES = Path(__file__).resolve().parent / "engines"
-CXX_FLAGS = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-I{REPO / 'cpp'}"]
-
-
-def compile_engine(source: str, out_dir: Path, defines: dict[str, str] | None = None,
-                   extra_flags: tuple[str, ...] = ()) -> Path:
-    """engines/<source>.cpp -> <out_dir>/<source>[-defines][-flags].so"""
-    defines = defines or {}
-    suffix = "".join(f"-{k}={v}" for k, v in sorted(defines.items())) + "".join(extra_flags).replace("/", "_")
-    so_path = out_dir / f"{source}{suffix}.so"
-    if not so_path.exists():
-        command = ["g++", *CXX_FLAGS, *(f"-D{k}={v}" for k, v in defines.items()), *extra_flags,
-                   str(ENGINE_SOURCES / f"{source}.cpp"), "-o", str(so_path)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-    return so_path
-
-
-def engine_args(name: str, so_bytes: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec],
-                constants: list[torch.Tensor] = (), scratch_bytes: int = 0, isa: str | None = None,
-                abi_version: int | None = None, info_json: str = "{}") -> list:
-    """The Engine constructor's arguments, in order; tests change single entries to break them."""
-    return [
-        name,
-        torch.tensor(list(so_bytes), dtype=torch.uint8),
-        blade._C.host_isa() if isa is None else isa,
-        blade._C.abi_version() if abi_version is None else abi_version,
-        [t.name for t in inputs], [t.dtype for t in inputs], [list(t.shape) for t in inputs],
-        [t.name for t in outputs], [t.dtype for t in outputs], [list(t.shape) for t in outputs],
-        list(constants),
-        scratch_bytes,
-        info_json,
-    ]
-
-
-def make_engine(*args, **kwargs):
-    return torch.classes.blade.Engine(*engine_args(*args, **kwargs))
+from runtime_testing import ADD_INPUTS, ADD_OUTPUTS, ADD_SCRATCH_BYTES, compile_engine, make_engine
 
 
 @pytest.fixture(scope="session")
@@ -56,11 +16,6 @@ def engine_dir(tmp_path_factory) -> Path:
 
 
 # The hand-written engines, as the torch side would build them from a manifest.
-ADD_INPUTS = [TensorSpec("x", "float32", [64, 128]), TensorSpec("y", "float32", [64, 128])]
-ADD_OUTPUTS = [TensorSpec("sum", "float32", [64, 128]), TensorSpec("product", "float32", [64, 128])]
-ADD_SCRATCH_BYTES = 64 * 128 * 4
-
-
 @pytest.fixture(scope="session")
 def add_bias() -> torch.Tensor:
     return torch.linspace(-1, 1, 128)

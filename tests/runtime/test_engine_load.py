@@ -9,7 +9,7 @@ import torch
 import blade._C
 from blade.engine.manifest import TensorSpec
 
-from conftest import compile_engine, engine_args, make_engine
+from runtime_testing import compile_engine, engine_args, make_engine
 
 FILL_OUTPUT = [TensorSpec("out", "float32", [4])]
 

@@ -12,7 +12,7 @@ import torch
 import blade._C
 
 from blade.engine.manifest import TensorSpec
-from conftest import ADD_SCRATCH_BYTES, compile_engine, make_engine
+from runtime_testing import ADD_SCRATCH_BYTES, compile_engine, make_engine
 
 
 class EngineHolder(torch.nn.Module):

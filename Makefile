@@ -1,0 +1,34 @@
+# blade's two entry points. Both create .venv (torch 2.13.0 CPU wheel, onnx, numpy, pybind11),
+# build blade's C++ runtime into it, then run.
+#   make demo   compile a transformers BERT with tt_infer, compare with eager, time it, export it,
+#               and run the exported artifact in a fresh process
+#   make test   the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Pinned so that a fresh machine gets exactly what CI tested.
+DEPS := torch==2.13.0 onnx==1.23.2 numpy==2.4.6 pybind11==3.1.0 ninja==1.13.2 setuptools wheel
+TEST_DEPS := pytest==9.2.0 pytest-xdist==3.8.0 transformers==5.23.0
+export MAX_JOBS ?= 2
+
+.PHONY: demo test setup clean
+demo: $(VENV)/.built
+	$(PY) examples/demo.py
+
+test: $(VENV)/.built
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests
+
+setup: $(VENV)/.built
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(DEPS) $(TEST_DEPS)
+	touch $@
+
+# Rebuild the extension whenever the C++ sources or the build script change.
+$(VENV)/.built: $(VENV)/.deps setup.py $(wildcard cpp/*.h cpp/*.cpp)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+clean:
+	rm -rf $(VENV) build blade/*.so blade.egg-info
