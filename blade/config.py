@@ -55,6 +55,7 @@ class Config:
     compile_timeout_s: float = _env_or("compile_timeout_s", 300.0)  # per cluster
     cache_dir: str = _env_or("cache_dir", _default_cache_dir)
     use_cache: bool = _env_or("use_cache", True)
+    cache_max_bytes: int = _env_or("cache_max_bytes", 2 << 30)  # LRU eviction above this size (0 = unbounded)
     dump_dir: str = _env_or("dump_dir", "")                     # "" = artifacts in a temp dir only
     fallback: str = _env_or("fallback", "off")                  # one of FALLBACK_MODES
     rtol: float = _env_or("rtol", 1e-4)                         # tolerances of fallback="check"
@@ -99,6 +100,7 @@ ENV_VARS = {
     "compile_timeout_s": ("BLADE_COMPILE_TIMEOUT", float),
     "cache_dir": ("BLADE_CACHE_DIR", str),
     "use_cache": ("BLADE_USE_CACHE", _parse_bool),
+    "cache_max_bytes": ("BLADE_CACHE_MAX_BYTES", int),
     "dump_dir": ("BLADE_DUMP_DIR", str),
     "fallback": ("BLADE_FALLBACK", str),
     "rtol": ("BLADE_RTOL", float),
