@@ -119,7 +119,8 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
     results = compile_many(jobs, parallelism=config.compile_parallelism,
                            timeout_s=config.compile_timeout_s,
                            options={"isa": config.target_isa, "cxx": config.cxx},
-                           cache_dir=config.cache_dir if config.use_cache else None)
+                           cache_dir=config.cache_dir if config.use_cache else None,
+                           cache_max_bytes=config.cache_max_bytes)
     report.compile_wall_s = time.perf_counter() - compile_started
 
     spliced, replaced = set(), {}

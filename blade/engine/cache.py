@@ -1,17 +1,27 @@
 """Content-addressed on-disk cache of compiled engines (torch-free).
 
 Key = sha256(ONNX bytes, resolved options, compiler path and --version, ABI version, ISA, source of
-blade/engine/*.py and the ABI header). An entry ``<cache_dir>/<key[:2]>/<key>/`` holds engine.so and
-manifest.json; it is built in a temp dir beside it and published with one ``os.replace``, so readers
-see a whole entry or none. Losing that race to another process is success.
+blade/engine/*.py and the ABI header). An entry ``<cache_dir>/<key[:2]>/<key>/`` holds engine.so,
+manifest.json and checksums.json (sha256 of the other two). It is built in a temp dir beside it and
+published with one ``os.replace``, so readers see a whole entry or none; losing that race to another
+process is success.
+
+Reading (``fetch``) verifies the checksums and copies the entry into the job's own work dir, so a
+concurrent eviction or repair can never pull a file from under a reader. An entry that fails its
+checksum is removed with a warning and counts as a miss (the caller recompiles and stores it again).
+The cache is bounded: after each store, least-recently-used entries (mtime of checksums.json, touched
+on every hit) are evicted until the total size is within ``max_bytes``.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import os
 import shutil
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 from . import compiler
@@ -19,6 +29,9 @@ from .manifest import Manifest
 
 ENTRY_FILES = ("engine.so", "manifest.json")
 KEPT_FILES = ENTRY_FILES + ("engine.cpp",)
+CHECKSUMS = "checksums.json"        # written last into the temp dir; its mtime is the last use
+TMP_PREFIX = ".tmp-"
+STALE_TMP_S = 3600.0                # temp dirs older than this belong to a crashed writer
 ENGINE_DIR = Path(__file__).resolve().parent
 
 
@@ -44,28 +57,80 @@ def entry_dir(cache_dir, key: str) -> Path:
     return Path(cache_dir) / key[:2] / key
 
 
-def lookup(cache_dir, key: str):
-    """(so_path, Manifest) of a complete entry, or None."""
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verify(entry: Path) -> Manifest:
+    """The entry's manifest, or ValueError saying what is wrong with it."""
+    try:
+        expected = json.loads((entry / CHECKSUMS).read_text())
+        for name in ENTRY_FILES:
+            if _sha256(entry / name) != expected[name]:
+                raise ValueError(f"{name} does not match its checksum")
+        return Manifest.from_json((entry / "manifest.json").read_text())
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{type(err).__name__}: {err}") from None
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory atomically for readers: rename it aside first, then delete."""
+    aside = path.parent / f"{TMP_PREFIX}removed-{path.name[:16]}-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        path.replace(aside)
+    except OSError:
+        return  # already gone (another process removed or replaced it)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _checked(cache_dir, key: str) -> Path | None:
+    """The entry dir if it exists and passes its checksums; a corrupt entry is removed (warning)."""
     entry = entry_dir(cache_dir, key)
-    if not all((entry / name).is_file() for name in ENTRY_FILES):
+    if not entry.is_dir():
         return None
     try:
-        return entry / "engine.so", Manifest.from_json((entry / "manifest.json").read_text())
-    except (ValueError, TypeError, KeyError):
-        return None  # unreadable: treat as a miss; store() replaces it
+        _verify(entry)
+    except ValueError as err:
+        warnings.warn(f"blade: engine cache entry {entry} is corrupt ({err}); removed, recompiling")
+        _remove(entry)
+        return None
+    return entry
 
 
-def store(cache_dir, key: str, work_dir) -> Path:
-    """Publishes work_dir's artifacts as the entry for key; returns the entry dir."""
+def lookup(cache_dir, key: str):
+    """(so_path, Manifest) of a complete, verified entry in the cache, or None."""
+    entry = _checked(cache_dir, key)
+    return (entry / "engine.so", Manifest.from_json((entry / "manifest.json").read_text())) if entry else None
+
+
+def fetch(cache_dir, key: str, work_dir):
+    """A hit copied into work_dir: (so_path, Manifest) there, or None. Marks the entry used."""
+    entry = _checked(cache_dir, key)
+    if entry is None:
+        return None
+    work_dir = Path(work_dir)
+    try:
+        for name in ENTRY_FILES + (CHECKSUMS,):
+            shutil.copyfile(entry / name, work_dir / name)
+        manifest = _verify(work_dir)  # the copy is what the caller loads: check it, not the entry
+        os.utime(entry / CHECKSUMS)   # LRU: an entry's last use is the mtime of its checksums.json
+    except (OSError, ValueError):
+        return None  # evicted or replaced while copying: a miss
+    return work_dir / "engine.so", manifest
+
+
+def store(cache_dir, key: str, work_dir, max_bytes: int = 0) -> Path:
+    """Publishes work_dir's artifacts as the entry for key, then evicts down to max_bytes (0 = no
+    bound); returns the entry dir."""
     entry = entry_dir(cache_dir, key)
     entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:16]}-", dir=entry.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{key[:16]}-", dir=entry.parent))
     try:
         for name in KEPT_FILES:
             if (Path(work_dir) / name).is_file():
                 shutil.copy2(Path(work_dir) / name, tmp / name)
-        if entry.exists() and lookup(cache_dir, key) is None:
-            shutil.rmtree(entry, ignore_errors=True)  # a broken entry (e.g. copied in by hand)
+        (tmp / CHECKSUMS).write_text(json.dumps({name: _sha256(tmp / name) for name in ENTRY_FILES}))
+        _checked(cache_dir, key)  # removes a broken entry (e.g. copied in by hand) so ours can land
         try:
             tmp.replace(entry)
         except OSError:
@@ -73,4 +138,40 @@ def store(cache_dir, key: str, work_dir) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if max_bytes:
+        evict(cache_dir, max_bytes, keep=entry)
     return entry
+
+
+def _entries(cache_dir: Path):
+    """(last_used, bytes, path) of every published entry; stale temp dirs are removed on the way."""
+    now = time.time()
+    for shard in cache_dir.iterdir():
+        if not shard.is_dir():
+            continue
+        for path in shard.iterdir():
+            try:
+                if path.name.startswith(TMP_PREFIX):
+                    if now - path.stat().st_mtime > STALE_TMP_S:
+                        shutil.rmtree(path, ignore_errors=True)
+                    continue
+                size = sum(f.stat().st_size for f in path.iterdir())
+                yield (path / CHECKSUMS).stat().st_mtime, size, path
+            except OSError:
+                continue  # removed by another process meanwhile, or half-repaired: not ours to count
+
+
+def evict(cache_dir, max_bytes: int, keep: Path | None = None) -> list[Path]:
+    """Remove least-recently-used entries until the cache holds at most max_bytes (never `keep`)."""
+    entries = sorted(_entries(Path(cache_dir)))
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _, size, path in entries:
+        if total <= max_bytes:
+            break
+        if path == keep:
+            continue
+        _remove(path)
+        total -= size
+        removed.append(path)
+    return removed

@@ -82,7 +82,7 @@ def _run_subprocess(onnx_path: str, work_dir: Path, options: dict, timeout_s: fl
             return None, log_path
 
 
-def _compile_one(job, options: dict, timeout_s: float, cache_dir) -> CompileResult:
+def _compile_one(job, options: dict, timeout_s: float, cache_dir, cache_max_bytes: int = 0) -> CompileResult:
     name, onnx_path, work_dir = job
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,7 @@ def _compile_one(job, options: dict, timeout_s: float, cache_dir) -> CompileResu
             key = cache.cache_key(Path(onnx_path).read_bytes(), options)
         except Exception:  # e.g. no compiler: compile uncached, and let the job report why it fails
             key = None
-        hit = key and cache.lookup(cache_dir, key)
+        hit = key and cache.fetch(cache_dir, key, work_dir)
         if hit:
             return result(True, hit[0], hit[1], cache_hit=True, log_path=cache.entry_dir(cache_dir, key))
     code, log_path = _run_subprocess(onnx_path, work_dir, options, timeout_s)
@@ -113,24 +113,25 @@ def _compile_one(job, options: dict, timeout_s: float, cache_dir) -> CompileResu
     except ValueError as err:
         return result(False, error=f"engine compile of {name!r} produced unusable artifacts: {err}; log: {log_path}")
     if key:
-        cache.store(cache_dir, key, work_dir)
+        cache.store(cache_dir, key, work_dir, cache_max_bytes)
     return result(True, so_path, manifest)
 
 
 def compile_many(jobs, *, parallelism: int = 1, timeout_s: float = 300.0, options: dict | None = None,
-                 cache_dir=None) -> list[CompileResult]:
-    """jobs: iterable of (name, onnx_path, work_dir). Results come back in job order."""
+                 cache_dir=None, cache_max_bytes: int = 0) -> list[CompileResult]:
+    """jobs: iterable of (name, onnx_path, work_dir). Results come back in job order.
+    cache_dir: None = no cache; cache_max_bytes: its size bound (0 = unbounded)."""
     jobs = list(jobs)
     options = compiler.resolve_options(options)  # concrete ISA and compiler: part of the cache key
     with ThreadPoolExecutor(max_workers=max(1, parallelism)) as pool:
-        futures = [pool.submit(_contained, job, options, timeout_s, cache_dir) for job in jobs]
+        futures = [pool.submit(_contained, job, options, timeout_s, cache_dir, cache_max_bytes) for job in jobs]
         return [f.result() for f in futures]
 
 
-def _contained(job, options, timeout_s, cache_dir) -> CompileResult:
+def _contained(job, options, timeout_s, cache_dir, cache_max_bytes) -> CompileResult:
     """_compile_one, with any unexpected error (disk full, ...) turned into that job's failure."""
     try:
-        return _compile_one(job, options, timeout_s, cache_dir)
+        return _compile_one(job, options, timeout_s, cache_dir, cache_max_bytes)
     except Exception as err:
         name, _, work_dir = job
         return CompileResult(name, False, None, None, str(work_dir), str(Path(work_dir) / JOB_LOG),

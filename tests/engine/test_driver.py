@@ -110,19 +110,57 @@ def test_cache_hit_and_broken_entries(small_models, tmp_path):
     assert all(r.ok and not r.cache_hit for r in first)
     second = compile_many(jobs_for(small_models, tmp_path / "b"), parallelism=2, cache_dir=cache_dir)
     assert all(r.ok and r.cache_hit for r in second)
-    assert all(str(cache_dir) in r.so_path for r in second)
-    assert not (tmp_path / "b" / "relu" / "engine.so").exists(), "a hit must not compile or copy"
+    # a hit is a verified private copy: eviction by another process cannot pull it from under us
+    assert all(r.so_path.startswith(str(tmp_path / "b")) for r in second)
+    assert not list((tmp_path / "b").rglob("engine.cpp")), "a hit must not compile"
     check_case(small_models["relu"][0], (second[0].so_path, second[0].manifest))
-    # Leftover temp dirs of a crashed writer and a half-written entry are ignored / repaired.
+    # Leftover temp dirs of a crashed writer are ignored; a half-written entry is repaired.
     options = compiler.resolve_options(None)
     key = cache.cache_key(small_models["relu"][1].read_bytes(), options)
     entry = cache.entry_dir(cache_dir, key)
     (entry.parent / f".tmp-{key[:16]}-crashed").mkdir()
     (entry / "manifest.json").unlink()
-    assert cache.lookup(cache_dir, key) is None
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert cache.lookup(cache_dir, key) is None
     third = compile_many(jobs_for(small_models, tmp_path / "c"), cache_dir=cache_dir)
     assert third[0].ok and not third[0].cache_hit and cache.lookup(cache_dir, key) is not None
     assert compile_many(jobs_for(small_models, tmp_path / "d"), cache_dir=cache_dir)[0].cache_hit
+
+
+def test_corrupt_entry_is_detected_removed_and_recompiled(small_models, tmp_path):
+    cache_dir = tmp_path / "cache"
+    (first,) = compile_many(jobs_for(small_models, tmp_path / "a")[:1], cache_dir=cache_dir)
+    key = cache.cache_key(small_models["relu"][1].read_bytes(), compiler.resolve_options(None))
+    so = cache.entry_dir(cache_dir, key) / "engine.so"
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit-pattern in the middle: still an ELF, wrong code
+    so.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"corrupt \(engine.so does not match its checksum\)"):
+        (again,) = compile_many(jobs_for(small_models, tmp_path / "b")[:1], cache_dir=cache_dir)
+    assert again.ok and not again.cache_hit
+    assert open(again.so_path, "rb").read() == open(first.so_path, "rb").read()
+    check_case(small_models["relu"][0], (again.so_path, again.manifest))
+    (third,) = compile_many(jobs_for(small_models, tmp_path / "c")[:1], cache_dir=cache_dir)
+    assert third.cache_hit
+
+
+def test_cache_evicts_least_recently_used(small_models, tmp_path):
+    cache_dir = tmp_path / "cache"
+    options = compiler.resolve_options(None)
+    keys = {name: cache.cache_key(path.read_bytes(), options) for name, (_, path) in small_models.items()}
+    compile_many(jobs_for(small_models, tmp_path / "a"), cache_dir=cache_dir)
+    sizes = {name: sum(f.stat().st_size for f in cache.entry_dir(cache_dir, k).iterdir()) for name, k in keys.items()}
+    old = time.time() - 100
+    os.utime(cache.entry_dir(cache_dir, keys["relu"]) / cache.CHECKSUMS, (old, old))
+    os.utime(cache.entry_dir(cache_dir, keys["softmax"]) / cache.CHECKSUMS, (old + 50, old + 50))
+    # a hit on relu makes softmax the least recently used
+    assert compile_many(jobs_for(small_models, tmp_path / "b")[:1], cache_dir=cache_dir)[0].cache_hit
+    assert cache.evict(cache_dir, max(sizes.values()) + 1) == [cache.entry_dir(cache_dir, keys["softmax"])]
+    assert cache.lookup(cache_dir, keys["relu"]) is not None
+    # a store over the bound evicts everything older, never the entry it just wrote
+    (fresh,) = compile_many(jobs_for(small_models, tmp_path / "c")[1:], cache_dir=cache_dir, cache_max_bytes=1)
+    assert fresh.ok and not fresh.cache_hit
+    assert cache.lookup(cache_dir, keys["relu"]) is None and cache.lookup(cache_dir, keys["softmax"]) is not None
 
 
 def test_cache_key_covers_inputs(small_models):
@@ -141,9 +179,11 @@ def test_lost_race_is_success(tmp_path):
     (work / "engine.so").write_bytes(b"\x7fELF")
     (work / "manifest.json").write_text(compiler.Manifest(1, "x86-64", [], [], [], 0).to_json())
     key = "ab" * 32
+    (tmp_path / "cache" / key[:2] / f".tmp-{key[:16]}-crashed-long-ago").mkdir(parents=True)
+    os.utime(tmp_path / "cache" / key[:2] / f".tmp-{key[:16]}-crashed-long-ago", (0, 0))
     first = cache.store(tmp_path / "cache", key, work)
-    assert cache.store(tmp_path / "cache", key, work) == first    # entry exists: the race was lost
-    assert sorted(os.listdir(first.parent)) == [key]               # no temp dirs left behind
+    assert cache.store(tmp_path / "cache", key, work, max_bytes=1) == first  # entry exists: race lost
+    assert sorted(os.listdir(first.parent)) == [key]  # no temp dirs left behind; stale ones swept
 
 
 def test_driver_result_for_missing_onnx(tmp_path):
