@@ -1,5 +1,5 @@
 // blade runtime ABI: the one header that generated engine code includes (besides the C++ standard
-// library). An engine .so never links against torch: everything heavy (GEMM, threads) it asks of
+// library). An engine .so never links against torch: everything heavy (GEMM, convolution, threads) it asks of
 // the runtime through the function table below, which the Engine (cpp/engine.cpp) fills with
 // ATen-backed implementations. Test harnesses may fill it with their own (e.g. a serial, naive one).
 //
@@ -8,7 +8,7 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 1
+#define BLADE_ABI_VERSION 2
 
 extern "C" {
 
@@ -30,6 +30,16 @@ struct BladeRuntime {
   // (the runtime's pool: ATen's intra-op pool, so torch.set_num_threads is honoured). Chunks are at
   // least `grain` long except the last; a loop shorter than grain runs inline on the caller.
   void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, blade_range_fn fn, void* ctx);
+  // Float32 convolution (cross-correlation, like torch's conv) over `spatial` (1..3) dims:
+  //   input [n, c_in, *in_size], weight [c_out, c_in / groups, *kernel], bias [c_out] or nullptr,
+  //   output [n, c_out, *out_size], all dense row-major. input_shape has 2 + spatial entries,
+  //   weight_shape too; strides and dilations have `spatial` entries; pads has 2 * spatial
+  //   (all begins, then all ends; they may differ, e.g. "same" with an even kernel: the runtime
+  //   zero-pads first). out_size[d] = (in + begin + end - dilation * (k - 1) - 1) / stride + 1.
+  void (*conv)(int32_t spatial, const int64_t* input_shape, const float* input,
+               const int64_t* weight_shape, const float* weight, const float* bias,
+               const int64_t* strides, const int64_t* pads, const int64_t* dilations, int64_t groups,
+               float* output);
 };
 
 // Every engine .so exports these two symbols.

@@ -1,4 +1,4 @@
-// ATen-backed implementations of the BladeRuntime callbacks.
+// ATen-backed implementations of the BladeRuntime callbacks (GEMM, threads, convolution).
 //
 // Errors: ATen checks malformed GEMM arguments (which only a broken engine would pass) and throws.
 // The exception unwinds through the engine's frames (g++ emits unwind tables on x86-64 by default)
@@ -9,10 +9,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/convolution.h>
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <array>
+#include <optional>
+#include <vector>
 
 namespace blade {
 namespace {
@@ -54,7 +58,37 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, blade_range_fn fn, 
                    [fn, ctx](int64_t chunk_begin, int64_t chunk_end) { fn(ctx, chunk_begin, chunk_end); });
 }
 
-const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for};
+at::Tensor dense(const float* data, at::IntArrayRef sizes) {
+  return at::from_blob(const_cast<float*>(data), sizes, at::TensorOptions().dtype(at::kFloat));
+}
+
+// at::convolution picks the best CPU kernel (oneDNN / slow_conv / depthwise) for the shapes. It
+// returns a fresh tensor, copied into the engine's buffer (one cheap pass next to the conv).
+void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
+          const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
+          const int64_t* dilations, int64_t groups, float* output) {
+  at::Tensor x = dense(input, at::IntArrayRef(input_shape, 2 + spatial));
+  const at::Tensor w = dense(weight, at::IntArrayRef(weight_shape, 2 + spatial));
+  std::optional<at::Tensor> b;
+  if (bias != nullptr) b = dense(bias, at::IntArrayRef(weight_shape, 1));
+  std::vector<int64_t> padding(pads, pads + spatial);
+  if (!std::equal(pads, pads + spatial, pads + spatial)) {
+    // ATen pads symmetrically only: pad explicitly (constant_pad_nd lists the last dim first).
+    std::vector<int64_t> pad_nd;
+    for (int32_t d = spatial - 1; d >= 0; --d) {
+      pad_nd.push_back(pads[d]);
+      pad_nd.push_back(pads[spatial + d]);
+    }
+    x = at::constant_pad_nd(x, pad_nd, 0);
+    std::fill(padding.begin(), padding.end(), 0);
+  }
+  const std::vector<int64_t> output_padding(spatial, 0);
+  const at::Tensor y = at::convolution(x, w, b, at::IntArrayRef(strides, spatial), padding,
+                                       at::IntArrayRef(dilations, spatial), false, output_padding, groups);
+  if (y.numel() > 0) dense(output, y.sizes()).copy_(y);
+}
+
+const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv};
 
 }  // namespace
 

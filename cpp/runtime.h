@@ -4,7 +4,8 @@
 
 namespace blade {
 
-// One static instance: GEMM through ATen (MKL underneath), loops on ATen's intra-op thread pool.
+// One static instance: GEMM and convolution through ATen (MKL/oneDNN underneath), loops on ATen's
+// intra-op thread pool.
 const BladeRuntime* runtime();
 
 }  // namespace blade

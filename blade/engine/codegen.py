@@ -249,8 +249,11 @@ def _for(var: str, begin, end, body_lines, pragma: str = ""):
 # ---------------------------------------------------------------------------------------------
 # Scheduling: which nodes get memory
 
+COMPUTED = ("ew", "gather", "pad")     # computed per element: inlined into consumers or stored
+
 class Schedule:
-    ALWAYS_MATERIALIZED = ("reduce", "matmul", "concat")
+    ALWAYS_MATERIALIZED = ("reduce", "matmul", "concat", "conv")
+    DENSE_OPERANDS = ("matmul", "conv")     # ops whose arguments the runtime reads from memory
 
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -268,7 +271,7 @@ class Schedule:
 
     def _cost(self, node, stored, memo):
         """Per-element cost of computing node inline, down to stored values."""
-        if node.op not in ("ew", "gather", "view") or node in stored:
+        if node.op not in COMPUTED + ("view",) or node in stored:
             return 0
         if node not in memo:
             own = EXPENSIVE_OPS.get(node.attrs.get("fn"), 1) if node.op != "view" else 0
@@ -292,13 +295,13 @@ class Schedule:
                         must_store.add(arg)
                 else:
                     reads[arg] += 1
-                if node.op == "matmul":
+                if node.op in self.DENSE_OPERANDS:
                     must_store.add(arg)
         chosen, cost_memo = set(), {}
         for node in self.live:
             if node.op in self.ALWAYS_MATERIALIZED:
                 chosen.add(node)
-            elif node.op in ("ew", "gather"):
+            elif node.op in COMPUTED:
                 if node in outputs or node in must_store or (reads[node] > 1 and
                                           self._cost(node, chosen, cost_memo) > RECOMPUTE_MAX_COST):
                     chosen.add(node)
@@ -306,7 +309,7 @@ class Schedule:
         for node in list(must_store):
             while node.op == "view":
                 node = node.args[0]
-            if node.op in ("ew", "gather"):
+            if node.op in COMPUTED:
                 chosen.add(node)
         return chosen
 
@@ -453,6 +456,31 @@ class Emitter:
         if key is not None:
             scope.memo[key] = result
         return result
+
+    def _pad_value(self, node, idx, scope, key):
+        """x at idx - begin: out-of-range positions read the fill (constant) or a remapped element."""
+        (src,), mode = node.args, node.attrs["mode"]
+        src_idx, inside = [], []
+        for i, lo, n in zip(idx, node.attrs["begins"], src.shape):
+            if lo == 0 and n == node.shape[len(src_idx)]:
+                src_idx.append(i)
+                continue
+            pos = self.fresh("p")
+            shifted = views.index_sum([i], -lo)
+            remap = {"constant": f"({pos} >= 0 && {pos} < {n} ? {pos} : 0)",
+                     "edge": f"({pos} < 0 ? 0 : ({pos} >= {n} ? {n - 1} : {pos}))",
+                     "reflect": f"({pos} < 0 ? -{pos} : ({pos} >= {n} ? {2 * n - 2} - {pos} : {pos}))"}[mode]
+            scope.lines += [f"const int64_t {pos} = {shifted};", f"const int64_t {pos}c = {remap};"]
+            inside.append(f"{pos} >= 0 && {pos} < {n}")
+            scope.binds.update({pos, f"{pos}c"})
+            src_idx.append(f"{pos}c")
+        value = self.value(src, src_idx, scope)
+        if mode != "constant" or not inside:
+            if key is not None:
+                scope.memo[key] = value
+            return value
+        fill = literal(node.attrs["value"], node.dtype)
+        return scope.define(CType(node.dtype), f"({' && '.join(inside)}) ? {value} : {fill}", key)
 
     def reduction_value(self, node: Node, idx, scope: Scope) -> str:
         """The accumulator loop of a reduce node for one output element (its input fused in)."""
@@ -610,6 +638,30 @@ class Emitter:
             call = _for(var, 0, size, call)
         self.end_kernel(["{", *_indent([DECLS] + call), "}"])
 
+    def _dense_operand(self, node: Node) -> str:
+        """A pointer expression to node as dense row-major memory (copied to scratch if needed)."""
+        s = self.strided_of(node)
+        if s is None or s.layout.strides != contiguous_strides(node.shape):
+            s = self.new_scratch(node.dtype, node.shape)
+            self.emit_loop_kernel(f"contiguous copy of {node!r}", s, lambda scope, idx: self.value(node, idx, scope))
+        return s
+
+    def _emit_conv(self, node, dest):
+        if node.numel == 0:
+            return
+        operands = [self._dense_operand(a) for a in node.args]
+        self.begin_kernel(f"{node!r} = conv {' * '.join(map(repr, node.args))} "
+                          f"stride {node.attrs['strides']} pads {node.attrs['pads']} "
+                          f"dilation {node.attrs['dilations']} groups {node.attrs['groups']}")
+        ptrs = [f"{self.use(o.buf)} + {o.layout.offset}" for o in operands]
+        bias = ptrs[2] if len(ptrs) > 2 else "nullptr"
+        arrays = {"xs": node.args[0].shape, "ws": node.args[1].shape, "st": node.attrs["strides"],
+                  "pd": node.attrs["pads"], "dl": node.attrs["dilations"]}
+        decls = [f"const int64_t {name}[] = {{{', '.join(map(str, values))}}};" for name, values in arrays.items()]
+        call = (f"rt->conv({node.rank - 2}, xs, {ptrs[0]}, ws, {ptrs[1]}, {bias}, st, pd, dl, "
+                f"{node.attrs['groups']}, {self.use(dest.buf, write=True)} + {dest.layout.offset});")
+        self.end_kernel(["{", *_indent([DECLS] + decls + [call]), "}"])
+
     # ---- whole program ----
 
     def run(self) -> Program:
@@ -659,14 +711,17 @@ LAZY = {
     "view": Emitter._view_value,
     "ew": Emitter._elementwise_value,
     "gather": Emitter._gather_value,
+    "pad": Emitter._pad_value,
 }
 
 MATERIALIZE = {
     "ew": Emitter._emit_elementwise,
     "gather": Emitter._emit_elementwise,
+    "pad": Emitter._emit_elementwise,
     "reduce": Emitter._emit_reduce,
     "concat": Emitter._emit_concat,
     "matmul": Emitter._emit_matmul,
+    "conv": Emitter._emit_conv,
 }
 
 HEADER = """// Generated by blade.engine from one ONNX cluster. Do not edit.

@@ -4,10 +4,12 @@ A cluster becomes a DAG of a handful of primitives, each with a static shape and
 
   input / const   leaves backed by memory (a graph input, an initializer)
   ew              elementwise op over arguments of the node's own shape (broadcasts are explicit views)
-  view            index remapping without compute: permute, expand, slice, reshape (see views.py)
+  view            index remapping without compute: permute, expand, slice, reshape, window (views.py)
+  pad             x padded per dim: a constant fill, or reflect/edge index remapping
   reduce          sum / max / min over axes, keeping the reduced dims as size 1
   matmul          float32 batched [.., m, k] @ [.., k, n] with equal batch dims (alpha scale)
   gather          data[..., indices[...], ...] along one axis (range-checked at run time)
+  conv            float32 N-d convolution [n, c, *size] * [o, c/g, *k] (+ bias), through the runtime
   concat          along one axis
 
 Every ONNX op is one entry of ``ONNX_RULES``: a function from (builder, node attributes, IR
@@ -169,6 +171,14 @@ class Builder:
         shape = data.shape[:axis] + indices.shape + data.shape[axis + 1:]
         return self._add("gather", shape, data.dtype, [data, indices], axis=axis)
 
+    def conv(self, x, w, bias, strides, pads, dilations, groups) -> Node:
+        spatial = x.rank - 2
+        size = [(x.shape[2 + d] + pads[d] + pads[spatial + d] - dilations[d] * (w.shape[2 + d] - 1) - 1)
+                // strides[d] + 1 for d in range(spatial)]
+        args = [x, w] + ([bias] if bias is not None else [])
+        return self._add("conv", (x.shape[0], w.shape[0], *size), x.dtype, args, strides=list(strides),
+                         pads=list(pads), dilations=list(dilations), groups=int(groups))
+
     def concat(self, args, axis) -> Node:
         axis = normalize_axis(axis, args[0].rank)
         shape = list(args[0].shape)
@@ -196,6 +206,21 @@ class Builder:
         if shape == x.shape and all(s == 0 for s in starts) and all(s == 1 for s in steps):
             return x
         return self._add("view", shape, x.dtype, [x], view="slice", starts=list(starts), steps=list(steps))
+
+    def pad(self, x, begins, ends, mode="constant", value=0.0) -> Node:
+        if not any(begins) and not any(ends):
+            return x
+        shape = [n + lo + hi for n, lo, hi in zip(x.shape, begins, ends)]
+        return self._add("pad", shape, x.dtype, [x], begins=list(begins), mode=mode,
+                         value=np.asarray(value, dtype=x.dtype).item())
+
+    def window(self, x, kernel, strides, dilations) -> Node:
+        """Sliding windows over the trailing len(kernel) dims: [..., *size] -> [..., *out, *kernel]."""
+        spatial = len(kernel)
+        lead, size = x.shape[:-spatial], x.shape[-spatial:]
+        out = [(n - d * (k - 1) - 1) // s + 1 for n, k, s, d in zip(size, kernel, strides, dilations)]
+        return self._add("view", tuple(lead) + tuple(out) + tuple(kernel), x.dtype, [x], view="window",
+                         strides=list(strides), dilations=list(dilations))
 
     def reshape(self, x, shape) -> Node:
         shape = tuple(int(d) for d in shape)
@@ -388,6 +413,79 @@ def _gather(b, attrs, data, indices):
     return [b.gather(data, indices, attrs.get("axis", 0))]
 
 
+def _conv(b, attrs, x, w, bias=None):
+    spatial = x.rank - 2
+    if x.dtype != "float32" or not 1 <= spatial <= 3:
+        raise UnsupportedOnnxOp(f"Conv on {x.dtype} with {spatial} spatial dims (float32, 1-3 supported)")
+    if attrs.get("auto_pad", "NOTSET") != "NOTSET":
+        raise UnsupportedOnnxOp("Conv with auto_pad (explicit pads are supported)")
+    return [b.conv(x, w, bias, attrs.get("strides", [1] * spatial), attrs.get("pads", [0] * 2 * spatial),
+                   attrs.get("dilations", [1] * spatial), attrs.get("group", 1))]
+
+
+def _pool(kind):
+    """MaxPool / AveragePool: pad (with -inf or 0), sliding-window view, reduce over the window."""
+    def rule(b, attrs, x):
+        kernel = list(attrs["kernel_shape"])
+        spatial = len(kernel)
+        strides = list(attrs.get("strides", [1] * spatial))
+        dilations = list(attrs.get("dilations", [1] * spatial))
+        pads = list(attrs.get("pads", [0] * 2 * spatial))
+        if attrs.get("auto_pad", "NOTSET") != "NOTSET" or attrs.get("storage_order", 0):
+            raise UnsupportedOnnxOp(f"{kind} pool with auto_pad or storage_order")
+        size = x.shape[-spatial:]
+        ends = list(pads[spatial:])
+        if attrs.get("ceil_mode", 0):  # extra windows that start inside the (begin-padded) input
+            for d in range(spatial):
+                extent = size[d] + pads[d] + pads[spatial + d] - dilations[d] * (kernel[d] - 1) - 1
+                out = -(-extent // strides[d]) + 1
+                if (out - 1) * strides[d] >= size[d] + pads[d]:
+                    out -= 1
+                ends[d] = max(ends[d], (out - 1) * strides[d] + dilations[d] * (kernel[d] - 1) + 1 - size[d] - pads[d])
+        lead = [0] * (x.rank - spatial)
+        fill = -np.inf if kind == "max" else 0.0
+        if kind == "max" and x.dtype not in ("float32", "float64"):
+            fill = np.iinfo(x.dtype).min
+        padded = b.pad(x, lead + pads[:spatial], lead + ends, value=fill)
+        windows = b.window(padded, kernel, strides, dilations)
+        axes = list(range(x.rank, x.rank + spatial))
+        if kind == "max":
+            return [b.reduce("max", windows, axes, keepdims=False)]
+        total = b.reduce("sum", windows, axes, keepdims=False)
+        # the divisor of each window: its taps inside x, or with count_include_pad inside x and
+        # its explicit pads (never the extra end that ceil_mode adds)
+        include = attrs.get("count_include_pad", 0)
+        inside = np.zeros(padded.shape[-spatial:])
+        inside[tuple(slice(0 if include else lo, lo + n + (hi if include else 0))
+                     for lo, n, hi in zip(pads[:spatial], size, pads[spatial:]))] = 1
+        view = np.lib.stride_tricks.sliding_window_view(
+            inside, [d * (k - 1) + 1 for k, d in zip(kernel, dilations)])
+        view = view[tuple(slice(None, None, s) for s in strides) + tuple(slice(None, None, d) for d in dilations)]
+        counts = view.reshape(view.shape[:spatial] + (-1,)).sum(-1)
+        return [b.ew("Div", total, b.const(counts, x.dtype))]
+    return rule
+
+
+def _global_average_pool(b, attrs, x):
+    return [b.mean(x, list(range(2, x.rank)))]
+
+
+def _pad(b, attrs, x, pads_node, value=None, axes_node=None):
+    pads = [int(p) for p in b.const_value(pads_node, "Pad pads")]
+    axes = b.const_value(axes_node, "Pad axes")
+    axes = range(x.rank) if axes is None else [normalize_axis(int(a), x.rank) for a in axes]
+    begins, ends = [0] * x.rank, [0] * x.rank
+    for k, axis in enumerate(axes):
+        begins[axis], ends[axis] = pads[k], pads[len(axes) + k]
+    if min(begins + ends) < 0:
+        raise UnsupportedOnnxOp("Pad with negative pads")
+    mode = attrs.get("mode", "constant")
+    if mode not in ("constant", "reflect", "edge"):
+        raise UnsupportedOnnxOp(f"Pad mode {mode!r}")
+    fill = b.const_value(value, "Pad value")
+    return [b.pad(x, begins, ends, mode, 0 if fill is None else fill.reshape(()).item())]
+
+
 ONNX_RULES = {
     **{op: _elementwise(op) for op in ELEMENTWISE if op not in ("Max", "Min", "Cast", "Pow")},
     "Max": _variadic("Max"),
@@ -415,6 +513,11 @@ ONNX_RULES = {
     "Slice": _slice,
     "Concat": _concat,
     "Gather": _gather,
+    "Conv": _conv,
+    "MaxPool": _pool("max"),
+    "AveragePool": _pool("average"),
+    "GlobalAveragePool": _global_average_pool,
+    "Pad": _pad,
 }
 
 

@@ -1,4 +1,4 @@
-"""A torch-free runner for engine .so files: numpy GEMM and a serial parallel_for, through ctypes.
+"""A torch-free runner for engine .so files: numpy GEMM/convolution and a serial parallel_for, through ctypes.
 
 For tests and debugging only (the real runtime is the ATen-backed Engine in cpp/engine.cpp).
 """
@@ -19,10 +19,14 @@ SGEMM_FN = ctypes.CFUNCTYPE(
     ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)
 PARALLEL_FOR_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_void_p)
+CONV_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                           ctypes.c_void_p)
 
 
 class BladeRuntime(ctypes.Structure):
-    _fields_ = [("abi_version", ctypes.c_int32), ("sgemm", SGEMM_FN), ("parallel_for", PARALLEL_FOR_FN)]
+    _fields_ = [("abi_version", ctypes.c_int32), ("sgemm", SGEMM_FN), ("parallel_for", PARALLEL_FOR_FN),
+                ("conv", CONV_FN)]
 
 
 class EngineRunError(RuntimeError):
@@ -56,6 +60,38 @@ def _sgemm(batch, m, n, k, alpha, a, lda, sa, ta, b, ldb, sb, tb, beta, c, ldc, 
     out[...] = result.astype(np.float32)
 
 
+def _array(ptr, shape, ctype=ctypes.c_float):
+    count = int(np.prod(shape))
+    if count == 0:
+        return np.zeros(shape)
+    return np.ctypeslib.as_array((ctype * count).from_address(ptr)).reshape(shape)
+
+
+def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, groups, out):
+    """The blade_abi.h conv contract in numpy (float64 accumulation): pad, then one einsum per group
+    over sliding windows."""
+    ints = lambda ptr, n: [int(v) for v in _array(ptr, (n,), ctypes.c_int64)]
+    in_shape, w_shape = ints(in_shape, 2 + spatial), ints(w_shape, 2 + spatial)
+    strides, pads, dilations = ints(strides, spatial), ints(pads, 2 * spatial), ints(dilations, spatial)
+    x = np.pad(_array(x, in_shape).astype(np.float64),
+               [(0, 0), (0, 0)] + [(pads[d], pads[spatial + d]) for d in range(spatial)])
+    w = _array(w, w_shape).astype(np.float64)
+    # windows[n, c, *out, *k]: the input under each kernel tap, dilated and strided
+    extents = [dilations[d] * (w_shape[2 + d] - 1) + 1 for d in range(spatial)]
+    windows = np.lib.stride_tricks.sliding_window_view(x, extents, axis=tuple(range(2, 2 + spatial)))
+    windows = windows[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in strides)
+                      + tuple(slice(None, None, d) for d in dilations)]
+    c_in, c_out = w_shape[1], w_shape[0] // groups
+    letters = "ijkl"[:spatial]
+    parts = [np.einsum(f"nc{letters.upper()}{letters},oc{letters}->no{letters.upper()}",
+                       windows[:, g * c_in:(g + 1) * c_in], w[g * c_out:(g + 1) * c_out]) for g in range(groups)]
+    result = np.concatenate(parts, axis=1)
+    if bias:
+        result += _array(bias, (w_shape[0],)).reshape((1, -1) + (1,) * spatial)
+    if result.size:
+        _array(out, result.shape)[...] = result.astype(np.float32)
+
+
 def _parallel_for(begin, end, grain, fn, ctx):
     chunk = RANGE_FN(fn)
     step = max(grain, 1)
@@ -80,7 +116,8 @@ class NumpyEngine:
         self.constants = [np.require(np.asarray(c, dtype=s.dtype), requirements="C") for c, s in zip(constants, manifest.constants)]
         if len(self.constants) != len(manifest.constants):
             raise ValueError(f"engine needs {len(manifest.constants)} constants, got {len(self.constants)}")
-        self.runtime = BladeRuntime(manifest.abi_version, SGEMM_FN(_sgemm), PARALLEL_FOR_FN(_parallel_for))
+        self.runtime = BladeRuntime(manifest.abi_version, SGEMM_FN(_sgemm), PARALLEL_FOR_FN(_parallel_for),
+                                    CONV_FN(_conv))
 
     @staticmethod
     def _pointers(arrays):

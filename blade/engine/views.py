@@ -138,10 +138,31 @@ def _reshape_layout(node, src_shape, layout):
     return None if strides is None else Layout(layout.offset, strides)
 
 
+def _window_split(node):
+    """(leading dims, (stride, dilation) per windowed dim) of a window view."""
+    spatial = len(node.attrs["strides"])
+    return node.args[0].rank - spatial, list(zip(node.attrs["strides"], node.attrs["dilations"]))
+
+
+def _window_index(node, idx):
+    """[..., *out, *kernel] -> [..., out * stride + kernel * dilation]."""
+    lead, steps = _window_split(node)
+    spatial = len(steps)
+    outs, taps = idx[lead:lead + spatial], idx[lead + spatial:]
+    return idx[:lead] + [index_sum([index_mul(s, o), index_mul(d, k)]) for (s, d), o, k in zip(steps, outs, taps)]
+
+
+def _window_layout(node, src_shape, layout):
+    lead, steps = _window_split(node)
+    spatial = layout.strides[lead:]
+    return Layout(layout.offset, layout.strides[:lead] + tuple(s * st for (s, _), st in zip(steps, spatial))
+                  + tuple(d * st for (_, d), st in zip(steps, spatial)))
+
+
 VIEW_INDEX = {"permute": _permute_index, "expand": _expand_index, "slice": _slice_index,
-              "reshape": _reshape_index}
+              "reshape": _reshape_index, "window": _window_index}
 VIEW_LAYOUT = {"permute": _permute_layout, "expand": _expand_layout, "slice": _slice_layout,
-               "reshape": _reshape_layout}
+               "reshape": _reshape_layout, "window": _window_layout}
 
 
 def view_index(node, idx):
