@@ -7,8 +7,10 @@ import torch  # noqa: F401  (loads libtorch before our extension needs it)
 
 from blade import _C  # noqa: F401  (registers torch.classes.blade.Engine)
 from blade import dynamo as _dynamo  # noqa: F401  (registers the tt_infer backend)
+from blade.aot import load_precompiled, precompile
 from blade.config import Config
 from blade.export import compile_model, export, load
 from blade.pipeline import CompiledModule, CompileReport
 
-__all__ = ["Config", "CompiledModule", "CompileReport", "compile_model", "export", "load"]
+__all__ = ["Config", "CompiledModule", "CompileReport", "compile_model", "export", "load",
+           "load_precompiled", "precompile"]

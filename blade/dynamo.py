@@ -1,4 +1,8 @@
-"""The ``tt_infer`` dynamo backend: GraphModule + example inputs -> a callable running engines."""
+"""The ``tt_infer`` dynamo backend: GraphModule + example inputs -> a callable running engines.
+
+The callable is a ``blade.aot.PrecompiledModule``, so ``torch.compile(...).aot_compile(...)``
+can save it and a serving process can load it without tracing or compiling.
+"""
 from __future__ import annotations
 
 import logging
@@ -7,6 +11,7 @@ import warnings
 import torch
 from torch._dynamo.backends.registry import register_backend
 
+from blade.aot import PrecompiledModule
 from blade.config import Config
 from blade.pipeline import compile_fx
 
@@ -16,7 +21,7 @@ log = logging.getLogger("blade")
 def tt_infer(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
     config = Config.from_options(options)  # bad option names are the user's error: raise
     try:
-        return compile_fx(gm, list(example_inputs), config)
+        return PrecompiledModule.wrap(compile_fx(gm, list(example_inputs), config), config.fallback)
     except Exception as err:  # noqa: BLE001 - blade never takes the model down
         warnings.warn(f"blade: tt_infer could not compile this graph ({type(err).__name__}: {err}); "
                       f"it runs eagerly")

@@ -1,28 +1,31 @@
 """Ahead-of-time export for serving: one TorchScript archive with the engines inside.
 
-    blade.export(model, (ids, mask), "bert.blade.pt")     # traces, compiles, saves
-    m = blade.load("bert.blade.pt")                        # fresh process: no tracing, no compiling
+    blade.export(model, (ids, mask), "bert.blade.pt")     # captures, compiles, saves
+    m = blade.load("bert.blade.pt")                        # any process: no tracing, no compiling
     outputs = m(ids, mask)                                 # a flat tuple of tensors
 
 The archive is a plain TorchScript module: ``torch.jit.load`` works too once ``import blade`` has
-registered the Engine class. Its inputs are the model's tensor arguments, flattened in order; its
-outputs are the model's output tensors, flattened (pytree order).
+registered the Engine class (and so does ``torch::jit::load`` in C++ with blade's runtime library
+linked, see examples/cpp). Its inputs are the model's tensor arguments, flattened in order; its
+outputs are the model's output tensors, flattened (pytree order). The archive carries the stamps of
+blade.aot (torch version, formats, ABI, ISA) as the extra file ``blade_metadata.json``;
+``blade.load`` checks them first and names every mismatch.
 """
 from __future__ import annotations
 
 import json
-import platform
+import os
+import tempfile
 import warnings
+import zipfile
 
 import torch
 import torch.fx
 
-import blade._C as _C
+from blade.aot import check_stamps, make_stamps
 from blade.config import Config, current
-from blade.engine.manifest import MANIFEST_FORMAT
 from blade.pipeline import CompiledModule, compile_fx
 
-ARCHIVE_FORMAT = 1
 METADATA_FILE = "blade_metadata.json"
 
 
@@ -36,7 +39,7 @@ def capture_graph(model, example_inputs: tuple) -> torch.fx.GraphModule:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch._dynamo.export's notice
             gm, _guards = torch._dynamo.export(model, *example_inputs)
-    except Exception as err:  # dynamo's Unsupported / UserError name the break
+    except Exception as err:  # dynamo's Unsupported / UserError name the break and its source line
         raise ExportError(f"blade.export needs one graph, but dynamo could not capture the model "
                           f"whole: {err}") from err
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat positional inputs, flat tuple output
@@ -51,20 +54,44 @@ def compile_model(model, example_inputs: tuple, config: Config | None = None) ->
     return compile_fx(gm, flat_inputs, config or current())
 
 
+def _atomic_jit_save(module, path: str, extra_files: dict) -> None:
+    """torch.jit.save to a temp file beside path, then os.replace: readers never see half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".blade-export-", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        torch.jit.save(module, tmp, _extra_files=extra_files)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def export(model, example_inputs: tuple, path: str, config: Config | None = None) -> CompiledModule:
+    """Capture ``model`` as one graph, compile it, and save the archive at ``path``."""
+    config = config or current()
     compiled = compile_model(model, example_inputs, config)
-    metadata = {
-        "archive_format": ARCHIVE_FORMAT,
-        "manifest_format": MANIFEST_FORMAT,
-        "abi_version": _C.abi_version(),
-        "torch_version": torch.__version__,
-        "isa": sorted({c.isa for c in compiled.report.clusters if c.isa}),
-        "machine": platform.machine(),
-        "coverage": compiled.report.coverage,
-    }
-    torch.jit.save(compiled.module, path, _extra_files={METADATA_FILE: json.dumps(metadata)})
+    stamps = make_stamps(compiled.report, config.fallback)
+    if not stamps["engines"]:
+        warnings.warn(f"blade.export: no cluster of the model compiled to an engine; {path} is plain "
+                      f"TorchScript")
+    _atomic_jit_save(compiled.module, path, {METADATA_FILE: json.dumps(stamps)})
     return compiled
 
 
+def read_stamps(path: str) -> dict | None:
+    """The archive's stamps, or None when it is not a blade archive. Read from the zip directly:
+    torch.jit.load would build the Engines (and fail on a mismatch) before we could check."""
+    with zipfile.ZipFile(path) as archive:
+        names = [n for n in archive.namelist() if n.endswith(f"/extra/{METADATA_FILE}")]
+        return json.loads(archive.read(names[0])) if names else None
+
+
 def load(path: str) -> torch.jit.ScriptModule:
+    """The exported module, after checking its stamps against this process (clear error if they
+    do not match; only a warning when the archive's engines carry their fallback)."""
+    stamps = read_stamps(path)
+    if stamps is None:
+        raise ValueError(f"{path} is not a blade archive (no {METADATA_FILE}); use torch.jit.load")
+    check_stamps(stamps, f"blade archive {path}")
     return torch.jit.load(path)

@@ -1,0 +1,136 @@
+"""Serving without tracing or compiling: portability stamps and dynamo's AOT precompile.
+
+``tt_infer`` returns a ``PrecompiledModule``: a CompiledModule that torch's AOT precompile can
+serialize (torch/_dynamo/aot_compile_types.py, ``SerializableCallable``). Its bytes are the spliced
+ScriptModule (``torch.jit.save``: engines and their .so inside), which inputs of dynamo's call it
+takes, the compile report, and the stamps below; loading is ``torch.jit.load``, no g++ involved.
+
+    with torch.no_grad():
+        fn = torch.compile(m.forward, backend="tt_infer", fullgraph=True).aot_compile(((x,), {}))
+        fn.save_compiled_function(path, external_data={"model": m})
+    # serving process (dynamo still checks its guards on every call):
+    fn = torch.compiler.load_compiled_function(open(path, "rb"), external_data={"model": m})
+
+``blade.precompile(m, (x,), path)`` is the first two lines; ``blade.load_precompiled(path, m)`` the last.
+
+Stamps: an artifact records the torch version, blade's archive format, the engine ABI and the ISA
+levels its engines need. ``check_stamps`` turns a mismatch into one clear error before anything is
+loaded — except an ISA the host lacks when engines carry their TorchScript fallback (then the
+Engine runs the fallback and only a warning is given here).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import platform
+import warnings
+
+import torch
+from torch._dynamo.aot_compile_types import SerializableCallable
+
+import blade._C as _C
+from blade.pipeline import CompiledModule, CompileReport
+
+ARCHIVE_FORMAT = 2          # bumped when the stamps or the archive layout change
+PRECOMPILED_FORMAT = 1      # the layout of PrecompiledModule's serialized bytes
+
+
+class IncompatibleArtifact(RuntimeError):
+    """A saved blade artifact cannot run in this process (the message says why and what to do)."""
+
+
+def torch_release(version: str) -> str:
+    """"2.13.0+cpu" -> "2.13": TorchScript archives are read by the same torch release."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def make_stamps(report: CompileReport, fallback: str) -> dict:
+    return {
+        "archive_format": ARCHIVE_FORMAT,
+        "torch_version": torch.__version__,
+        "abi_version": _C.abi_version(),
+        "isa": sorted({c.isa for c in report.clusters if c.status == "compiled" and c.isa}),
+        "machine": platform.machine(),
+        "fallback": fallback,
+        "engines": sum(c.status == "compiled" for c in report.clusters),
+        "coverage": report.coverage,
+    }
+
+
+def _mismatches(stamps: dict) -> list[tuple[str, bool]]:
+    """(what is wrong, whether the engines' fallback subgraphs can cover it)."""
+    problems = []
+    if stamps.get("archive_format") != ARCHIVE_FORMAT:
+        problems.append((f"blade archive format {stamps.get('archive_format')}, this blade reads "
+                         f"{ARCHIVE_FORMAT}", False))
+    if torch_release(stamps.get("torch_version", "?")) != torch_release(torch.__version__):
+        problems.append((f"saved with torch {stamps.get('torch_version')}, this is torch "
+                         f"{torch.__version__}", False))
+    if stamps.get("abi_version") != _C.abi_version():
+        problems.append((f"engines built for blade ABI {stamps.get('abi_version')}, this runtime is "
+                         f"ABI {_C.abi_version()}", True))
+    missing = [isa for isa in stamps.get("isa", []) if not _C.isa_supported(isa)]
+    if missing:
+        problems.append((f"engines need ISA {', '.join(missing)}, this CPU supports up to "
+                         f"{_C.host_isa()}", True))
+    return problems
+
+
+def check_stamps(stamps: dict, what: str) -> None:
+    """Raise IncompatibleArtifact naming every mismatch; warn instead when fallback covers it."""
+    has_fallback = stamps.get("fallback", "off") != "off"
+    problems = _mismatches(stamps)
+    fatal = [text for text, coverable in problems if not (coverable and has_fallback)]
+    if fatal:
+        raise IncompatibleArtifact(f"{what} cannot run here: {'; '.join(fatal)}. Re-export it on "
+                                   f"this machine/version (or export with fallback='fallback' to run "
+                                   f"its TorchScript subgraphs where engines cannot load).")
+    for text, _ in problems:
+        warnings.warn(f"blade: {what}: {text}; its engines fall back to TorchScript")
+
+
+class PrecompiledModule(CompiledModule, SerializableCallable):
+    """A CompiledModule that dynamo's AOT precompile can save and load."""
+
+    def __init__(self, module, runtime_inputs: list, report: CompileReport, stamps: dict):
+        super().__init__(module, runtime_inputs, report)
+        self.stamps = stamps
+
+    @classmethod
+    def wrap(cls, compiled: CompiledModule, fallback: str) -> "PrecompiledModule":
+        return cls(compiled.module, compiled.runtime_inputs, compiled.report,
+                   make_stamps(compiled.report, fallback))
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "PrecompiledModule") -> bytes:
+        archive = io.BytesIO()
+        torch.jit.save(fn.module, archive)
+        return pickle.dumps({"format": PRECOMPILED_FORMAT, "stamps": fn.stamps,
+                             "module": archive.getvalue(), "runtime_inputs": list(fn.runtime_inputs),
+                             "report": fn.report})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "PrecompiledModule":
+        state = pickle.loads(data)
+        if state.get("format") != PRECOMPILED_FORMAT:
+            raise IncompatibleArtifact(f"blade precompiled function of format {state.get('format')}; "
+                                       f"this blade reads format {PRECOMPILED_FORMAT}: re-run aot_compile")
+        check_stamps(state["stamps"], "blade precompiled function")
+        module = torch.jit.load(io.BytesIO(state["module"]))
+        return cls(module, state["runtime_inputs"], state["report"], state["stamps"])
+
+
+def precompile(model: torch.nn.Module, example_inputs: tuple, path: str, **options):
+    """Precompile ``model.forward`` for these inputs with tt_infer and save it (torch's AOT
+    precompile; the model's parameters stay external). Returns the AOTCompiledFunction."""
+    with torch.no_grad():
+        fn = torch.compile(model.forward, backend="tt_infer", fullgraph=True,
+                           options=options or None).aot_compile((tuple(example_inputs), {}))
+        fn.save_compiled_function(path, external_data={"model": model})
+    return fn
+
+
+def load_precompiled(path: str, model: torch.nn.Module):
+    """The function ``precompile`` saved, bound to ``model`` (guards are checked on each call)."""
+    with open(path, "rb") as f:
+        return torch.compiler.load_compiled_function(f, external_data={"model": model})
