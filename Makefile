@@ -11,7 +11,7 @@ DEPS := torch==2.13.0 onnx==1.23.2 numpy==2.4.6 pybind11==3.1.0 ninja==1.13.2 se
 TEST_DEPS := pytest==9.2.0 pytest-xdist==3.8.0 transformers==5.23.0
 export MAX_JOBS ?= 2
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean bench
 demo: $(VENV)/.built
 	$(PY) examples/demo.py
 
@@ -32,3 +32,8 @@ $(VENV)/.built: $(VENV)/.deps setup.py $(wildcard cpp/*.h cpp/*.cpp)
 
 clean:
 	rm -rf $(VENV) build blade/*.so blade.egg-info
+
+# Speed lives here, not in tests: eager / TorchScript / Inductor / ONNX Runtime / tt_infer.
+bench: $(VENV)/.built
+	$(PY) -m pip install -q onnxruntime==1.31.1
+	$(PY) bench/run.py
