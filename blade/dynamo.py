@@ -14,12 +14,15 @@ from torch._dynamo.backends.registry import register_backend
 from blade.aot import PrecompiledModule
 from blade.config import Config
 from blade.pipeline import compile_fx
+from blade.specialize import ShapeSpecialized, is_dynamic
 
 log = logging.getLogger("blade")
 
 
 def tt_infer(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
     config = Config.from_options(options)  # bad option names are the user's error: raise
+    if is_dynamic(gm, example_inputs):
+        return ShapeSpecialized(gm, config)
     try:
         return PrecompiledModule.wrap(compile_fx(gm, list(example_inputs), config), config.fallback)
     except Exception as err:  # noqa: BLE001 - blade never takes the model down
