@@ -62,6 +62,8 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool):
             attr = f"_blade_frozen_{position}"
             root.register_buffer(attr, value.detach())
             env[node] = graph.get_attr(attr)
+        elif isinstance(value, (bool, int, float)):
+            env[node] = value  # a scalar input is specialized: the caller keys compiles on it
         else:
             env[node] = graph.placeholder(node.name, type_expr=node.type)
             runtime_inputs.append(position)
