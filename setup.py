@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent
 # programs that load saved blade modules with libtorch alone.
 RUNTIME_SOURCES = [
     "cpp/engine.cpp",
+    "cpp/engine_fallback.cpp",
     "cpp/engine_registration.cpp",
     "cpp/engine_state.cpp",
     "cpp/isa.cpp",

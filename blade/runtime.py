@@ -11,8 +11,11 @@ from blade.engine.compiler import load_constants
 from blade.engine.manifest import Manifest
 
 
-def make_engine(name: str, so_bytes: bytes, manifest: Manifest, onnx_model, info: dict):
-    """An Engine holding the .so bytes, its tensor specs and its run-time constants."""
+def make_engine(name: str, so_bytes: bytes, manifest: Manifest, onnx_model, info: dict, *,
+                fallback_module: bytes = b"", fallback_mode: str = "off", rtol: float = 1e-4,
+                atol: float = 1e-5, ops_source: str = ""):
+    """An Engine holding the .so bytes, its tensor specs and its run-time constants; with
+    fallback_module (a torch.jit.save'd subgraph, blade.subgraph) it can run in a debugging mode."""
     constants = [torch.from_numpy(np.array(c, order="C")) for c in load_constants(onnx_model, manifest)]
     so_tensor = torch.frombuffer(bytearray(so_bytes), dtype=torch.uint8)
     return torch.classes.blade.Engine(
@@ -21,4 +24,7 @@ def make_engine(name: str, so_bytes: bytes, manifest: Manifest, onnx_model, info
         [list(t.shape) for t in manifest.inputs],
         [t.name for t in manifest.outputs], [t.dtype for t in manifest.outputs],
         [list(t.shape) for t in manifest.outputs],
-        constants, manifest.scratch_bytes, json.dumps(info))
+        constants, manifest.scratch_bytes, json.dumps(info),
+        torch.frombuffer(bytearray(fallback_module), dtype=torch.uint8) if fallback_module
+        else torch.empty(0, dtype=torch.uint8),
+        fallback_mode, rtol, atol, ops_source)

@@ -54,7 +54,45 @@ Engine::Engine(EngineDefinition definition) : def_(std::move(definition)) {
     constant = constant.contiguous();
     constant_data_.push_back(constant.const_data_ptr());
   }
-  load();
+  if (def_.fallback_module.defined() && def_.fallback_module.numel() > 0) {
+    try {
+      fallback_ = std::make_unique<FallbackSubgraph>(def_.fallback_module);
+    } catch (const std::exception& e) {
+      throw_engine_error(def_.name, e.what());
+    }
+  }
+  set_fallback_mode(def_.fallback_mode);
+  try {
+    load();
+  } catch (const c10::Error& e) {
+    if (mode_ == FallbackMode::kOff) throw;
+    // Debugging modes keep a model with a broken artifact running on its subgraph.
+    load_error_ = e.what_without_backtrace();
+    TORCH_WARN(load_error_, "; fallback mode '", def_.fallback_mode,
+               "' runs the cluster's TorchScript subgraph instead");
+  }
+}
+
+void Engine::set_fallback_mode(const std::string& name) {
+  FallbackMode mode;
+  try {
+    mode = fallback_mode_from_name(name);
+  } catch (const std::invalid_argument& e) {
+    throw_engine_error(def_.name, e.what());
+  }
+  if (mode != FallbackMode::kOff && !fallback_) {
+    throw_engine_error(def_.name, "fallback mode '" + name +
+                                      "' needs the cluster's TorchScript subgraph, and this engine was "
+                                      "compiled without one (compile with blade.Config(fallback=...))");
+  }
+  mode_ = mode;
+}
+
+std::string Engine::fallback_mode() const { return fallback_mode_name(mode_); }
+
+std::string Engine::check_report() const {
+  std::lock_guard<std::mutex> lock(report_mutex_);
+  return check_report_;
 }
 
 void Engine::load() {
@@ -86,6 +124,65 @@ void Engine::load() {
 }
 
 std::vector<at::Tensor> Engine::execute(const std::vector<at::Tensor>& inputs) const {
+  switch (mode_.load()) {
+    case FallbackMode::kEager:
+      return fallback_->run(inputs);
+    case FallbackMode::kCheck:
+      return execute_checked(inputs);
+    case FallbackMode::kFallback:
+      if (!run_) return fall_back(inputs, load_error_);
+      try {
+        return run_engine(inputs);
+      } catch (const c10::Error& e) {
+        return fall_back(inputs, e.what_without_backtrace());
+      }
+    case FallbackMode::kOff:
+      break;
+  }
+  return run_engine(inputs);
+}
+
+std::vector<at::Tensor> Engine::run_fallback(const std::vector<at::Tensor>& inputs) const {
+  if (!fallback_) throw_engine_error(def_.name, "compiled without its TorchScript subgraph (fallback off)");
+  return fallback_->run(inputs);
+}
+
+std::vector<at::Tensor> Engine::fall_back(const std::vector<at::Tensor>& inputs, const std::string& reason) const {
+  std::call_once(warned_fallback_, [&] {
+    TORCH_WARN("blade: engine '", def_.name, "' runs its TorchScript subgraph instead (fallback mode; ",
+               "warned once per engine): ", reason);
+  });
+  return fallback_->run(inputs);
+}
+
+// Check mode: the subgraph is the reference. The engine's outputs are returned while they match;
+// after the first mismatch (reported once) the engine keeps returning the reference.
+std::vector<at::Tensor> Engine::execute_checked(const std::vector<at::Tensor>& inputs) const {
+  std::vector<at::Tensor> reference = fallback_->run(inputs);
+  if (mismatched_) return reference;
+  std::vector<at::Tensor> outputs;
+  std::optional<std::string> problem;
+  try {
+    outputs = run_engine(inputs);
+    std::vector<std::string> names;
+    for (const TensorSpec& spec : def_.outputs) names.push_back(spec.name);
+    problem = compare_outputs(outputs, reference, names, def_.rtol, def_.atol);
+  } catch (const c10::Error& e) {
+    problem = std::string("the engine raised: ") + e.what_without_backtrace();
+  }
+  if (!problem) return outputs;
+  std::lock_guard<std::mutex> lock(report_mutex_);
+  if (!mismatched_.exchange(true)) {
+    check_report_ = "blade check: engine '" + def_.name + "' differs from its TorchScript subgraph (rtol=" +
+                    std::to_string(def_.rtol) + ", atol=" + std::to_string(def_.atol) + "): " + *problem +
+                    ". It returns the subgraph's results from now on. Its ops:\n" + def_.ops_source;
+    TORCH_WARN(check_report_);
+  }
+  return reference;
+}
+
+std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs) const {
+  TORCH_CHECK(run_, load_error_);  // only a debugging mode keeps an engine whose .so did not load
   const size_t num_inputs = def_.inputs.size();
   if (inputs.size() != num_inputs) throw_input_count(inputs.size());
 

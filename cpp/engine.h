@@ -1,15 +1,21 @@
 // The Engine custom class (torch.classes.blade.Engine): one compiled cluster. It owns the engine's
 // .so bytes (loaded from memory), the specs of its inputs and outputs, and its constants, and runs
-// the cluster with execute(). Free of pybind/Python so C++ programs can load blade modules too.
+// the cluster with execute(). Optionally it also carries the cluster's TorchScript subgraph for
+// debugging (engine_fallback.h): run instead of the engine when it fails (mode "fallback"), next to
+// it and compared (mode "check"), or always (mode "eager"). Free of pybind/Python so C++ programs
+// can load blade modules too.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "blade_abi.h"
+#include "engine_fallback.h"
 #include "shared_library.h"
 #include "tensor_spec.h"
 
@@ -26,6 +32,13 @@ struct EngineDefinition {
   std::vector<at::Tensor> constants;  // in the manifest's order
   int64_t scratch_bytes = 0;         // per-call workspace the engine needs
   std::string info_json;             // opaque metadata for reports (manifest, source locations)
+  // Debugging (state format 2): a torch.jit.save'd module, forward(List[Tensor]) -> List[Tensor],
+  // computing the cluster in TorchScript; undefined or empty when compiled with fallback off.
+  at::Tensor fallback_module;
+  std::string fallback_mode = "off";  // off | fallback | check | eager
+  double rtol = 1e-4;                 // tolerances of check mode
+  double atol = 1e-5;
+  std::string ops_source;            // the cluster's ops and their source lines, for reports
 };
 
 // Throws a c10::Error (RuntimeError in Python) "blade engine '<name>': <message>".
@@ -37,9 +50,22 @@ class Engine : public torch::CustomClassHolder {
   // throw_engine_error on any problem; a bad .so never crashes the process.
   explicit Engine(EngineDefinition definition);
 
-  // Runs the engine. Thread-safe and lock-free: every call has its own outputs and scratch.
-  // Inputs must match the specs in dtype, shape and device; non-contiguous ones are copied.
+  // Runs the cluster as the fallback mode says (run_engine when off). Thread-safe.
   std::vector<at::Tensor> execute(const std::vector<at::Tensor>& inputs) const;
+
+  // The compiled engine alone. Lock-free: every call has its own outputs and scratch. Inputs must
+  // match the specs in dtype, shape and device; non-contiguous ones are copied.
+  std::vector<at::Tensor> run_engine(const std::vector<at::Tensor>& inputs) const;
+
+  // The TorchScript subgraph alone; throws when the engine was compiled without one.
+  std::vector<at::Tensor> run_fallback(const std::vector<at::Tensor>& inputs) const;
+
+  // Switches the fallback mode at run time (e.g. to bisect a model); the state saves the new mode.
+  void set_fallback_mode(const std::string& mode);
+  std::string fallback_mode() const;
+  bool has_fallback() const { return fallback_ != nullptr; }
+  // The check-mode mismatch report of this engine, "" while its outputs have matched.
+  std::string check_report() const;
 
   const EngineDefinition& definition() const { return def_; }
   const std::string& name() const { return def_.name; }
@@ -49,6 +75,8 @@ class Engine : public torch::CustomClassHolder {
   using RunFn = decltype(&blade_engine_run);
 
   void load();
+  std::vector<at::Tensor> execute_checked(const std::vector<at::Tensor>& inputs) const;
+  std::vector<at::Tensor> fall_back(const std::vector<at::Tensor>& inputs, const std::string& reason) const;
   [[noreturn]] void throw_input_count(size_t got) const;
   [[noreturn]] void throw_input_mismatch(size_t index, const at::Tensor& got) const;
   [[noreturn]] void throw_run_failure(int32_t code) const;
@@ -57,6 +85,14 @@ class Engine : public torch::CustomClassHolder {
   std::unique_ptr<SharedLibrary> library_;
   RunFn run_ = nullptr;
   std::vector<const void*> constant_data_;  // data pointers of def_.constants, fixed at load
+
+  std::unique_ptr<FallbackSubgraph> fallback_;
+  std::atomic<FallbackMode> mode_{FallbackMode::kOff};
+  std::string load_error_;                     // why the .so did not load (then run_ is null)
+  mutable std::once_flag warned_fallback_;     // "fallback" warns once per engine
+  mutable std::mutex report_mutex_;            // guards check_report_
+  mutable std::string check_report_;           // first check-mode mismatch; set once
+  mutable std::atomic<bool> mismatched_{false};
 };
 
 }  // namespace blade

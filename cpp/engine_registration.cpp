@@ -11,6 +11,12 @@ TORCH_LIBRARY(blade, m) {
       .def("execute", &blade::Engine::execute)
       .def("name", [](const c10::intrusive_ptr<blade::Engine>& self) { return self->name(); })
       .def("info", [](const c10::intrusive_ptr<blade::Engine>& self) { return self->info(); })
+      .def("run_engine", &blade::Engine::run_engine)
+      .def("run_fallback", &blade::Engine::run_fallback)
+      .def("set_fallback_mode", &blade::Engine::set_fallback_mode)
+      .def("fallback_mode", &blade::Engine::fallback_mode)
+      .def("has_fallback", &blade::Engine::has_fallback)
+      .def("check_report", &blade::Engine::check_report)
       .def_pickle([](const c10::intrusive_ptr<blade::Engine>& self) { return blade::to_state(*self); },
                   [](c10::IValue state) { return blade::from_state(state); });
 }

@@ -1,14 +1,16 @@
 // The two outside views of an Engine: the constructor's argument list (what the torch side calls
 // with a manifest in hand) and the pickled state torch.jit.save stores.
 //
-// State layout, a tuple:
-//   (format_version=1, name, so_bytes: uint8 Tensor, isa, abi_version,
+// State layout (format 2), a tuple:
+//   (format_version=2, name, so_bytes: uint8 Tensor, isa, abi_version,
 //    input_names, input_dtypes, input_shapes, output_names, output_dtypes, output_shapes,
-//    constants: Tensor[], scratch_bytes, info_json)
-// i.e. the format version followed by the constructor's arguments. The .so bytes and constants are
-// tensors so torch.jit.save writes them as tensor records, not pickled bytes. A later format (e.g.
-// one carrying a fallback TorchScript subgraph) bumps kEngineStateFormat; from_state checks the
-// version before reading anything else, so old runtimes reject new files with a clear message.
+//    constants: Tensor[], scratch_bytes, info_json,
+//    fallback_module: uint8 Tensor (empty: none), fallback_mode, rtol, atol, ops_source)
+// i.e. the format version followed by the constructor's arguments. The .so bytes, constants and
+// the fallback subgraph are tensors so torch.jit.save writes them as tensor records, not pickled
+// bytes. Format 1 (the same without the five debugging fields) still loads, as an engine without
+// a fallback subgraph. from_state checks the version before reading anything else, so older
+// runtimes reject newer files with a clear message.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -21,7 +23,7 @@
 
 namespace blade {
 
-constexpr int64_t kEngineStateFormat = 1;
+constexpr int64_t kEngineStateFormat = 2;
 
 using EngineState = std::tuple<int64_t,                            // kEngineStateFormat
                                std::string,                        // name
@@ -36,7 +38,15 @@ using EngineState = std::tuple<int64_t,                            // kEngineSta
                                std::vector<std::vector<int64_t>>,  // output_shapes
                                std::vector<at::Tensor>,            // constants
                                int64_t,                            // scratch_bytes
-                               std::string>;                       // info_json
+                               std::string,                        // info_json
+                               at::Tensor,                         // fallback_module
+                               std::string,                        // fallback_mode
+                               double,                             // rtol
+                               double,                             // atol
+                               std::string>;                       // ops_source
+
+// Format 1: the first 14 fields of EngineState.
+constexpr size_t kEngineStateFormat1Fields = 14;
 
 // The constructor of torch.classes.blade.Engine.
 c10::intrusive_ptr<Engine> make_engine(std::string name, at::Tensor so_bytes, std::string isa,
@@ -47,7 +57,9 @@ c10::intrusive_ptr<Engine> make_engine(std::string name, at::Tensor so_bytes, st
                                        std::vector<std::string> output_dtypes,
                                        std::vector<std::vector<int64_t>> output_shapes,
                                        std::vector<at::Tensor> constants, int64_t scratch_bytes,
-                                       std::string info_json);
+                                       std::string info_json, at::Tensor fallback_module,
+                                       std::string fallback_mode, double rtol, double atol,
+                                       std::string ops_source);
 
 EngineState to_state(const Engine& engine);
 

@@ -31,7 +31,8 @@ def compile_engine(source: str, out_dir: Path, defines: dict[str, str] | None = 
 
 def engine_args(name: str, so_bytes: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec],
                 constants: list[torch.Tensor] = (), scratch_bytes: int = 0, isa: str | None = None,
-                abi_version: int | None = None, info_json: str = "{}") -> list:
+                abi_version: int | None = None, info_json: str = "{}", fallback_module: bytes = b"",
+                fallback_mode: str = "off", rtol: float = 1e-4, atol: float = 1e-5, ops_source: str = "") -> list:
     """The Engine constructor's arguments, in order; tests change single entries to break them."""
     return [
         name,
@@ -43,6 +44,8 @@ def engine_args(name: str, so_bytes: bytes, inputs: list[TensorSpec], outputs: l
         list(constants),
         scratch_bytes,
         info_json,
+        torch.tensor(list(fallback_module), dtype=torch.uint8),
+        fallback_mode, rtol, atol, ops_source,
     ]
 
 

@@ -34,22 +34,38 @@ def engine_state(engine):
 def test_state_layout(add_engine, add_bias):
     state = engine_state(add_engine)
     (version, name, so_bytes, isa, abi_version, input_names, input_dtypes, input_shapes,
-     output_names, output_dtypes, output_shapes, constants, scratch_bytes, info_json) = state
-    assert version == 1
+     output_names, output_dtypes, output_shapes, constants, scratch_bytes, info_json,
+     fallback_module, fallback_mode, rtol, atol, ops_source) = state
+    assert version == 2
     assert name == "cluster_add"
     assert so_bytes.dtype == torch.uint8 and so_bytes.dim() == 1 and bytes(so_bytes[:4].tolist()) == b"\x7fELF"
-    assert (isa, abi_version) == (blade._C.host_isa(), 1)
+    assert (isa, abi_version) == (blade._C.host_isa(), blade._C.abi_version())
     assert (input_names, input_dtypes, input_shapes) == (["x", "y"], ["float32"] * 2, [[64, 128]] * 2)
     assert (output_names, output_dtypes, output_shapes) == (["sum", "product"], ["float32"] * 2, [[64, 128]] * 2)
     assert len(constants) == 1 and torch.equal(constants[0], add_bias)
     assert scratch_bytes == ADD_SCRATCH_BYTES
     assert info_json == '{"source": "engines/add.cpp"}'
+    # compiled without fallback: no subgraph, mode off
+    assert fallback_module.dtype == torch.uint8 and fallback_module.numel() == 0
+    assert (fallback_mode, rtol, atol, ops_source) == ("off", 1e-4, 1e-5, "")
+
+
+def test_format_1_state_loads_without_fallback(add_engine):
+    """States saved before fallback subgraphs existed (format 1: 14 fields) still load."""
+    old_state = (1,) + tuple(engine_state(add_engine)[1:14])
+    copy = torch.classes.blade.Engine(*engine_state(add_engine)[1:])
+    copy._get_method("__setstate__")(old_state)
+    assert not copy.has_fallback() and copy.fallback_mode() == "off"
+    x, y = torch.randn(64, 128), torch.randn(64, 128)
+    torch.testing.assert_close(copy.execute([x, y])[1], x * y)
 
 
 def test_state_of_another_format_is_rejected(add_engine):
-    future_state = (2,) + tuple(engine_state(add_engine)[1:]) + ("fallback graph",)
-    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state format 2, this blade reads format 1"):
+    future_state = (3,) + tuple(engine_state(add_engine)[1:]) + ("something new",)
+    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state format 3, this blade reads formats 1 and 2"):
         add_engine._get_method("__setstate__")(future_state)
+    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state has 15 fields, format 2 has 19"):
+        add_engine._get_method("__setstate__")(tuple(engine_state(add_engine)[:15]))
     with pytest.raises(RuntimeError, match="not a blade Engine state"):
         add_engine._get_method("__setstate__")("cluster_add")
 
