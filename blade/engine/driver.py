@@ -118,13 +118,16 @@ def _compile_one(job, options: dict, timeout_s: float, cache_dir, cache_max_byte
 
 
 def compile_many(jobs, *, parallelism: int = 1, timeout_s: float = 300.0, options: dict | None = None,
-                 cache_dir=None, cache_max_bytes: int = 0) -> list[CompileResult]:
+                 cache_dir=None, cache_max_bytes: int = 0, on_result=None) -> list[CompileResult]:
     """jobs: iterable of (name, onnx_path, work_dir). Results come back in job order.
-    cache_dir: None = no cache; cache_max_bytes: its size bound (0 = unbounded)."""
+    cache_dir: None = no cache; cache_max_bytes: its size bound (0 = unbounded).
+    on_result: called with each CompileResult as it finishes (from a worker thread; progress)."""
     jobs = list(jobs)
     options = compiler.resolve_options(options)  # concrete ISA and compiler: part of the cache key
     with ThreadPoolExecutor(max_workers=max(1, parallelism)) as pool:
         futures = [pool.submit(_contained, job, options, timeout_s, cache_dir, cache_max_bytes) for job in jobs]
+        for future in futures if on_result else ():
+            future.add_done_callback(lambda done: on_result(done.result()))
         return [f.result() for f in futures]
 
 
