@@ -8,8 +8,10 @@ takes, the compile report, and the stamps below; loading is ``torch.jit.load``, 
     with torch.no_grad():
         fn = torch.compile(m.forward, backend="tt_infer", fullgraph=True).aot_compile(((x,), {}))
         fn.save_compiled_function(path, external_data={"model": m})
-    # serving process (dynamo still checks its guards on every call):
+    # serving process (dynamo still checks its guards on every call); like the function it was
+    # made from, a method's precompiled function takes the module first:
     fn = torch.compiler.load_compiled_function(open(path, "rb"), external_data={"model": m})
+    y = fn(m, x)
 
 ``blade.precompile(m, (x,), path)`` is the first two lines; ``blade.load_precompiled(path, m)`` the last.
 
@@ -20,6 +22,8 @@ Engine runs the fallback and only a warning is given here).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import io
 import pickle
 import platform
@@ -120,17 +124,27 @@ class PrecompiledModule(CompiledModule, SerializableCallable):
         return cls(module, state["runtime_inputs"], state["report"], state["stamps"])
 
 
+def _bound(fn, model: torch.nn.Module):
+    """torch's precompiled function of ``model.forward`` has the signature of the underlying
+    function, ``self`` included (unless a wrapper hides it behind ``*args``): pass the model."""
+    def params(f):
+        return inspect.signature(f, follow_wrapped=False).parameters
+    takes_self = len(params(model.forward.__func__)) > len(params(model.forward))
+    return functools.partial(fn, model) if takes_self else fn
+
+
 def precompile(model: torch.nn.Module, example_inputs: tuple, path: str, **options):
-    """Precompile ``model.forward`` for these inputs with tt_infer and save it (torch's AOT
-    precompile; the model's parameters stay external). Returns the AOTCompiledFunction."""
+    """Precompile ``model.forward`` for these inputs with tt_infer and save it at ``path`` (torch's
+    AOT precompile; the model itself stays external). Returns the compiled function, model bound."""
     with torch.no_grad():
         fn = torch.compile(model.forward, backend="tt_infer", fullgraph=True,
                            options=options or None).aot_compile((tuple(example_inputs), {}))
         fn.save_compiled_function(path, external_data={"model": model})
-    return fn
+    return _bound(fn, model)
 
 
 def load_precompiled(path: str, model: torch.nn.Module):
-    """The function ``precompile`` saved, bound to ``model`` (guards are checked on each call)."""
+    """The function ``precompile`` saved, bound to ``model``: call it with the inputs only (under
+    ``torch.no_grad()`` like at precompile time; dynamo checks its guards on every call)."""
     with open(path, "rb") as f:
-        return torch.compiler.load_compiled_function(f, external_data={"model": model})
+        return _bound(torch.compiler.load_compiled_function(f, external_data={"model": model}), model)

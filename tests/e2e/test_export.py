@@ -1,0 +1,118 @@
+"""blade.export / blade.load: one archive, loaded in a fresh process that cannot compile; stamps."""
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+import torch
+
+import blade
+from blade.aot import IncompatibleArtifact
+from blade.export import METADATA_FILE, ExportError, read_stamps
+from aot_testing import make_model_and_inputs, run_python, tripwire_compiler_env
+
+ENGINE_CALL = 'prim::CallMethod[name="execute"]'
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The Block model exported once; its inputs and the exporting process's outputs beside it."""
+    root = tmp_path_factory.mktemp("export")
+    model, inputs = make_model_and_inputs()
+    compiled = blade.export(model, inputs, str(root / "block.blade.pt"))
+    with torch.no_grad():
+        outputs = compiled.module(*inputs)
+        expected = model(*inputs)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.save({"inputs": inputs, "outputs": outputs}, root / "io.pt")
+    return root, compiled
+
+
+def test_export_archive_is_stamped_and_has_engines(exported):
+    root, compiled = exported
+    assert ENGINE_CALL in str(compiled.module.graph)
+    stamps = read_stamps(str(root / "block.blade.pt"))
+    assert stamps["torch_version"] == torch.__version__
+    assert stamps["abi_version"] == blade._C.abi_version()
+    assert stamps["engines"] >= 1 and stamps["isa"] and all(blade._C.isa_supported(i) for i in stamps["isa"])
+    assert not list(root.glob(".blade-export-*")), "the temp file of the atomic save is left behind"
+
+
+def test_load_in_fresh_process_is_bit_exact_and_never_compiles(exported, tmp_path):
+    root, _ = exported
+    env, compiler_mark = tripwire_compiler_env(tmp_path)
+    out = run_python(f"""
+        import torch, blade
+        io = torch.load({str(root / 'io.pt')!r})
+        for load in (blade.load, torch.jit.load):
+            m = load({str(root / 'block.blade.pt')!r})
+            assert {ENGINE_CALL!r} in str(m.graph)
+            with torch.no_grad():
+                got = m(*io["inputs"])
+            assert len(got) == len(io["outputs"])
+            for g, want in zip(got, io["outputs"]):
+                assert torch.equal(g, want), (g - want).abs().max()
+        print("ok")
+    """, env=env)
+    assert "ok" in out
+    assert not compiler_mark.exists(), f"a C++ compiler ran at load: {compiler_mark.read_text()}"
+
+
+def _restamp(src, dst, **changes):
+    """A copy of the archive at src whose blade_metadata.json has these fields changed."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for item in zin.infolist():
+            data = zin.read(item)
+            if item.filename.endswith(f"/extra/{METADATA_FILE}"):
+                data = json.dumps({**json.loads(data), **changes}).encode()
+            zout.writestr(item, data)
+    return str(dst)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"isa": ["x86-64-v9"]}, r"engines need ISA x86-64-v9, this CPU supports up to x86-64"),
+    ({"torch_version": "1.13.1"}, r"saved with torch 1\.13\.1, this is torch " + torch.__version__.split("+")[0]),
+    ({"abi_version": 999}, r"blade ABI 999"),
+    ({"archive_format": 99}, r"archive format 99"),
+])
+def test_load_refuses_an_incompatible_archive_clearly(exported, tmp_path, changes, message):
+    root, _ = exported
+    path = _restamp(root / "block.blade.pt", tmp_path / "restamped.pt", **changes)
+    with pytest.raises(IncompatibleArtifact, match=message):
+        blade.load(path)
+
+
+def test_missing_isa_only_warns_when_engines_carry_fallback(exported, tmp_path):
+    """An archive exported with fallback may run where its engines cannot: the Engine runs the
+    TorchScript subgraph. The stamp check must not stand in its way (version mismatches still do)."""
+    root, _ = exported
+    path = _restamp(root / "block.blade.pt", tmp_path / "fallback.pt", isa=["x86-64-v9"], fallback="fallback")
+    with pytest.warns(UserWarning, match="x86-64-v9.*fall back"):
+        m = blade.load(path)
+    io = torch.load(root / "io.pt")
+    with torch.no_grad():
+        assert all(torch.equal(g, w) for g, w in zip(m(*io["inputs"]), io["outputs"]))
+    wrong_torch = _restamp(path, tmp_path / "old_torch.pt", torch_version="1.13.1")
+    with pytest.raises(IncompatibleArtifact, match="torch 1.13.1"):
+        blade.load(wrong_torch)
+
+
+def test_plain_torchscript_file_is_not_a_blade_archive(tmp_path):
+    torch.jit.save(torch.jit.script(torch.nn.ReLU()), tmp_path / "relu.pt")
+    with pytest.raises(ValueError, match="not a blade archive"):
+        blade.load(str(tmp_path / "relu.pt"))
+
+
+class _Breaks(torch.nn.Module):
+    def forward(self, x):
+        y = x.relu()
+        print("side effect")  # a graph break: dynamo cannot trace print
+        return y + 1
+
+
+def test_export_names_the_graph_break(tmp_path):
+    with pytest.raises(ExportError, match=r"(?s)one graph.*print.*test_export\.py"):
+        blade.export(_Breaks(), (torch.randn(3),), str(tmp_path / "never.pt"))
+    assert not list(tmp_path.iterdir())
