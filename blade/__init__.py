@@ -9,8 +9,11 @@ from blade import _C  # noqa: F401  (registers torch.classes.blade.Engine)
 from blade import dynamo as _dynamo  # noqa: F401  (registers the tt_infer backend)
 from blade.aot import load_precompiled, precompile
 from blade.config import Config
+from blade.debug import BisectResult, bisect, set_fallback_mode
+from blade.explain import Explanation, explain
 from blade.export import compile_model, export, load
 from blade.pipeline import CompiledModule, CompileReport
 
 __all__ = ["Config", "CompiledModule", "CompileReport", "compile_model", "export", "load",
-           "load_precompiled", "precompile"]
+           "load_precompiled", "precompile", "explain", "Explanation", "bisect", "BisectResult",
+           "set_fallback_mode"]

@@ -63,6 +63,7 @@ class Config:
     target_isa: str = _env_or("target_isa", "native")           # "native" or an -march level
     freeze_params: bool = _env_or("freeze_params", True)        # parameters/buffers become constants
     cxx: str = _env_or("cxx", "g++")                            # the C++ compiler engines are built with
+    progress: bool = _env_or("progress", True)                  # "compiled N/M clusters" on stderr (long compiles)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACK_MODES:
@@ -108,6 +109,7 @@ ENV_VARS = {
     "target_isa": ("BLADE_TARGET_ISA", str),
     "freeze_params": ("BLADE_FREEZE_PARAMS", _parse_bool),
     "cxx": ("CXX", str),
+    "progress": ("BLADE_PROGRESS", _parse_bool),
 }
 
 _local = threading.local()

@@ -2,6 +2,9 @@
 
 Each stage is a function of the previous stage's output; failures stay local: a cluster that does
 not lower or compile stays in TorchScript with a warning naming it and its log, and the model runs.
+With ``Config.fallback`` on, every engine also carries its cluster's TorchScript subgraph
+(blade/subgraph.py); with ``Config.dump_dir`` set, every cluster's artifacts stay in
+``<dump_dir>/cluster_<k>/`` (blade/dump.py).
 """
 from __future__ import annotations
 
@@ -17,16 +20,21 @@ from pathlib import Path
 import onnx
 import torch
 
+from blade import dump
 from blade.cluster.lower import lower_cluster
-from blade.cluster.partition import GLUE_KINDS, Partition, partition
+from blade.cluster.partition import GLUE_KINDS, partition
 from blade.cluster.splice import splice
 from blade.cluster.support import LoweringError
 from blade.config import Config
 from blade.engine.driver import compile_many
 from blade.frontend import to_torchscript
+from blade.progress import Progress
 from blade.runtime import make_engine
+from blade.sources import fx_locations, node_location
+from blade.subgraph import saved_subgraph, subgraph
 
 log = logging.getLogger("blade")
+log.addHandler(logging.NullHandler())  # quiet unless the application configures logging
 
 
 @dataclass
@@ -45,21 +53,43 @@ class ClusterReport:
     work_dir: str = ""
     log_path: str = ""
     error: str = ""
+    aten_count: int = 0          # aten ops inside (what coverage counts)
+    sources: list = field(default_factory=list)  # "aten::kind  path:line: code", one per op
+
+    @property
+    def ops_source(self) -> str:
+        return "\n".join(f"  {line}" for line in self.sources)
+
+
+@dataclass
+class LeftOutNode:
+    kind: str
+    reason: str
+    source: str = ""
 
 
 @dataclass
 class CompileReport:
     how: str = ""                                  # "script" or "trace"
     clusters: list = field(default_factory=list)   # ClusterReport
-    left_out: list = field(default_factory=list)   # (kind, reason)
+    left_out_nodes: list = field(default_factory=list)  # LeftOutNode, every op left in TorchScript
     aten_total: int = 0
     aten_in_engines: int = 0
+    aten_in_graph: int = 0                         # aten ops still in the spliced TorchScript graph
+    engine_calls: int = 0                          # engine calls in the spliced graph
+    fallback: str = "off"
+    dump_dir: str = ""
     compile_wall_s: float = 0.0
     total_s: float = 0.0
 
     @property
     def coverage(self) -> float:
         return self.aten_in_engines / self.aten_total if self.aten_total else 0.0
+
+    @property
+    def left_out(self) -> list:
+        """(kind, reason) of every op left in TorchScript."""
+        return [(n.kind, n.reason) for n in self.left_out_nodes]
 
 
 class CompiledModule:
@@ -73,6 +103,10 @@ class CompiledModule:
     def __call__(self, *args):
         return self.module(*[args[i] for i in self.runtime_inputs])
 
+    def engines(self) -> dict:
+        """cluster name -> its torch.classes.blade.Engine, for the clusters that got one."""
+        return {c.name: getattr(self.module, c.name) for c in self.report.clusters if c.status == "compiled"}
+
 
 def _is_aten(node: torch.Node) -> bool:
     return node.kind().startswith("aten::") and node.kind() not in GLUE_KINDS
@@ -82,16 +116,26 @@ def _shapes(values) -> list:
     return [list(v.type().sizes() or []) for v in values]
 
 
+@dataclass
+class _Lowered:
+    """A cluster ready to compile, with what must be read before splicing destroys its nodes."""
+    cluster: object
+    model: onnx.ModelProto
+    fallback_module: bytes
+
+
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> CompiledModule:
     started = time.perf_counter()
-    report = CompileReport()
+    report = CompileReport(fallback=config.fallback, dump_dir=config.dump_dir)
     front = to_torchscript(gm, example_inputs, config.freeze_params)
     report.how = front.how
     parts = partition(front.graph, min_cluster_size=config.min_cluster_size,
                       excluded_ops=config.excluded_ops)
     # read everything reports need before splicing destroys the clustered nodes
+    locations = fx_locations(gm)
     report.aten_total = sum(1 for n in parts.ops if _is_aten(n))
-    report.left_out = [(n.kind(), reason) for n, reason in parts.reasons.items()]
+    report.left_out_nodes = [LeftOutNode(n.kind(), reason, node_location(n, locations))
+                             for n, reason in parts.reasons.items()]
     work_root = Path(config.dump_dir) if config.dump_dir else Path(tempfile.mkdtemp(prefix="blade-"))
     work_root.mkdir(parents=True, exist_ok=True)
 
@@ -101,26 +145,34 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
         name = f"cluster_{cluster.index}"
         cluster_reports[name] = rep = ClusterReport(
             name, sorted({n.kind() for n in cluster.nodes}), cluster.op_count,
-            _shapes(cluster.inputs), _shapes(cluster.outputs), work_dir=str(work_root / name))
-        (work_root / name).mkdir(parents=True, exist_ok=True)
-        (work_root / name / "subgraph.txt").write_text("".join(str(n) for n in cluster.nodes))
+            _shapes(cluster.inputs), _shapes(cluster.outputs), work_dir=str(work_root / name),
+            aten_count=sum(1 for n in cluster.nodes if _is_aten(n)),
+            sources=[f"{n.kind():<24} {node_location(n, locations)}".rstrip()
+                     for n in cluster.nodes if n.kind() not in GLUE_KINDS])
+        cluster_dir = work_root / name
+        cluster_dir.mkdir(parents=True, exist_ok=True)
+        graph = subgraph(cluster)
+        fallback_module = saved_subgraph(graph) if config.fallback != "off" or config.dump_dir else b""
+        dump.write_subgraph(cluster_dir, graph, fallback_module)
         try:
             model = lower_cluster(cluster, name)
         except LoweringError as err:
             rep.status, rep.error = "lowering failed", str(err)
             warnings.warn(f"blade: {name} could not be lowered to ONNX and stays in TorchScript: {err}")
             continue
-        onnx_path = work_root / name / f"{name}.onnx"
+        onnx_path = cluster_dir / f"{name}.onnx"
         onnx.save(model, onnx_path)
-        lowered[name] = (cluster, model)
-        jobs.append((name, str(onnx_path), str(work_root / name)))
+        lowered[name] = _Lowered(cluster, model, fallback_module)
+        jobs.append((name, str(onnx_path), str(cluster_dir)))
 
+    compile_options = {"isa": config.target_isa, "cxx": config.cxx}
     compile_started = time.perf_counter()
+    progress = Progress(len(jobs), enabled=config.progress)
     results = compile_many(jobs, parallelism=config.compile_parallelism,
-                           timeout_s=config.compile_timeout_s,
-                           options={"isa": config.target_isa, "cxx": config.cxx},
+                           timeout_s=config.compile_timeout_s, options=compile_options,
                            cache_dir=config.cache_dir if config.use_cache else None,
-                           cache_max_bytes=config.cache_max_bytes)
+                           cache_max_bytes=config.cache_max_bytes, on_result=progress)
+    progress.close()
     report.compile_wall_s = time.perf_counter() - compile_started
 
     spliced, replaced = set(), {}
@@ -129,34 +181,56 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
         rep.seconds, rep.cache_hit, rep.log_path = result.seconds, result.cache_hit, result.log_path
         rep.started, rep.finished = result.started, result.finished
         rep.isa = result.manifest.isa if result.manifest else ""
+        if config.dump_dir:
+            dump.write_compile_artifacts(Path(result.work_dir), result, compile_options)
         if not result.ok:
             rep.status, rep.error = "compile failed", result.error or ""
             warnings.warn(f"blade: {result.name} failed to compile and stays in TorchScript: "
                           f"{result.error} (log: {result.log_path})")
             continue
-        cluster, model = lowered[result.name]
+        done = lowered[result.name]
         try:
-            engine = make_engine(result.name, Path(result.so_path).read_bytes(), result.manifest, model,
-                                 {"cluster": result.name, "ops": rep.op_kinds})
+            engine = make_engine(result.name, Path(result.so_path).read_bytes(), result.manifest, done.model,
+                                 {"cluster": result.name, "ops": rep.op_kinds},
+                                 fallback_module=done.fallback_module if config.fallback != "off" else b"",
+                                 fallback_mode=config.fallback, rtol=config.rtol, atol=config.atol,
+                                 ops_source=rep.ops_source)
         except Exception as err:  # noqa: BLE001 - a bad .so must not take the model down
             rep.status, rep.error = "engine failed", str(err)
             warnings.warn(f"blade: the engine of {result.name} could not be loaded; the cluster "
                           f"stays in TorchScript: {err} (log: {result.log_path})")
             continue
-        aten_inside = sum(1 for n in cluster.nodes if _is_aten(n))
-        splice(front.module, cluster, engine, result.name, replaced)
+        splice(front.module, done.cluster, engine, result.name, replaced)
         rep.status = "compiled"
-        report.aten_in_engines += aten_inside
+        report.aten_in_engines += rep.aten_count
         spliced.add(result.name)
 
     _finish_graph(front.module.graph)
     report.clusters = list(cluster_reports.values())
+    report.left_out_nodes += _failed_cluster_nodes(report.clusters, parts, locations)
+    report.aten_in_graph = sum(1 for n in front.module.graph.nodes() if _is_aten(n))
+    report.engine_calls = sum(1 for n in front.module.graph.nodes()
+                              if n.kind() == "prim::CallMethod" and n.s("name") == "execute")
     report.total_s = time.perf_counter() - started
     if not config.dump_dir:
         _remove_successful(work_root, spliced, cluster_reports)
     log.info("blade: %d/%d aten ops in %d engine(s), compiled in %.2fs (total %.2fs)",
              report.aten_in_engines, report.aten_total, len(spliced), report.compile_wall_s, report.total_s)
     return CompiledModule(front.module, front.runtime_inputs, report)
+
+
+def _failed_cluster_nodes(clusters: list, parts, locations: dict) -> list:
+    """The ops of clusters that got no engine: left in TorchScript, the reason names the log."""
+    failed = {c.name: c for c in clusters if c.status != "compiled"}
+    nodes = []
+    for cluster in parts.clusters:
+        rep = failed.get(f"cluster_{cluster.index}")
+        if rep is None:
+            continue
+        where = f"log: {rep.log_path}" if rep.log_path else rep.error.splitlines()[0] if rep.error else ""
+        nodes += [LeftOutNode(n.kind(), f"{rep.status} ({rep.name}; {where})", node_location(n, locations))
+                  for n in cluster.nodes if n.kind() not in GLUE_KINDS]
+    return nodes
 
 
 def _finish_graph(graph: torch.Graph) -> None:
