@@ -38,7 +38,8 @@ class OnnxBuilder:
     def constant(self, array, hint: str = "c") -> str:
         """An initializer holding `array` (numpy array or anything np.asarray takes)."""
         name = self.fresh(hint)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        # (not np.ascontiguousarray: it turns a 0-d scalar into shape [1])
+        self.initializers.append(numpy_helper.from_array(np.require(np.asarray(array), requirements="C"), name))
         return name
 
     def ints(self, values) -> str:

@@ -43,8 +43,14 @@ def is_tensor(value: torch.Value) -> bool:
 
 
 def is_tensor_list(value: torch.Value) -> bool:
+    """Tensor[] or Tensor?[] (the index list of aten::index)."""
     vtype = value.type()
-    return isinstance(vtype, torch.ListType) and isinstance(vtype.getElementType(), torch.TensorType)
+    if not isinstance(vtype, torch.ListType):
+        return False
+    element = vtype.getElementType()
+    if isinstance(element, torch.OptionalType):
+        element = element.getElementType()
+    return isinstance(element, torch.TensorType)
 
 
 def tensor_info(value: torch.Value):
@@ -461,7 +467,53 @@ def _split(ctx: LowerCtx, node):
 
 
 def _list_construct(ctx: LowerCtx, node):
-    return [[ctx.tensor(v) for v in node.inputs()]]
+    return [[ctx.tensor(v) if is_tensor(v) else None for v in node.inputs()]]
+
+
+def _index_tensors(ctx: LowerCtx, value) -> list:
+    """The entries of an index list: ONNX names of index tensors (int64), None for `:`."""
+    if value in ctx.names:
+        return [None if name is None else ctx.cast(name, ctx.dtype(v), np.dtype("int64"))
+                for name, v in zip(ctx.names[value], value.node().inputs())]
+    return [None if t is None else ctx.b.constant(t.to(torch.int64).numpy(), "index") for t in ctx.const(value)]
+
+
+def _index(ctx: LowerCtx, node):
+    """x[..., i, j, ...] with integer index tensors on adjacent dims: one Gather along the
+    flattened indexed dims, at the linear index sum(i_k * stride_k) (negatives wrapped first)."""
+    x, index_list = _args(node)[:2]
+    shape = ctx.shape(x)
+    entries = _index_tensors(ctx, index_list)
+    dims = [d for d, e in enumerate(entries) if e is not None]
+    first, last = dims[0], dims[-1] + 1
+    linear, stride = None, 1
+    for d in reversed(dims):
+        n = ctx.scalar(shape[d], np.int64)
+        i = entries[d]
+        i = ctx.b.op("Where", [ctx.b.op("Less", [i, ctx.scalar(0, np.int64)]), ctx.b.op("Add", [i, n]), i])
+        term = i if stride == 1 else ctx.b.op("Mul", [i, ctx.scalar(stride, np.int64)])
+        linear = term if linear is None else ctx.b.op("Add", [linear, term])
+        stride *= shape[d]
+    flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints(shape[:first] + [stride] + shape[last:])])
+    return [ctx.b.op("Gather", [flat, linear], axis=first)]
+
+
+def _index_check(node):
+    entries = _args(node)[1]
+    if entries.node().kind() == "prim::ListConstruct":
+        items = [v if is_tensor(v) else None for v in entries.node().inputs()]
+        dtypes = [v.type().dtype() for v in items if v is not None]
+    else:
+        items = constant_value(entries)
+        if items is _NOT_CONSTANT:
+            return "aten::index with an index list built at run time"
+        dtypes = [t.dtype for t in items if t is not None]
+    dims = [d for d, item in enumerate(items) if item is not None]
+    if any(dt not in (torch.int64, torch.int32) for dt in dtypes):
+        return "aten::index with bool (mask) indices: the output shape depends on the data"
+    if not dims or dims != list(range(dims[0], dims[-1] + 1)):
+        return "aten::index with index tensors on non-adjacent dims"
+    return None
 
 
 def _list_unpack(ctx: LowerCtx, node):
@@ -496,6 +548,487 @@ def _sdpa(ctx: LowerCtx, node):
             scores = ctx.b.op("Add", [scores, ctx.as_dtype(mask, dtype)])
     probs = ctx.b.op("Softmax", [scores], axis=-1)
     return [ctx.b.op("MatMul", [probs, ctx.tensor(v)])]
+
+
+def _spatial_list(value, spatial: int) -> list:
+    value = [value] if isinstance(value, int) else list(value)
+    return value * spatial if len(value) == 1 else value
+
+
+def _conv(ctx: LowerCtx, node):
+    """conv1d/2d/3d (padding ints, "same" or "valid") and the generic (_)convolution."""
+    args = _args(node)
+    x, w, bias = args[:3]
+    if node.kind() in ("aten::convolution", "aten::_convolution"):
+        stride, padding, dilation, groups = (ctx.const(args[i]) for i in (3, 4, 5, 8))
+    else:
+        stride, padding, dilation, groups = (ctx.const(a) for a in args[3:7])
+    w_shape = ctx.shape(w)
+    spatial = len(w_shape) - 2
+    stride, dilation = _spatial_list(stride, spatial), _spatial_list(dilation, spatial)
+    if padding == "valid":
+        pads = [0] * 2 * spatial
+    elif padding == "same":  # torch puts the odd extra pad at the end
+        total = [d * (k - 1) for d, k in zip(dilation, w_shape[2:])]
+        pads = [t // 2 for t in total] + [t - t // 2 for t in total]
+    else:
+        pads = _spatial_list(padding, spatial) * 2
+    unbatched = len(ctx.shape(x)) == spatial + 1
+    inp = ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints([0])]) if unbatched else ctx.tensor(x)
+    inputs = [inp, ctx.tensor(w)] + ([ctx.tensor(bias)] if is_tensor(bias) else [])
+    out = ctx.b.op("Conv", inputs, strides=stride, pads=pads, dilations=dilation, group=groups)
+    return [ctx.b.op("Squeeze", [out, ctx.b.ints([0])]) if unbatched else out]
+
+
+def _channel_param(ctx: LowerCtx, value, default: float, rank: int, dtype) -> str:
+    """A per-channel [C] parameter (or its default) shaped [C, 1, ...] to broadcast over NC*."""
+    name = ctx.tensor(value) if is_tensor(value) else ctx.scalar(default, dtype)
+    if is_tensor(value) and rank > 2:
+        name = ctx.b.op("Unsqueeze", [name, ctx.b.ints(list(range(1, rank - 1)))])
+    return name
+
+
+def _batch_norm(ctx: LowerCtx, node):
+    """Inference batch norm: x * scale + shift, scale = weight / sqrt(var + eps), per channel."""
+    x, weight, bias, mean, var = _args(node)[:5]
+    eps = ctx.const(_args(node)[7])
+    rank, dtype = len(ctx.shape(x)), ctx.dtype(x)
+    param = lambda v, default: _channel_param(ctx, v, default, rank, dtype)
+    inv_std = ctx.b.op("Reciprocal", [ctx.b.op("Sqrt", [ctx.b.op("Add", [param(var, 1.0), ctx.scalar(eps, dtype)])])])
+    scale = ctx.b.op("Mul", [param(weight, 1.0), inv_std])
+    shift = ctx.b.op("Sub", [param(bias, 0.0), ctx.b.op("Mul", [param(mean, 0.0), scale])])
+    return [ctx.b.op("Add", [ctx.b.op("Mul", [ctx.tensor(x), scale]), shift])]
+
+
+def _normalize(ctx: LowerCtx, x: str, axes: list, eps: float, dtype) -> str:
+    """(x - mean) / sqrt(var + eps) over axes (biased variance), the core of every *_norm."""
+    mean = ctx.b.op("ReduceMean", [x, ctx.b.ints(axes)], keepdims=1)
+    centered = ctx.b.op("Sub", [x, mean])
+    var = ctx.b.op("ReduceMean", [ctx.b.op("Mul", [centered, centered]), ctx.b.ints(axes)], keepdims=1)
+    return ctx.b.op("Div", [centered, ctx.b.op("Sqrt", [ctx.b.op("Add", [var, ctx.scalar(eps, dtype)])])])
+
+
+def _affine(ctx: LowerCtx, y: str, weight, bias, rank: int, dtype) -> str:
+    if is_tensor(weight):
+        y = ctx.b.op("Mul", [y, _channel_param(ctx, weight, 1.0, rank, dtype)])
+    if is_tensor(bias):
+        y = ctx.b.op("Add", [y, _channel_param(ctx, bias, 0.0, rank, dtype)])
+    return y
+
+
+def _group_norm(ctx: LowerCtx, node):
+    x, groups, weight, bias, eps = _args(node)[:5]
+    shape, dtype = ctx.shape(x), ctx.dtype(x)
+    grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([shape[0], ctx.const(groups), -1])])
+    y = _normalize(ctx, grouped, [2], float(ctx.const(eps)), dtype)
+    y = ctx.b.op("Reshape", [y, ctx.b.ints(shape)])
+    return [_affine(ctx, y, weight, bias, len(shape), dtype)]
+
+
+def _instance_norm(ctx: LowerCtx, node):
+    x, weight, bias = _args(node)[:3]
+    shape, dtype = ctx.shape(x), ctx.dtype(x)
+    y = _normalize(ctx, ctx.tensor(x), list(range(2, len(shape))), float(ctx.const(_args(node)[7])), dtype)
+    return [_affine(ctx, y, weight, bias, len(shape), dtype)]
+
+
+def _pool_args(ctx: LowerCtx, node, spatial: int):
+    args = _args(node)
+    kernel = _spatial_list(ctx.const(args[1]), spatial)
+    stride = ctx.const(args[2]) or kernel
+    return kernel, _spatial_list(stride, spatial), _spatial_list(ctx.const(args[3]), spatial) * 2
+
+
+def _max_pool(ctx: LowerCtx, node):
+    """max_pool1d/2d(x, kernel, stride, padding, dilation, ceil_mode)."""
+    spatial = 1 if node.kind() == "aten::max_pool1d" else 2
+    kernel, stride, pads = _pool_args(ctx, node, spatial)
+    dilation = _spatial_list(ctx.const(_args(node)[4]), spatial)
+    return [ctx.b.op("MaxPool", [ctx.tensor(_args(node)[0])], kernel_shape=kernel, strides=stride, pads=pads,
+                     dilations=dilation, ceil_mode=int(ctx.const(_args(node)[5])))]
+
+
+def _avg_pool(ctx: LowerCtx, node):
+    """avg_pool1d/2d(x, kernel, stride, padding, ceil_mode, count_include_pad[, divisor_override])."""
+    spatial = 1 if node.kind() == "aten::avg_pool1d" else 2
+    kernel, stride, pads = _pool_args(ctx, node, spatial)
+    args = _args(node)
+    return [ctx.b.op("AveragePool", [ctx.tensor(args[0])], kernel_shape=kernel, strides=stride, pads=pads,
+                     ceil_mode=int(ctx.const(args[4])), count_include_pad=int(ctx.const(args[5])))]
+
+
+def _avg_pool_check(node):
+    args = _args(node)
+    if len(args) > 6 and constant_value(args[6]) is not None:
+        return "avg_pool with divisor_override"
+    return None
+
+
+def _adaptive_avg_pool(ctx: LowerCtx, node):
+    """Output sizes that divide the input: a plain average pool (a global one for size 1)."""
+    x = _args(node)[0]
+    spatial = 1 if node.kind().endswith("1d") else 2
+    size, out = ctx.shape(x)[-spatial:], ctx.shape(node.output())[-spatial:]
+    if all(o == 1 for o in out):
+        return [ctx.b.op("ReduceMean", [ctx.tensor(x), ctx.b.ints(list(range(-len(size), 0)))], keepdims=1)]
+    kernel = [n // o for n, o in zip(size, out)]
+    return [ctx.b.op("AveragePool", [ctx.tensor(x)], kernel_shape=kernel, strides=kernel)]
+
+
+def _adaptive_avg_pool_check(node):
+    x = _args(node)[0]
+    size = static_shape_of(x)
+    out = static_shape_of(node.output())
+    if size and out and any(n % o for n, o in zip(size[-2:], out[-2:]) if o):
+        return "adaptive_avg_pool with an output size that does not divide the input"
+    return None
+
+
+def static_shape_of(value):
+    info = tensor_info(value) if is_tensor(value) else None
+    return info[1] if info else None
+
+
+def _pad(ctx: LowerCtx, node):
+    """aten::pad / constant_pad_nd / reflection_pad / replication_pad: torch lists the last dim first."""
+    args = _args(node)
+    x = args[0]
+    rank = len(ctx.shape(x))
+    pad = ctx.const(args[1])
+    kind = node.kind()
+    mode = {"aten::constant_pad_nd": "constant"}.get(kind) or \
+        ("reflect" if "reflection" in kind else "edge" if "replication" in kind else None)
+    value = 0.0
+    if kind == "aten::pad":
+        mode = {"constant": "constant", "reflect": "reflect", "replicate": "edge"}[ctx.const(args[2])]
+        value = ctx.const(args[3]) if len(args) > 3 else None
+    elif kind == "aten::constant_pad_nd":
+        value = ctx.const(args[2])
+    begins, ends = [0] * rank, [0] * rank
+    for k in range(len(pad) // 2):
+        begins[rank - 1 - k], ends[rank - 1 - k] = pad[2 * k], pad[2 * k + 1]
+    inputs = [ctx.tensor(x), ctx.b.ints(begins + ends)]
+    if mode == "constant":
+        inputs.append(ctx.scalar(value or 0, ctx.dtype(x)))
+    return [ctx.b.op("Pad", inputs, mode=mode)]
+
+
+def _conv_check(node):
+    if node.output().type().dtype() != torch.float32:
+        return "convolution on a dtype other than float32"
+    if node.kind() in ("aten::convolution", "aten::_convolution") and constant_value(_args(node)[6]):
+        return "transposed convolution"
+    return None
+
+
+def _instance_norm_check(node):
+    if constant_value(_args(node)[5]) is not True:
+        return "instance_norm with running statistics (use_input_stats=False)"
+    return None
+
+
+def _pad_check(node):
+    args = _args(node)
+    pad = constant_value(args[1])
+    if isinstance(pad, list) and any(p < 0 for p in pad):
+        return "pad with negative (cropping) amounts"
+    if node.kind() == "aten::pad" and constant_value(args[2]) not in ("constant", "reflect", "replicate"):
+        return f"pad mode {constant_value(args[2])!r}"
+    return None
+
+
+# ---- tensor creation: the output's measured shape/dtype plus constant arguments ----
+
+def _named(node) -> dict:
+    """The node's inputs by schema argument name (factories have several overloads)."""
+    schema = torch._C.parse_schema(node.schema())
+    return {arg.name: value for arg, value in zip(schema.arguments, node.inputs())}
+
+
+def _filled(ctx: LowerCtx, node, value) -> list:
+    """A tensor of the output's shape and dtype holding `value` everywhere: a broadcast scalar."""
+    dtype = _out_dtype(node)
+    return [ctx.b.op("Expand", [ctx.scalar(value, dtype), ctx.b.ints(ctx.shape(node.output()))])]
+
+
+FILL_VALUES = {"aten::zeros": 0, "aten::zeros_like": 0, "aten::new_zeros": 0,
+               "aten::ones": 1, "aten::ones_like": 1, "aten::new_ones": 1}
+
+
+def _fill(ctx: LowerCtx, node):
+    """zeros/ones/full (and *_like, new_*): the fill value is in the table or the fill_value arg."""
+    if node.kind() in FILL_VALUES:
+        return _filled(ctx, node, FILL_VALUES[node.kind()])
+    return _filled(ctx, node, ctx.const(_named(node)["fill_value"]))
+
+
+def _arange(ctx: LowerCtx, node):
+    named = _named(node)
+    start = ctx.const(named["start"]) if "start" in named else 0
+    step = ctx.const(named["step"]) if "step" in named else 1
+    count = ctx.shape(node.output())[0]
+    return [ctx.b.constant((start + step * np.arange(count, dtype=np.float64)).astype(_out_dtype(node)), "arange")]
+
+
+# ---- indexing and data movement composed of ONNX ops ----
+
+def _dim_arg(ctx: LowerCtx, node, index: int, rank: int) -> int:
+    return ctx.const(_args(node)[index]) % max(rank, 1)
+
+
+def _index_select(ctx: LowerCtx, node):
+    x, _, index = _args(node)[:3]
+    dim = _dim_arg(ctx, node, 1, len(ctx.shape(x)))
+    return [ctx.b.op("Gather", [ctx.tensor(x), ctx.tensor(index)], axis=dim)]
+
+
+def _gather(ctx: LowerCtx, node):
+    """torch.gather(x, dim, index): out[..i..] = x[.. index[..i..] at dim ..], via a flat Gather."""
+    x, _, index = _args(node)[:3]
+    shape, ishape = ctx.shape(x), ctx.shape(index)
+    dim = _dim_arg(ctx, node, 1, len(shape))
+    strides = [int(np.prod(shape[d + 1:])) for d in range(len(shape))]
+    position = np.zeros(ishape, np.int64)   # the linear offset of every index position, but at dim
+    for d, n in enumerate(ishape):
+        if d != dim:
+            position += (np.arange(n) * strides[d]).reshape([-1 if k == d else 1 for k in range(len(ishape))])
+    i = ctx.cast(ctx.tensor(index), ctx.dtype(index), np.dtype("int64"))
+    n = ctx.scalar(shape[dim], np.int64)
+    i = ctx.b.op("Where", [ctx.b.op("Less", [i, ctx.scalar(0, np.int64)]), ctx.b.op("Add", [i, n]), i])
+    linear = ctx.b.op("Add", [ctx.b.op("Mul", [i, ctx.scalar(strides[dim], np.int64)]), ctx.b.constant(position)])
+    flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
+    return [ctx.b.op("Gather", [flat, linear], axis=0)]
+
+
+def _triangle(ctx: LowerCtx, node):
+    """tril/triu(x, diagonal): a Where against a constant mask over the last two dims."""
+    x, diagonal = _args(node)[:2]
+    rows, cols = ctx.shape(x)[-2:]
+    pick = np.tril if node.kind() == "aten::tril" else np.triu
+    keep = pick(np.ones((rows, cols), bool), ctx.const(diagonal))
+    return [ctx.b.op("Where", [ctx.b.constant(keep, "mask"), ctx.tensor(x), ctx.scalar(0, ctx.dtype(x))])]
+
+
+def _repeat(ctx: LowerCtx, node):
+    """x.repeat(r): view x as [1, a, 1, b], expand to [r0, a, r1, b], flatten pairs."""
+    x, repeats = _args(node)[:2]
+    repeats = ctx.const(repeats)
+    shape = [1] * (len(repeats) - len(ctx.shape(x))) + ctx.shape(x)
+    spread = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([v for n in shape for v in (1, n)])])
+    wide = ctx.b.op("Expand", [spread, ctx.b.ints([v for r, n in zip(repeats, shape) for v in (r, n)])])
+    return [ctx.b.op("Reshape", [wide, ctx.b.ints(ctx.shape(node.output()))])]
+
+
+def _roll(ctx: LowerCtx, node):
+    """roll(x, shifts, dims): per dim, the last `shift` elements move to the front."""
+    x, shifts, dims = _args(node)[:3]
+    shape = ctx.shape(x)
+    name = ctx.tensor(x)
+    shifts, dims = ctx.const(shifts), ctx.const(dims)
+    shifts = [shifts] if isinstance(shifts, int) else shifts
+    dims = [dims] if isinstance(dims, int) else dims
+    if not dims:  # roll of the flattened tensor
+        flat = ctx.b.op("Reshape", [name, ctx.b.ints([-1])])
+        return [ctx.b.op("Reshape", [_roll_axis(ctx, flat, 0, shifts[0], int(np.prod(shape))), ctx.b.ints(shape)])]
+    for shift, dim in zip(shifts, dims):
+        name = _roll_axis(ctx, name, dim % len(shape), shift, shape[dim])
+    return [name]
+
+
+def _roll_axis(ctx: LowerCtx, name: str, dim: int, shift: int, n: int) -> str:
+    shift = shift % n if n else 0
+    if shift == 0:
+        return ctx.b.op("Identity", [name])
+    return ctx.b.op("Concat", [_slice_onnx(ctx, name, dim, n - shift, n), _slice_onnx(ctx, name, dim, 0, n - shift)],
+                    axis=dim)
+
+
+def _stack(ctx: LowerCtx, node):
+    tensors, dim = _args(node)[:2]
+    rank = len(ctx.shape(node.output()))
+    axis = ctx.const(dim) % rank
+    parts = [ctx.b.op("Unsqueeze", [ctx.tensor(v), ctx.b.ints([axis])]) for v in tensors.node().inputs()]
+    return [ctx.b.op("Concat", parts, axis=axis) if len(parts) > 1 else ctx.b.op("Identity", parts)]
+
+
+def _unbind(ctx: LowerCtx, node):
+    x, dim = _args(node)[:2]
+    shape = ctx.shape(x)
+    dim = ctx.const(dim) % len(shape)
+    return [[ctx.b.op("Squeeze", [_slice_onnx(ctx, ctx.tensor(x), dim, k, k + 1), ctx.b.ints([dim])])
+             for k in range(shape[dim])]]
+
+
+def _cumsum(ctx: LowerCtx, node):
+    """cumsum(x, dim): a sum against a constant lower-triangular mask (small dims: O(n^2) is fine)."""
+    x, dim = _args(node)[:2]
+    dtype = _out_dtype(node)
+    shape = ctx.shape(x)
+    rank = len(shape)
+    dim = ctx.const(dim) % max(rank, 1)
+    if rank == 0:
+        return [ctx.as_dtype(x, dtype)]
+    n = shape[dim]
+    moved = ctx.b.op("Transpose", [ctx.as_dtype(x, dtype)], perm=[d for d in range(rank) if d != dim] + [dim])
+    # [.., 1, n] * mask[n(out), n(in)] -> sum over in
+    prod = ctx.b.op("Where", [ctx.b.constant(np.tril(np.ones((n, n), bool)), "mask"),
+                              ctx.b.op("Unsqueeze", [moved, ctx.b.ints([-2])]), ctx.scalar(0, dtype)])
+    summed = ctx.b.op("ReduceSum", [prod, ctx.b.ints([-1])], keepdims=0)
+    back = list(range(rank - 1))
+    back.insert(dim, rank - 1)
+    return [ctx.b.op("Transpose", [summed], perm=back)]
+
+
+# ---- reductions composed of ONNX ops ----
+
+def _var_std(ctx: LowerCtx, node):
+    """var/std(x, dim, correction|unbiased, keepdim): mean of squared deviations / (n - correction)."""
+    named = _named(node)
+    x = named["self"]
+    dtype = _out_dtype(node)
+    shape = ctx.shape(x)
+    dims = ctx.const(named["dim"]) if "dim" in named else None
+    axes = list(range(len(shape))) if not dims else [d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)]
+    if "correction" in named:
+        correction = ctx.const(named["correction"])
+        correction = 1 if correction is None else correction
+    else:
+        correction = int(ctx.const(named["unbiased"])) if "unbiased" in named else 1
+    keepdim = bool(ctx.const(named["keepdim"])) if "keepdim" in named else False
+    count = int(np.prod([shape[a] for a in axes]))
+    xs = ctx.as_dtype(x, dtype)
+    mean = ctx.b.op("ReduceMean", [xs, ctx.b.ints(axes)], keepdims=1)
+    centered = ctx.b.op("Sub", [xs, mean])
+    total = ctx.b.op("ReduceSum", [ctx.b.op("Mul", [centered, centered]), ctx.b.ints(axes)], keepdims=int(keepdim))
+    var = ctx.b.op("Div", [total, ctx.scalar(max(count - correction, 0), dtype)])
+    return [ctx.b.op("Sqrt", [var]) if node.kind() == "aten::std" else var]
+
+
+def _norm(ctx: LowerCtx, node):
+    """norm / linalg_vector_norm with p = 2 (sqrt of sum of squares), 1, inf."""
+    named = _named(node)
+    x = named.get("self", named.get("input"))
+    p = ctx.const(named["p"]) if "p" in named else ctx.const(named["ord"]) if "ord" in named else 2
+    p = 2 if p is None else p
+    dims = ctx.const(named["dim"]) if "dim" in named else None
+    keepdim = int(bool(ctx.const(named["keepdim"]))) if "keepdim" in named else 0
+    rank = len(ctx.shape(x))
+    axes = list(range(rank)) if not dims else [d % rank for d in ([dims] if isinstance(dims, int) else dims)]
+    xs = ctx.b.op("Abs", [ctx.as_dtype(x, _out_dtype(node))])
+    if p == float("inf"):
+        return [ctx.b.op("ReduceMax", [xs, ctx.b.ints(axes)], keepdims=keepdim)]
+    if p == 1:
+        return [ctx.b.op("ReduceSum", [xs, ctx.b.ints(axes)], keepdims=keepdim)]
+    return [ctx.b.op("Sqrt", [ctx.b.op("ReduceSum", [ctx.b.op("Mul", [xs, xs]), ctx.b.ints(axes)], keepdims=keepdim)])]
+
+
+def _norm_check(node):
+    named = _named(node)
+    p = constant_value(named["p"]) if "p" in named else constant_value(named["ord"]) if "ord" in named else 2
+    if p not in (None, 1, 2, float("inf")):
+        return f"norm with p={p} (1, 2 and inf are supported)"
+    if "dtype" in named and constant_value(named["dtype"]) is not None:
+        return "norm with a dtype argument"
+    return None
+
+
+def _logsumexp(ctx: LowerCtx, node):
+    x, dims, keepdim = _args(node)[:3]
+    rank = len(ctx.shape(x))
+    dims = ctx.const(dims)
+    axes = [d % rank for d in ([dims] if isinstance(dims, int) else dims)] or list(range(rank))
+    xs = ctx.as_dtype(x, _out_dtype(node))
+    peak = ctx.b.op("ReduceMax", [xs, ctx.b.ints(axes)], keepdims=1)
+    # an all -inf slice has peak -inf: shift by 0 there so that the result is -inf, not NaN
+    safe = ctx.b.op("Where", [ctx.b.op("Equal", [peak, ctx.scalar(-np.inf, _out_dtype(node))]),
+                              ctx.scalar(0, _out_dtype(node)), peak])
+    total = ctx.b.op("ReduceSum", [ctx.b.op("Exp", [ctx.b.op("Sub", [xs, safe])]), ctx.b.ints(axes)], keepdims=1)
+    out = ctx.b.op("Add", [ctx.b.op("Log", [total]), safe])
+    return [out if ctx.const(keepdim) else ctx.b.op("Squeeze", [out, ctx.b.ints(axes)])]
+
+
+def _bool_reduce(onnx_op: str):
+    """any/all: max/min of the input as bool."""
+    def lower(ctx: LowerCtx, node):
+        args = _args(node)
+        x = ctx.cast(ctx.tensor(args[0]), ctx.dtype(args[0]), np.dtype(bool))
+        x = ctx.b.op("Cast", [x], to=_onnx_type(np.dtype("int32")))
+        rank = len(ctx.shape(args[0]))
+        dims = ctx.const(args[1]) if len(args) > 1 else None
+        keepdim = int(bool(ctx.const(args[2]))) if len(args) > 2 else 0
+        axes = list(range(rank)) if dims is None or dims == [] else \
+            [d % rank for d in ([dims] if isinstance(dims, int) else dims)]
+        if not axes:
+            return [ctx.cast(x, np.dtype("int32"), np.dtype(bool))]
+        out = ctx.b.op(onnx_op, [x, ctx.b.ints(axes)], keepdims=keepdim)
+        return [ctx.cast(out, np.dtype("int32"), np.dtype(bool))]
+    return lower
+
+
+def _min_max(onnx_op: str):
+    """max(x) / min(x) (all elements) and max/min(x, y) (elementwise)."""
+    def lower(ctx: LowerCtx, node):
+        args = _args(node)
+        if len(args) == 1:
+            return reduce(onnx_op)(ctx, node)
+        return binary("Max" if onnx_op == "ReduceMax" else "Min")(ctx, node)
+    return lower
+
+
+def _min_max_check(node):
+    if len(list(node.outputs())) > 1:
+        return f"{node.kind()} along a dim (returns indices)"
+    if len(_args(node)) == 2 and not is_tensor(_args(node)[1]):
+        return f"{node.kind()} with a dim returns indices"
+    return None
+
+
+# ---- activations composed of elementwise ONNX ops ----
+
+def _activation(build):
+    """A rule from build(ctx, x, dtype, *constant args) -> ONNX name."""
+    def lower(ctx: LowerCtx, node):
+        args = _args(node)
+        dtype = _out_dtype(node)
+        return [build(ctx, ctx.as_dtype(args[0], dtype), dtype, *(ctx.const(a) for a in args[1:]))]
+    return lower
+
+
+def _softplus_expr(ctx, x, dtype, beta=1.0, threshold=20.0):
+    scaled = ctx.b.op("Mul", [x, ctx.scalar(beta, dtype)])
+    soft = ctx.b.op("Div", [ctx.b.op("Log", [ctx.b.op("Add", [ctx.b.op("Exp", [scaled]), ctx.scalar(1, dtype)])]),
+                            ctx.scalar(beta, dtype)])
+    return ctx.b.op("Where", [ctx.b.op("Greater", [scaled, ctx.scalar(threshold, dtype)]), x, soft])
+
+
+def _clip(ctx, x, dtype, low, high):
+    return ctx.b.op("Min", [ctx.b.op("Max", [x, ctx.scalar(low, dtype)]), ctx.scalar(high, dtype)])
+
+
+def _hardsigmoid_expr(ctx, x, dtype):
+    return ctx.b.op("Div", [_clip(ctx, ctx.b.op("Add", [x, ctx.scalar(3, dtype)]), dtype, 0, 6), ctx.scalar(6, dtype)])
+
+
+def _elu_expr(ctx, x, dtype, alpha=1.0, scale=1.0, input_scale=1.0):
+    negative = ctx.b.op("Sub", [ctx.b.op("Exp", [ctx.b.op("Mul", [x, ctx.scalar(input_scale, dtype)])]),
+                                ctx.scalar(1, dtype)])
+    negative = ctx.b.op("Mul", [negative, ctx.scalar(alpha * scale, dtype)])
+    positive = ctx.b.op("Mul", [x, ctx.scalar(scale, dtype)])
+    return ctx.b.op("Where", [ctx.b.op("Greater", [x, ctx.scalar(0, dtype)]), positive, negative])
+
+
+ACTIVATIONS = {
+    "aten::hardswish": lambda ctx, x, dt: ctx.b.op("Mul", [x, _hardsigmoid_expr(ctx, x, dt)]),
+    "aten::hardsigmoid": _hardsigmoid_expr,
+    "aten::hardtanh": _clip,
+    "aten::relu6": lambda ctx, x, dt: _clip(ctx, x, dt, 0, 6),
+    "aten::leaky_relu": lambda ctx, x, dt, slope=0.01: ctx.b.op(
+        "Where", [ctx.b.op("Greater", [x, ctx.scalar(0, dt)]), x, ctx.b.op("Mul", [x, ctx.scalar(slope, dt)])]),
+    "aten::elu": _elu_expr,
+    "aten::softplus": _softplus_expr,
+    "aten::mish": lambda ctx, x, dt: ctx.b.op("Mul", [x, ctx.b.op("Tanh", [_softplus_expr(ctx, x, dt)])]),
+    "aten::silu": lambda ctx, x, dt: ctx.b.op("Mul", [x, ctx.b.op("Sigmoid", [x])]),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,8 +1114,7 @@ LOWERING: dict[str, Rule] = {
     "aten::sin": Rule(unary("Sin")),
     "aten::cos": Rule(unary("Cos")),
     "aten::gelu": Rule(_gelu),
-    "aten::silu": Rule(lambda ctx, node: [ctx.b.op("Mul", [ctx.tensor(_args(node)[0]),
-                                                         ctx.b.op("Sigmoid", [ctx.tensor(_args(node)[0])])])]),
+    **{kind: Rule(_activation(build)) for kind, build in ACTIVATIONS.items()},
     "aten::clamp": Rule(_clamp),
     "aten::clamp_min": Rule(_clamp),
     "aten::clamp_max": Rule(_clamp),
@@ -614,6 +1146,32 @@ LOWERING: dict[str, Rule] = {
     "aten::softmax": Rule(softmax("Softmax")),
     "aten::log_softmax": Rule(softmax("LogSoftmax")),
     "aten::layer_norm": Rule(_layer_norm),
+    "aten::prod": Rule(reduce("ReduceProd")),
+    "aten::max": Rule(_min_max("ReduceMax"), _min_max_check),
+    "aten::min": Rule(_min_max("ReduceMin"), _min_max_check),
+    "aten::any": Rule(_bool_reduce("ReduceMax")),
+    "aten::all": Rule(_bool_reduce("ReduceMin")),
+    "aten::var": Rule(_var_std),
+    "aten::std": Rule(_var_std),
+    "aten::norm": Rule(_norm, _norm_check),
+    "aten::linalg_vector_norm": Rule(_norm, _norm_check),
+    "aten::logsumexp": Rule(_logsumexp),
+    "aten::cumsum": Rule(_cumsum),
+    "aten::batch_norm": Rule(_batch_norm, _needs_const_false(5, "batch_norm in training mode")),
+    "aten::group_norm": Rule(_group_norm),
+    "aten::instance_norm": Rule(_instance_norm, _instance_norm_check),
+    # convolution and pooling
+    **{kind: Rule(_conv, _conv_check) for kind in (
+        "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution", "aten::_convolution")},
+    "aten::max_pool1d": Rule(_max_pool),
+    "aten::max_pool2d": Rule(_max_pool),
+    "aten::avg_pool1d": Rule(_avg_pool, _avg_pool_check),
+    "aten::avg_pool2d": Rule(_avg_pool, _avg_pool_check),
+    "aten::adaptive_avg_pool1d": Rule(_adaptive_avg_pool, _adaptive_avg_pool_check),
+    "aten::adaptive_avg_pool2d": Rule(_adaptive_avg_pool, _adaptive_avg_pool_check),
+    **{kind: Rule(_pad, _pad_check) for kind in (
+        "aten::pad", "aten::constant_pad_nd", "aten::reflection_pad1d", "aten::reflection_pad2d",
+        "aten::replication_pad1d", "aten::replication_pad2d")},
     # linear algebra
     "aten::linear": Rule(_linear),
     "aten::matmul": Rule(_matmul),
@@ -646,6 +1204,18 @@ LOWERING: dict[str, Rule] = {
     "aten::cat": Rule(_cat, _cat_check, tensor_lists=True),
     "aten::concat": Rule(_cat, _cat_check, tensor_lists=True),
     "aten::embedding": Rule(_embedding),
+    "aten::index": Rule(_index, _index_check, tensor_lists=True),
+    "aten::index_select": Rule(_index_select),
+    "aten::gather": Rule(_gather, _needs_const_false(3, "gather with sparse_grad")),
+    "aten::tril": Rule(_triangle),
+    "aten::triu": Rule(_triangle),
+    "aten::repeat": Rule(_repeat),
+    "aten::roll": Rule(_roll),
+    "aten::stack": Rule(_stack, _cat_check, tensor_lists=True),
+    "aten::unbind": Rule(_unbind, tensor_lists=True),
+    # tensor creation (constant arguments; shape and dtype as measured)
+    **{kind: Rule(_fill) for kind in (*FILL_VALUES, "aten::full", "aten::full_like", "aten::new_full")},
+    "aten::arange": Rule(_arange),
     "aten::split": Rule(_split, tensor_lists=True),
     "aten::split_with_sizes": Rule(_split, tensor_lists=True),
     "aten::chunk": Rule(_split, tensor_lists=True),

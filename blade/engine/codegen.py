@@ -145,6 +145,7 @@ class Reduction:
 
 REDUCE = {
     "sum": Reduction(lambda t: f"{t}(0)", lambda acc, v: f"{acc} + {v}", "+"),
+    "prod": Reduction(lambda t: f"{t}(1)", lambda acc, v: f"{acc} * {v}", "*"),
     "max": Reduction(_neg_inf_or_lowest, lambda acc, v: f"({v} != {v} || {v} > {acc}) ? {v} : {acc}"),
     "min": Reduction(_inf_or_max, lambda acc, v: f"({v} != {v} || {v} < {acc}) ? {v} : {acc}"),
 }

@@ -6,7 +6,7 @@ A cluster becomes a DAG of a handful of primitives, each with a static shape and
   ew              elementwise op over arguments of the node's own shape (broadcasts are explicit views)
   view            index remapping without compute: permute, expand, slice, reshape, window (views.py)
   pad             x padded per dim: a constant fill, or reflect/edge index remapping
-  reduce          sum / max / min over axes, keeping the reduced dims as size 1
+  reduce          sum / prod / max / min over axes, keeping the reduced dims as size 1
   matmul          float32 batched [.., m, k] @ [.., k, n] with equal batch dims (alpha scale)
   gather          data[..., indices[...], ...] along one axis (range-checked at run time)
   conv            float32 N-d convolution [n, c, *size] * [o, c/g, *k] (+ bias), through the runtime
@@ -499,6 +499,7 @@ ONNX_RULES = {
     "ReduceMean": _reduction("mean"),
     "ReduceMax": _reduction("max"),
     "ReduceMin": _reduction("min"),
+    "ReduceProd": _reduction("prod"),
     "Softmax": _softmax(log=False),
     "LogSoftmax": _softmax(log=True),
     "LayerNormalization": _layer_norm,

@@ -78,6 +78,8 @@ CASES = [
     op_case("ReduceMax", [(2, 3)], arr([1], i64), values={"x0": arr([[1, np.nan, 2], [1, 2, 3]], f32)},
             name="ReduceMax-nan"),
     op_case("ReduceMin", [(3, 4, 5)], arr([0, 2], i64)),
+    op_case("ReduceProd", [(3, 4, 5)], arr([1], i64), keepdims=0, rtol=1e-5),
+    op_case("ReduceProd", [(3, 4)], arr([0], i64), dtype="int64"),
     op_case("Softmax", [(4, 33)], axis=-1),
     op_case("Softmax", [(2, 5, 3)], axis=1),
     op_case("LogSoftmax", [(4, 33)], axis=0),
