@@ -737,6 +737,39 @@ def _pad_check(node):
     return None
 
 
+# ---- upsampling: per spatial axis, Gathers at constant indices (and constant weights) ----
+
+def _upsample(ctx: LowerCtx, node):
+    """upsample_nearest1d/2d and upsample_(bi)linear1d/2d, as torch computes source positions."""
+    named = _named(node)
+    x = named["input"] if "input" in named else named["self"]
+    shape, out_shape = ctx.shape(x), ctx.shape(node.output())
+    dtype = ctx.dtype(x)
+    align = bool(ctx.const(named["align_corners"])) if "align_corners" in named else False
+    factors = ctx.const(named["scale_factors"]) if "scale_factors" in named else None
+    spatial = len(shape) - 2
+    name = ctx.tensor(x)
+    for k in range(spatial):
+        axis, n_in, n_out = 2 + k, shape[2 + k], out_shape[2 + k]
+        scale = 1.0 / factors[k] if factors else n_in / n_out
+        dst = np.arange(n_out, dtype=np.float64)
+        if "nearest" in node.kind():
+            index = np.minimum(np.floor(dst * np.float32(scale)).astype(np.int64), n_in - 1)
+            name = ctx.b.op("Gather", [name, ctx.b.constant(index, "index")], axis=axis)
+            continue
+        if align:
+            src = dst * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
+        else:
+            src = np.maximum((dst + 0.5) * scale - 0.5, 0.0)
+        low = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
+        high = np.minimum(low + 1, n_in - 1)
+        weight = (src - low).astype(dtype).reshape([n_out] + [1] * (spatial - 1 - k))
+        gathered = [ctx.b.op("Gather", [name, ctx.b.constant(i, "index")], axis=axis) for i in (low, high)]
+        name = ctx.b.op("Add", [ctx.b.op("Mul", [gathered[0], ctx.b.constant(1 - weight, "w")]),
+                                ctx.b.op("Mul", [gathered[1], ctx.b.constant(weight, "w")])])
+    return [name]
+
+
 # ---- tensor creation: the output's measured shape/dtype plus constant arguments ----
 
 def _named(node) -> dict:
@@ -1216,6 +1249,8 @@ LOWERING: dict[str, Rule] = {
     # tensor creation (constant arguments; shape and dtype as measured)
     **{kind: Rule(_fill) for kind in (*FILL_VALUES, "aten::full", "aten::full_like", "aten::new_full")},
     "aten::arange": Rule(_arange),
+    **{kind: Rule(_upsample) for kind in ("aten::upsample_nearest1d", "aten::upsample_nearest2d",
+                                          "aten::upsample_linear1d", "aten::upsample_bilinear2d")},
     "aten::split": Rule(_split, tensor_lists=True),
     "aten::split_with_sizes": Rule(_split, tensor_lists=True),
     "aten::chunk": Rule(_split, tensor_lists=True),

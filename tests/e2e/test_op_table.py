@@ -94,6 +94,12 @@ CASES = {
     "pad_constant": (lambda x: F.pad(x, (1, 2, 0, 1), value=0.5) * 2, [f32(2, 3, 4)]),
     "pad_reflect": (lambda x: F.pad(x, (2, 1, 1, 1), mode="reflect") * 2, [f32(1, 2, 4, 5)]),
     "pad_replicate": (lambda x: F.pad(x, (2, 1), mode="replicate") * 2, [f32(1, 2, 4)]),
+    "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest") * 2, [f32(1, 3, 4, 5)]),
+    "upsample_nearest_size": (lambda x: F.interpolate(x, size=(7, 3), mode="nearest") * 2, [f32(1, 3, 4, 5)]),
+    "upsample_bilinear": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear") * 2, [f32(1, 3, 4, 5)]),
+    "upsample_bilinear_align": (lambda x: F.interpolate(x, size=(7, 9), mode="bilinear", align_corners=True),
+                                [f32(2, 3, 4, 5)]),
+    "upsample_linear1d": (lambda x: F.interpolate(x, size=11, mode="linear") + 1, [f32(2, 3, 5)]),
     # selection and comparison
     "where": (lambda c, x, y: torch.where(c, x, y), [boolean(4, 8), f32(4, 8), f32(8)]),
     "where_scalar": (lambda x: torch.where(x > 0, x, 0.0), [f32(4, 8)]),
