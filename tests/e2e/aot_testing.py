@@ -36,6 +36,17 @@ def make_model_and_inputs(seed: int = 0):
     return model, (torch.randn(2, 8, 32), (torch.rand(2, 8, 1) > 0.3).float())
 
 
+def save_reference(root: Path, run, model, inputs) -> None:
+    """Runs the compiled ``run`` on inputs, checks it against eager and saves the inputs and its
+    outputs as root/io.pt: the outputs a fresh process must reproduce bit for bit."""
+    with torch.no_grad():
+        outputs, expected = run(*inputs), model(*inputs)
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.save({"inputs": inputs, "outputs": outputs}, root / "io.pt")
+
+
 def run_python(script: str, *, env: dict | None = None, cwd=None, timeout: float = 600) -> str:
     """Runs script in a fresh interpreter (tests/e2e importable); returns stdout, fails with stderr."""
     full_env = dict(os.environ if env is None else env)

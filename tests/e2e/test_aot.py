@@ -2,6 +2,7 @@
 cannot compile; dynamo's guards are still checked there."""
 from __future__ import annotations
 
+import functools
 import pickle
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 import blade
 from blade.aot import IncompatibleArtifact, PrecompiledModule
-from aot_testing import make_model_and_inputs, run_python, tripwire_compiler_env
+from aot_testing import make_model_and_inputs, run_python, save_reference, tripwire_compiler_env
 
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
 
@@ -22,11 +23,8 @@ def precompiled(tmp_path_factory):
     with torch.no_grad():
         fn = torch.compile(model.forward, backend="tt_infer", fullgraph=True).aot_compile((inputs, {}))
         fn.save_compiled_function(str(root / "block.aot"), external_data={"model": model})
-        outputs = fn(model, *inputs)  # a method's precompiled function takes the module first
-        expected = model(*inputs)
-    for got, want in zip(outputs, expected):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    torch.save({"inputs": inputs, "outputs": outputs}, root / "io.pt")
+    # like the function it was made from, a method's precompiled function takes the module first
+    save_reference(root, functools.partial(fn, model), model, inputs)
     return root, fn
 
 

@@ -10,7 +10,7 @@ import torch
 import blade
 from blade.aot import IncompatibleArtifact
 from blade.export import METADATA_FILE, ExportError, read_stamps
-from aot_testing import make_model_and_inputs, run_python, tripwire_compiler_env
+from aot_testing import make_model_and_inputs, run_python, save_reference, tripwire_compiler_env
 
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
 
@@ -21,12 +21,7 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     model, inputs = make_model_and_inputs()
     compiled = blade.export(model, inputs, str(root / "block.blade.pt"))
-    with torch.no_grad():
-        outputs = compiled.module(*inputs)
-        expected = model(*inputs)
-    for got, want in zip(outputs, expected):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    torch.save({"inputs": inputs, "outputs": outputs}, root / "io.pt")
+    save_reference(root, compiled.module, model, inputs)
     return root, compiled
 
 
