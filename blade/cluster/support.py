@@ -488,9 +488,7 @@ def _index(ctx: LowerCtx, node):
     first, last = dims[0], dims[-1] + 1
     linear, stride = None, 1
     for d in reversed(dims):
-        n = ctx.scalar(shape[d], np.int64)
-        i = entries[d]
-        i = ctx.b.op("Where", [ctx.b.op("Less", [i, ctx.scalar(0, np.int64)]), ctx.b.op("Add", [i, n]), i])
+        i = _wrap_negative(ctx, entries[d], shape[d])
         term = i if stride == 1 else ctx.b.op("Mul", [i, ctx.scalar(stride, np.int64)])
         linear = term if linear is None else ctx.b.op("Add", [linear, term])
         stride *= shape[d]
@@ -514,6 +512,19 @@ def _index_check(node):
     if not dims or dims != list(range(dims[0], dims[-1] + 1)):
         return "aten::index with index tensors on non-adjacent dims"
     return None
+
+
+def _wrap_negative(ctx: LowerCtx, index: str, n: int) -> str:
+    """index + n where index < 0 (torch's negative indexing), on an int64 ONNX value."""
+    size = ctx.scalar(n, np.int64)
+    return ctx.b.op("Where", [ctx.b.op("Less", [index, ctx.scalar(0, np.int64)]), ctx.b.op("Add", [index, size]), index])
+
+
+def _dims_to_axes(dims, rank: int) -> list:
+    """A dim argument (int, list, None or []) as sorted non-negative axes; none given = all."""
+    if dims is None or dims == []:
+        return list(range(rank))
+    return sorted(d % max(rank, 1) for d in ([dims] if isinstance(dims, int) else dims))
 
 
 def _list_unpack(ctx: LowerCtx, node):
@@ -825,9 +836,7 @@ def _gather(ctx: LowerCtx, node):
     for d, n in enumerate(ishape):
         if d != dim:
             position += (np.arange(n) * strides[d]).reshape([-1 if k == d else 1 for k in range(len(ishape))])
-    i = ctx.cast(ctx.tensor(index), ctx.dtype(index), np.dtype("int64"))
-    n = ctx.scalar(shape[dim], np.int64)
-    i = ctx.b.op("Where", [ctx.b.op("Less", [i, ctx.scalar(0, np.int64)]), ctx.b.op("Add", [i, n]), i])
+    i = _wrap_negative(ctx, ctx.cast(ctx.tensor(index), ctx.dtype(index), np.dtype("int64")), shape[dim])
     linear = ctx.b.op("Add", [ctx.b.op("Mul", [i, ctx.scalar(strides[dim], np.int64)]), ctx.b.constant(position)])
     flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
     return [ctx.b.op("Gather", [flat, linear], axis=0)]
@@ -920,8 +929,7 @@ def _var_std(ctx: LowerCtx, node):
     x = named["self"]
     dtype = _out_dtype(node)
     shape = ctx.shape(x)
-    dims = ctx.const(named["dim"]) if "dim" in named else None
-    axes = list(range(len(shape))) if not dims else [d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)]
+    axes = _dims_to_axes(ctx.const(named["dim"]) if "dim" in named else None, len(shape))
     if "correction" in named:
         correction = ctx.const(named["correction"])
         correction = 1 if correction is None else correction
@@ -943,10 +951,8 @@ def _norm(ctx: LowerCtx, node):
     x = named.get("self", named.get("input"))
     p = ctx.const(named["p"]) if "p" in named else ctx.const(named["ord"]) if "ord" in named else 2
     p = 2 if p is None else p
-    dims = ctx.const(named["dim"]) if "dim" in named else None
     keepdim = int(bool(ctx.const(named["keepdim"]))) if "keepdim" in named else 0
-    rank = len(ctx.shape(x))
-    axes = list(range(rank)) if not dims else [d % rank for d in ([dims] if isinstance(dims, int) else dims)]
+    axes = _dims_to_axes(ctx.const(named["dim"]) if "dim" in named else None, len(ctx.shape(x)))
     xs = ctx.b.op("Abs", [ctx.as_dtype(x, _out_dtype(node))])
     if p == float("inf"):
         return [ctx.b.op("ReduceMax", [xs, ctx.b.ints(axes)], keepdims=keepdim)]
@@ -967,9 +973,7 @@ def _norm_check(node):
 
 def _logsumexp(ctx: LowerCtx, node):
     x, dims, keepdim = _args(node)[:3]
-    rank = len(ctx.shape(x))
-    dims = ctx.const(dims)
-    axes = [d % rank for d in ([dims] if isinstance(dims, int) else dims)] or list(range(rank))
+    axes = _dims_to_axes(ctx.const(dims), len(ctx.shape(x)))
     xs = ctx.as_dtype(x, _out_dtype(node))
     peak = ctx.b.op("ReduceMax", [xs, ctx.b.ints(axes)], keepdims=1)
     # an all -inf slice has peak -inf: shift by 0 there so that the result is -inf, not NaN
@@ -987,10 +991,8 @@ def _bool_reduce(onnx_op: str):
         x = ctx.cast(ctx.tensor(args[0]), ctx.dtype(args[0]), np.dtype(bool))
         x = ctx.b.op("Cast", [x], to=_onnx_type(np.dtype("int32")))
         rank = len(ctx.shape(args[0]))
-        dims = ctx.const(args[1]) if len(args) > 1 else None
         keepdim = int(bool(ctx.const(args[2]))) if len(args) > 2 else 0
-        axes = list(range(rank)) if dims is None or dims == [] else \
-            [d % rank for d in ([dims] if isinstance(dims, int) else dims)]
+        axes = _dims_to_axes(ctx.const(args[1]) if len(args) > 1 else None, rank)
         if not axes:
             return [ctx.cast(x, np.dtype("int32"), np.dtype(bool))]
         out = ctx.b.op(onnx_op, [x, ctx.b.ints(axes)], keepdims=keepdim)

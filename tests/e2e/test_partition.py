@@ -34,12 +34,12 @@ def assert_convex(parts):
 
 
 # cumsum is excluded by config in these tests: a deterministic "unsupported" node
-BARRIER = ("aten::cumsum",)
+BARRIER = ("aten::cumprod",)
 
 
 def diamond(x):
     a = x * 2              # supported
-    u = torch.cumsum(a, 0)  # excluded: stays in TorchScript, between a and b
+    u = torch.cumprod(a, 0)  # excluded: stays in TorchScript, between a and b
     b = u + 1
     c = a.relu()
     return b * c
@@ -68,12 +68,12 @@ def test_min_cluster_size_and_reasons():
     assert parts.clusters == []
     reasons = {n.kind(): r for n, r in parts.reasons.items()}
     assert "below min_cluster_size=3" in reasons["aten::relu"]
-    assert reasons["aten::cumsum"] == "excluded by config (excluded_ops)"
+    assert reasons["aten::cumprod"] == "excluded by config (excluded_ops)"
 
 
 def long_chain(x):
     for i in range(1500):
-        x = x * 1.0001 + 0.5 if i % 50 else torch.cumsum(x, 0)
+        x = x * 1.0001 + 0.5 if i % 50 else torch.cumprod(x, 0)
     return x
 
 
@@ -84,14 +84,14 @@ def test_thousands_of_nodes():
     elapsed = time.perf_counter() - started
     print(f"\npartitioned {len(parts.ops)} ops into {len(parts.clusters)} clusters in {elapsed:.2f}s")
     assert len(parts.ops) > 2900
-    assert len(parts.clusters) == 30  # the runs between the 30 cumsums
+    assert len(parts.clusters) == 30  # the runs between the 30 cumprods
     assert all(c.op_count == 98 for c in parts.clusters[1:])
     assert_convex(parts)
 
 
 def two_clusters(x):
     y = torch.tanh(x @ x.t()) * 2 + 1
-    y = torch.cumsum(y, 1)  # splits the graph
+    y = torch.cumprod(y, 1)  # splits the graph
     return torch.sigmoid(y @ y) - 0.5
 
 
