@@ -33,7 +33,7 @@ def assert_convex(parts):
                     frontier.append(user)
 
 
-# cumsum is excluded by config in these tests: a deterministic "unsupported" node
+# cumprod is excluded by config in these tests: a deterministic "unsupported" node
 BARRIER = ("aten::cumprod",)
 
 
