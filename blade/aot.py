@@ -23,7 +23,6 @@ Engine runs the fallback and only a warning is given here).
 from __future__ import annotations
 
 import functools
-import inspect
 import io
 import pickle
 import platform
@@ -124,27 +123,56 @@ class PrecompiledModule(CompiledModule, SerializableCallable):
         return cls(module, state["runtime_inputs"], state["report"], state["stamps"])
 
 
-def _bound(fn, model: torch.nn.Module):
-    """torch's precompiled function of ``model.forward`` has the signature of the underlying
-    function, ``self`` included (unless a wrapper hides it behind ``*args``): pass the model."""
-    def params(f):
-        return inspect.signature(f, follow_wrapped=False).parameters
-    takes_self = len(params(model.forward.__func__)) > len(params(model.forward))
-    return functools.partial(fn, model) if takes_self else fn
+class _Forward(torch.nn.Module):
+    """The model behind a plain method that returns its output tensors flattened (pytree order,
+    as blade.export's archives do). torch's precompile pickles the traced function by reference,
+    which fails for a forward wrapped by decorators (transformers' models), and rebuilding output
+    containers such as ModelOutput needs globals a fresh process lacks; this forward has neither
+    problem, and the same signature (self, *args) for every model."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return _leaves(self.model(*args))
 
 
-def precompile(model: torch.nn.Module, example_inputs: tuple, path: str, **options):
-    """Precompile ``model.forward`` for these inputs with tt_infer and save it at ``path`` (torch's
-    AOT precompile; the model itself stays external). Returns the compiled function, model bound."""
+def _leaves(out) -> tuple:
+    """A model's outputs as a flat tuple (containers in order; dicts such as transformers'
+    ModelOutput by value). Plain Python on purpose: torch.utils._pytree would add guards on the
+    torch module that dynamo cannot load again."""
+    if isinstance(out, (tuple, list)):
+        return tuple(leaf for item in out for leaf in _leaves(item))
+    if isinstance(out, dict):
+        return _leaves(tuple(out.values()))
+    return (out,)
+
+
+def precompile(model: torch.nn.Module, example_inputs: tuple, path: str, *, guard_filter_fn=None,
+               **options):
+    """Precompile ``model(*example_inputs)`` with tt_infer and save it at ``path`` (torch's AOT
+    precompile; the model itself stays external). Returns the compiled function (model bound).
+
+    guard_filter_fn: torch's hook choosing which dynamo guards are saved. Some model code gets
+    guards dynamo cannot serialize (``PackageError: ID_MATCH guard cannot be serialized``, e.g.
+    transformers' BERT: identity of decorated methods and closures); for a fixed model served as
+    saved, ``torch.compiler.keep_portable_guards_unsafe`` keeps the tensor, shape and grad-mode
+    guards only. options: blade Config fields. The function returns the model's output tensors as
+    a flat tuple."""
+    served = _Forward(model)
+    compile_options = dict(options, **({"guard_filter_fn": guard_filter_fn} if guard_filter_fn else {}))
     with torch.no_grad():
-        fn = torch.compile(model.forward, backend="tt_infer", fullgraph=True,
-                           options=options or None).aot_compile((tuple(example_inputs), {}))
-        fn.save_compiled_function(path, external_data={"model": model})
-    return _bound(fn, model)
+        fn = torch.compile(served.forward, backend="tt_infer", fullgraph=True,
+                           options=compile_options or None).aot_compile((tuple(example_inputs), {}))
+        fn.save_compiled_function(path, external_data={"model": served})
+    return functools.partial(fn, served)  # a method's precompiled function takes self first
 
 
 def load_precompiled(path: str, model: torch.nn.Module):
     """The function ``precompile`` saved, bound to ``model``: call it with the inputs only (under
     ``torch.no_grad()`` like at precompile time; dynamo checks its guards on every call)."""
+    served = _Forward(model)
     with open(path, "rb") as f:
-        return _bound(torch.compiler.load_compiled_function(f, external_data={"model": model}), model)
+        fn = torch.compiler.load_compiled_function(f, external_data={"model": served})
+    return functools.partial(fn, served)

@@ -65,11 +65,21 @@ def test_load_in_fresh_process_is_bit_exact_guarded_and_never_compiles(precompil
 
 def test_one_line_helpers_round_trip(tmp_path):
     model, inputs = make_model_and_inputs(seed=1)
-    blade.precompile(model, inputs, str(tmp_path / "m.aot"))
-    fn = blade.load_precompiled(str(tmp_path / "m.aot"), model)
-    with torch.no_grad():
-        for got, want in zip(fn(*inputs), model(*inputs)):
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    fn = blade.precompile(model, inputs, str(tmp_path / "m.aot"))
+    save_reference(tmp_path, fn, model, inputs)
+    env, compiler_mark = tripwire_compiler_env(tmp_path)
+    out = run_python(f"""
+        import torch, blade
+        from aot_testing import make_model_and_inputs
+        model, _ = make_model_and_inputs(seed=1)
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        fn = blade.load_precompiled({str(tmp_path / 'm.aot')!r}, model)
+        with torch.no_grad():
+            got = fn(*io["inputs"])
+        assert isinstance(got, tuple) and all(torch.equal(g, w) for g, w in zip(got, io["outputs"]))
+        print("ok")
+    """, env=env)
+    assert "ok" in out and not compiler_mark.exists()
 
 
 def test_incompatible_stamps_are_refused_at_load(precompiled):
