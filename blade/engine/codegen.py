@@ -29,6 +29,7 @@ from .views import Layout, contiguous_strides, linear_index
 
 INLINE_CONST_MAX = 64          # constants with at most this many elements are compiled into the code
 PARALLEL_WORK = 16384          # elements of work below which a loop is not worth a thread
+STACK_ROW_BYTES = 64 * 1024    # per row group: rows of group-local scratch kept on each thread's stack
 ALIGN = 64
 DECLS = "@DECLS@"              # where a kernel's buffer pointers get declared
 
@@ -110,7 +111,7 @@ CODE_FOR_OP = {
     "Log": _call("std::log"),
     "Sqrt": _call("std::sqrt"),
     "Reciprocal": lambda t, a: f"{t}(1) / {a}",
-    "Erf": _call("std::erf"),
+    "Erf": lambda t, a: f"{'blade_erff' if t.dtype == 'float32' else 'std::erf'}({a})",
     "Floor": _call("std::floor"),
     "Ceil": _call("std::ceil"),
     "Sin": _call("std::sin"),
@@ -320,9 +321,32 @@ class Schedule:
 
 @dataclass
 class Kernel:
-    number: int
+    number: int                                    # its block (kernels of a row group share one)
     comment: str
     uses: dict = field(default_factory=dict)       # Buffer -> written?
+    accesses: list = field(default_factory=list)   # (Strided, idx, written) of loop kernels
+    prologue: list = field(default_factory=list)   # loop kernels: lines before the row loop,
+    body: list = field(default_factory=list)       # and lines inside it
+    work: int = 0                                  # elements of work per row
+
+
+@dataclass
+class RowGroup:
+    """Loop kernels sharing one parallel loop over `rows` (leading dims of all their shapes)."""
+    number: int
+    rows: tuple
+    kernels: list = field(default_factory=list)
+    uses: dict = field(default_factory=dict)
+    written: set = field(default_factory=set)
+    work: int = 0
+
+    def add(self, kernel: Kernel):
+        self.kernels.append(kernel)
+        for buf, written in kernel.uses.items():
+            self.uses[buf] = self.uses.get(buf, False) or written
+            if written:
+                self.written.add(buf)
+        self.work += kernel.work
 
 
 @dataclass
@@ -345,6 +369,7 @@ class Emitter:
         self.inline_consts: list[Buffer] = []
         self.kernels_code: list[str] = []
         self.kernel: Kernel | None = None
+        self.group: RowGroup | None = None
         self.strided_memo: dict = {}
         for i, node in enumerate(graph.inputs):
             self.buffers[node] = Buffer("input", i, node.dtype, node.numel)
@@ -401,6 +426,7 @@ class Emitter:
     def load(self, s: Strided, idx) -> str:
         if s.buf.kind == "inline" and s.buf.numel == 1:
             return literal(s.buf.values.reshape(-1)[0], s.buf.dtype)
+        self.kernel.accesses.append((s, idx, False))
         return f"{self.use(s.buf)}[{s.address(idx)}]"
 
     def value(self, node: Node, idx, scope: Scope) -> str:
@@ -508,21 +534,31 @@ class Emitter:
         return acc
 
     # ---- kernels ----
+    #
+    # Kernels are emitted into numbered *blocks* (the unit of scratch liveness). A call kernel
+    # (GEMM, conv) is one block. Loop kernels are fused into a RowGroup block while they share its
+    # rows (leading dims) and touch the memory the group writes only within the current row: one
+    # parallel loop runs every kernel of the group row by row, so what one kernel writes is still
+    # in L1 when the next one reads it, and the thread pool is entered once instead of per kernel.
 
     def begin_kernel(self, comment: str):
+        """Starts a block of its own (call kernels); closes an open row group first."""
+        self.close_group()
         self.kernel = Kernel(len(self.kernels_code), comment)
 
     def end_kernel(self, body_lines):
         """Closes the kernel; its buffer pointers are declared where body_lines has DECLS (inside
         the parallel lambda, so that __restrict__ reaches the loops)."""
-        decls = [self._pointer_decl(buf, written) for buf, written in self.kernel.uses.items()
-                 if buf.kind != "inline"]
+        self.kernels_code.append((self.kernel.comment, self._declare(body_lines, self.kernel.uses)))
+        self.kernel = None
+
+    def _declare(self, body_lines, uses):
+        decls = [self._pointer_decl(buf, written) for buf, written in uses.items() if buf.kind != "inline"]
         lines = []
         for line in body_lines:
             pad = line[:len(line) - len(line.lstrip())]
             lines += [pad + d for d in decls] if line.strip() == DECLS else [line]
-        self.kernels_code.append((self.kernel.comment, lines))
-        self.kernel = None
+        return lines
 
     @staticmethod
     def _pointer_decl(buf: Buffer, written: bool) -> str:
@@ -534,43 +570,131 @@ class Emitter:
             return f"{qual}{ctype}* __restrict__ {buf.ident} = reinterpret_cast<{qual}{ctype}*>(arena + @OFFSET{buf.index}@);"
         return f"{qual}{ctype}* __restrict__ {buf.ident} = static_cast<{qual}{ctype}*>({source});"
 
-    def emit_loop_kernel(self, comment, dest: Strided, value_fn, work_per_element=1):
-        """dest[idx] = value_fn(scope, idx) for every idx of dest.shape, parallel over outer loops."""
+    def emit_loop_kernel(self, comment, dest: Strided, value_fn, work_per_element=1, rows=None):
+        """dest[idx] = value_fn(scope, idx) for every idx of dest.shape, parallel over its rows
+        (by default every dim but the innermost loop; `rows` overrides the number of leading dims),
+        fused into the open row group when that is safe."""
         shape = dest.shape
         if math.prod(shape) == 0:
             return
-        self.begin_kernel(comment)
+        group = self.group
+        if group is not None and shape[:len(group.rows)] == group.rows:
+            attempt = self._loop_kernel(comment, dest, value_fn, work_per_element, group)
+            if self._row_local(attempt, group):
+                group.add(attempt)
+                return
+        self.close_group()
         loop_dims = [d for d, n in enumerate(shape) if n != 1]
-        names = {d: f"i{d}" for d in loop_dims}
-        idx = [names.get(d, "0") for d in range(len(shape))]
-        root = Scope(self)
-        dest_ident = self.use(dest.buf, write=True)
-        store = lambda scope: scope.lines.append(f"{dest_ident}[{dest.address(idx)}] = {value_fn(scope, idx)};")
-        if not loop_dims:
-            store(root)
-            self.end_kernel(["{", *_indent([DECLS] + root.lines), "}"])
-            return
-        inner_dim, outer_dims = loop_dims[-1], loop_dims[:-1]
-        outer_scope = root.child([names[d] for d in outer_dims] + ["o"])
-        inner_scope = outer_scope.child([names[inner_dim]])
-        store(inner_scope)
-        inner_n = shape[inner_dim]
-        if not outer_dims:  # one loop: split it across threads directly
-            loop = _for(names[inner_dim], "lo", "hi", inner_scope.lines)
-            total, grain = inner_n, max(1, PARALLEL_WORK // work_per_element)
-            body = root.lines + outer_scope.lines + loop
+        if rows is None:
+            rows = loop_dims[-1] + (len(loop_dims) == 1) if loop_dims else len(shape)
+        self.group = RowGroup(len(self.kernels_code), tuple(shape[:rows]))
+        self.kernels_code.append(None)  # the group's slot, filled by close_group
+        self.group.add(self._loop_kernel(comment, dest, value_fn, work_per_element, self.group))
+        if math.prod(self.group.rows) == 1:  # nothing to share a row loop with
+            self.close_group()
+
+    def _loop_kernel(self, comment, dest: Strided, value_fn, work_per_element, group) -> Kernel:
+        """One loop kernel inside group's row loop: the loops over dest's dims past the rows."""
+        self.kernel = kernel = Kernel(group.number, comment)
+        shape, k = dest.shape, len(group.rows)
+        inner = [d for d in range(k, len(shape)) if shape[d] != 1]
+        idx = [f"i{d}" if n != 1 else "0" for d, n in enumerate(shape)]
+        prologue = Scope(self)
+        chain = [prologue.child([idx[d] for d in range(k) if shape[d] != 1] + ["o"])]
+        for d in inner:
+            chain.append(chain[-1].child([idx[d]]))
+        ident = self.use(dest.buf, write=True)
+        kernel.accesses.append((dest, idx, True))
+        chain[-1].lines.append(f"{ident}[{dest.address(idx)}] = {value_fn(chain[-1], idx)};")
+        body = chain[-1].lines
+        for level in range(len(inner), 0, -1):
+            body = chain[level - 1].lines + _for(idx[inner[level - 1]], 0, shape[inner[level - 1]], body)
+        kernel.prologue, kernel.body = prologue.lines, body
+        kernel.work = math.prod(shape[k:]) * work_per_element
+        self.kernel = None
+        return kernel
+
+    @staticmethod
+    def _row_address(s: Strided, idx, rows) -> str | None:
+        """The address of s[idx] relative to the current row, when it provably lies inside that
+        row of s's buffer (row r spans elements [r * row_numel, (r + 1) * row_numel)); else None."""
+        row_vars = [(f"i{d}", n) for d, n in enumerate(rows) if n != 1]
+        row_numel, rem = divmod(s.buf.numel, math.prod(rows))
+        if not row_vars or rem:
+            return None  # no row loop: loads would be hoisted above the kernels that write them
+        want, step = {}, row_numel
+        for var, n in reversed(row_vars):
+            want[var], step = step, step * n
+        got, low, high, rest = dict.fromkeys(want, 0), s.layout.offset, s.layout.offset, []
+        for i, stride, n in zip(idx, s.layout.strides, s.shape):
+            if i in want:
+                got[i] += stride
+            elif set(_IDENT.findall(i)) & want.keys():
+                return None   # a row variable inside an expression: not provably in the row
+            else:             # i ranges over [0, n)
+                low, high = low + min(0, stride * (n - 1)), high + max(0, stride * (n - 1))
+                rest.append(views.index_mul(stride, i))
+        if got != want or low < 0 or high >= row_numel:
+            return None
+        return views.index_sum(rest, s.layout.offset)
+
+    def _row_local(self, kernel: Kernel, group: "RowGroup") -> bool:
+        """Whether kernel, run row by row inside group, touches what the group writes only within
+        the current row and writes its own output row by row: then fusing it is safe."""
+        return all(self._row_address(s, idx, group.rows) is not None
+                   for s, idx, written in kernel.accesses if written or s.buf in group.written)
+
+    def _stack_rows(self, group: "RowGroup", budget: int):
+        """Scratch buffers that live only inside group's row loop become one row on each thread's
+        stack (in L1) instead of a whole tensor in the arena: their accesses are rebased to the row."""
+        local, rebase = set(), {}
+        for buf in sorted(group.written, key=lambda b: b.index):
+            if buf.kind != "scratch" or not buf.first == buf.last == group.number:
+                continue
+            accesses = [(s, idx) for k in group.kernels for s, idx, _ in k.accesses if s.buf is buf]
+            rows = [self._row_address(s, idx, group.rows) for s, idx in accesses]
+            row_bytes = buf.nbytes // math.prod(group.rows)
+            if None in rows or row_bytes > budget:
+                continue
+            budget -= row_bytes
+            local.add(buf)
+            for (s, idx), row in zip(accesses, rows):
+                rebase[re.compile(rf"\b{buf.ident}\[{re.escape(s.address(idx))}\]")] = f"{buf.ident}[{row}]"
+        return local, rebase
+
+    def close_group(self):
+        """Ends the open row group; it is rendered once scratch liveness is known (render_group)."""
+        if self.group is not None:
+            self.kernels_code[self.group.number] = self.group
+            self.group = None
+
+    def render_group(self, group: "RowGroup") -> tuple:
+        """(comment, lines) of a row group: one parallel loop over its rows running every kernel."""
+        local, rebase = self._stack_rows(group, STACK_ROW_BYTES)
+        total = math.prod(group.rows)
+        grain = max(1, -(-PARALLEL_WORK // max(group.work, 1)))
+        unflatten, step = [], 1
+        row_dims = [d for d, n in enumerate(group.rows) if n != 1]
+        for d in reversed(row_dims):
+            q = "o" if step == 1 else f"o / {step}"
+            unflatten.insert(0, f"const int64_t i{d} = {q if d == row_dims[0] else f'({q}) % {group.rows[d]}'};")
+            step *= group.rows[d]
+        rows_body = unflatten
+        for kernel in group.kernels:
+            rows_body += [f"// {kernel.comment}"] * (len(group.kernels) > 1) + kernel.body
+        for pattern, row in rebase.items():
+            rows_body = [pattern.sub(row, line) for line in rows_body]
+        prologue = [f"alignas({ALIGN}) {DTYPES[b.dtype][0]} {b.ident}[{b.numel // total}];  // one row, per thread"
+                    for b in sorted(local, key=lambda b: b.index)]
+        prologue += [line for kernel in group.kernels for line in kernel.prologue]
+        uses = {buf: written for buf, written in group.uses.items() if buf not in local}
+        comment = "; ".join(kernel.comment for kernel in group.kernels)
+        if total == 1:
+            body = ["{", *_indent([DECLS] + prologue + rows_body), "}"]
         else:
-            total = math.prod(shape[d] for d in outer_dims)
-            grain = max(1, -(-PARALLEL_WORK // (inner_n * work_per_element)))
-            unflatten, step = [], 1
-            for d in reversed(outer_dims):
-                q = "o" if step == 1 else f"o / {step}"
-                unflatten.insert(0, f"const int64_t {names[d]} = {q if d == outer_dims[0] else f'({q}) % {shape[d]}'};")
-                step *= shape[d]
-            loop = _for(names[inner_dim], 0, inner_n, inner_scope.lines)
-            body = root.lines + _for("o", "lo", "hi", unflatten + outer_scope.lines + loop)
-        self.end_kernel([f"blade::parallel_for(rt, 0, {total}, {grain}, [&](int64_t lo, int64_t hi) {{",
-                         *_indent([DECLS] + body), "});"])
+            body = [f"blade::parallel_for(rt, 0, {total}, {grain}, [&](int64_t lo, int64_t hi) {{",
+                    *_indent([DECLS] + prologue + _for("o", "lo", "hi", rows_body)), "});"]
+        return comment, self._declare(body, uses), local
 
     def _emit_elementwise(self, node, dest):
         self.emit_loop_kernel(f"{node!r} = {node.op} {node.attrs.get('fn', '')}", dest,
@@ -579,8 +703,10 @@ class Emitter:
     def _emit_reduce(self, node, dest):
         src = node.args[0]
         work = max(1, src.numel // max(node.numel, 1))
+        loop_dims = [d for d, n in enumerate(node.shape) if n != 1]
         self.emit_loop_kernel(f"{node!r} = reduce {node.attrs['kind']} over axes {node.attrs['axes']}",
-                              dest, lambda scope, idx: self.reduction_value(node, idx, scope), work)
+                              dest, lambda scope, idx: self.reduction_value(node, idx, scope), work,
+                              rows=loop_dims[-1] + 1 if loop_dims else node.rank)
 
     def _emit_concat(self, node, dest):
         axis, start = node.attrs["axis"], 0
@@ -682,7 +808,14 @@ class Emitter:
                 out = Strided.dense(Buffer("output", k, node.dtype, node.numel), node.shape)
                 self.emit_loop_kernel(f"output {k} = copy of {node!r}", out,
                                       lambda scope, idx, node=node: self.value(node, idx, scope))
-        scratch_bytes = plan_arena(self.scratch)
+        self.close_group()
+        on_stack = set()
+        for number, block in enumerate(self.kernels_code):
+            if isinstance(block, RowGroup):
+                comment, lines, local = self.render_group(block)
+                self.kernels_code[number] = (comment, lines)
+                on_stack |= local
+        scratch_bytes = plan_arena([b for b in self.scratch if b not in on_stack])
         return Program(self._render(), self._specs(self.graph.inputs),
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in self.graph.outputs],
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in self.runtime_consts],
@@ -768,6 +901,34 @@ inline float blade_tanhf(float x) {
   const float small = std::fma(p * z, x, x);
   const float large = 1.0f - 2.0f / (blade_expf(2.0f * ax) + 1.0f);
   return ax < 0.625f ? small : std::copysign(large, x);
+}
+// erf: x * P(x^2) for |x| < 1, 1 - exp(-x^2) * Q(1/|x|) up to |x| = 4 (beyond, erf rounds to
+// +-1 in float32). Least-squares fits on relative error; <= 2.3 ulp, abs error <= 1.1e-7 over
+// [-6, 6] (tests/engine/test_codegen.py measures it). Branch-free, so exact-GELU loops vectorize.
+inline float blade_erff(float x) {
+  const float ax = std::fabs(x);
+  const float z = x * x;
+  float s = -5.631409585475922e-04f;
+  s = std::fma(s, z, 4.9175480380654335e-03f);
+  s = std::fma(s, z, -2.671130932867527e-02f);
+  s = std::fma(s, z, 1.1280179768800735e-01f);
+  s = std::fma(s, z, -3.7612324953079224e-01f);
+  s = std::fma(s, z, 1.1283791065216064f);
+  const float small = x * s;
+  const float c = ax < 1.0f ? 1.0f : (ax > 4.0f ? 4.0f : ax);
+  const float t = 1.0f / c;
+  float p = 0.03071124479174614f;
+  p = std::fma(p, t, -0.1796976774930954f);
+  p = std::fma(p, t, 0.4382038712501526f);
+  p = std::fma(p, t, -0.5368989109992981f);
+  p = std::fma(p, t, 0.2382914125919342f);
+  p = std::fma(p, t, 0.2304186373949051f);
+  p = std::fma(p, t, -0.375871479511261f);
+  p = std::fma(p, t, 0.020537709817290306f);
+  p = std::fma(p, t, 0.5617677569389343f);
+  p = std::fma(p, t, 0.00012109091039747f);
+  const float large = 1.0f - blade_expf(-c * c) * p;
+  return ax < 1.0f ? small : std::copysign(large, x);
 }
 }  // namespace
 """

@@ -30,7 +30,10 @@ CASES = [
       ("Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Erf", "Floor", "Ceil", "Sin", "Cos", "Identity")],
     *[op_case(op, [(3, 17)], values=positive) for op in ("Sqrt", "Log", "Reciprocal")],
     *[op_case(op, [wide.shape], values={"x0": wide}, rtol=1e-6, atol=1.2e-38, name=f"{op}-whole-range")
-      for op in ("Exp", "Tanh", "Sigmoid")],
+      for op in ("Exp", "Tanh", "Sigmoid", "Erf")],
+    # erf's own float32 version, densely over the range where it is not +-1: <= 2.3 ulp measured
+    op_case("Erf", [(24001,)], values={"x0": np.linspace(-6, 6, 24001).astype(f32)}, rtol=4e-7, atol=1e-7,
+            name="Erf-dense"),
     op_case("Neg", [(5,)], dtype="int64"),
     op_case("Abs", [(5,)], dtype="int32"),
     op_case("Not", [(2, 3)], dtype="bool"),
@@ -181,6 +184,10 @@ CASES = [
         {"x": ((1, 5), "float32")}, ["y", "z"],
         {"shape": arr([3, 5], i64), "st": arr([4], i64), "en": arr([-100], i64), "ax": arr([1], i64),
          "sp": arr([-2], i64)}),
+    # a row max read across rows (y[i, j] = x[i, j] + max(x[j, :])): must not join the max's row loop
+    graph_case("cross-row-read", [node("ReduceMax", ["x", "ax"], ["m"], keepdims=1),
+                                  node("Transpose", ["m"], ["mt"], perm=[1, 0]), node("Add", ["x", "mt"], ["y"])],
+               {"x": ((9, 9), "float32")}, ["y"], {"ax": arr([1], i64)}),
 ]
 ERRORS = {"Gather-out-of-range": "BLADE_ERR_INDEX_OUT_OF_RANGE"}   # expected run-time errors
 assert len({c.name for c in CASES}) == len(CASES), "case names must be unique"
