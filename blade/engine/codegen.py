@@ -902,9 +902,10 @@ inline float blade_tanhf(float x) {
   const float large = 1.0f - 2.0f / (blade_expf(2.0f * ax) + 1.0f);
   return ax < 0.625f ? small : std::copysign(large, x);
 }
+
 // erf: x * P(x^2) for |x| < 1, 1 - exp(-x^2) * Q(1/|x|) up to |x| = 4 (beyond, erf rounds to
 // +-1 in float32). Least-squares fits on relative error; <= 2.3 ulp, abs error <= 1.1e-7 over
-// [-6, 6] (tests/engine/test_codegen.py measures it). Branch-free, so exact-GELU loops vectorize.
+// [-6, 6] (tests/engine/test_ops.py: Erf-dense). Branch-free, so exact-GELU loops vectorize.
 inline float blade_erff(float x) {
   const float ax = std::fabs(x);
   const float z = x * x;
