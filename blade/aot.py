@@ -13,7 +13,8 @@ takes, the compile report, and the stamps below; loading is ``torch.jit.load``, 
     fn = torch.compiler.load_compiled_function(open(path, "rb"), external_data={"model": m})
     y = fn(m, x)
 
-``blade.precompile(m, (x,), path)`` is the first two lines; ``blade.load_precompiled(path, m)`` the last.
+``blade.precompile(m, (x,), path)`` is the first two lines; ``fn = blade.load_precompiled(path, m)``
+the last, with the model bound (``fn(x)``) and the outputs as one flat tuple of tensors.
 
 Stamps: an artifact records the torch version, blade's archive format, the engine ABI and the ISA
 levels its engines need. ``check_stamps`` turns a mismatch into one clear error before anything is
@@ -124,8 +125,8 @@ class PrecompiledModule(CompiledModule, SerializableCallable):
 
 
 class _Forward(torch.nn.Module):
-    """The model behind a plain method that returns its output tensors flattened (pytree order,
-    as blade.export's archives do). torch's precompile pickles the traced function by reference,
+    """The model behind a plain method that returns its output tensors as one flat tuple (like
+    blade.export's archives). torch's precompile pickles the traced function by reference,
     which fails for a forward wrapped by decorators (transformers' models), and rebuilding output
     containers such as ModelOutput needs globals a fresh process lacks; this forward has neither
     problem, and the same signature (self, *args) for every model."""
