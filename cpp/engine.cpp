@@ -15,6 +15,59 @@ namespace {
 
 constexpr uintptr_t kScratchAlignment = 64;  // promised to engines by blade_abi.h
 
+// Scratch memory for one engine call. Each thread keeps its largest scratch block and lends it to
+// the engine calls it makes, so a call costs no allocation and, above all, no page faults: a large
+// block comes from mmap, and fresh pages fault on first touch on every call. A block is lent to
+// one call at a time; a nested call on the same thread (e.g. an engine run from a fallback
+// subgraph) gets a block of its own.
+class ScratchLease {
+ public:
+  explicit ScratchLease(size_t bytes) {
+    if (bytes == 0) return;
+    Cache& cache = thread_cache();
+    if (cache.lent) {
+      owned_ = allocate(bytes);
+      data_ = owned_.get();
+      return;
+    }
+    if (cache.bytes < bytes) {
+      cache.block = c10::DataPtr();  // free the old block before taking the larger one
+      cache.block = allocate(bytes);
+      cache.bytes = bytes;
+    }
+    cache.lent = true;
+    lent_ = true;
+    data_ = cache.block.get();
+  }
+  ~ScratchLease() {
+    if (lent_) thread_cache().lent = false;
+  }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  struct Cache {
+    c10::DataPtr block;
+    size_t bytes = 0;
+    bool lent = false;
+  };
+  static Cache& thread_cache() {
+    thread_local Cache cache;
+    return cache;
+  }
+  static c10::DataPtr allocate(size_t bytes) {
+    c10::DataPtr block = c10::GetCPUAllocator()->allocate(bytes);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(block.get()) % kScratchAlignment == 0,
+                "the CPU allocator returned scratch memory that is not 64-byte aligned");
+    return block;
+  }
+
+  void* data_ = nullptr;
+  bool lent_ = false;
+  c10::DataPtr owned_;
+};
+
 using AbiVersionFn = decltype(&blade_engine_abi_version);
 
 std::string describe_error_code(int32_t code) {
@@ -53,6 +106,7 @@ Engine::Engine(EngineDefinition definition) : def_(std::move(definition)) {
     }
     constant = constant.contiguous();
     constant_data_.push_back(constant.const_data_ptr());
+    packed_weights_.add_constant(constant.const_data_ptr(), constant.nbytes());
   }
   if (def_.fallback_module.defined() && def_.fallback_module.numel() > 0) {
     try {
@@ -207,15 +261,9 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
     output_data.push_back(outputs.back().mutable_data_ptr());
   }
 
-  c10::DataPtr scratch;
-  if (def_.scratch_bytes > 0) {
-    scratch = c10::GetCPUAllocator()->allocate(static_cast<size_t>(def_.scratch_bytes));
-    if (reinterpret_cast<uintptr_t>(scratch.get()) % kScratchAlignment != 0) {
-      throw_engine_error(def_.name, "the CPU allocator returned scratch memory that is not 64-byte aligned");
-    }
-  }
-
-  int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), scratch.get());
+  const ScratchLease scratch(static_cast<size_t>(def_.scratch_bytes));
+  const PackingScope packing(&packed_weights_);
+  int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), scratch.data());
   if (code != BLADE_OK) throw_run_failure(code);
   return outputs;
 }

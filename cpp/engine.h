@@ -16,6 +16,7 @@
 
 #include "blade_abi.h"
 #include "engine_fallback.h"
+#include "runtime.h"
 #include "shared_library.h"
 #include "tensor_spec.h"
 
@@ -85,6 +86,7 @@ class Engine : public torch::CustomClassHolder {
   std::unique_ptr<SharedLibrary> library_;
   RunFn run_ = nullptr;
   std::vector<const void*> constant_data_;  // data pointers of def_.constants, fixed at load
+  mutable PackedWeights packed_weights_;     // constants the runtime re-laid out (made on first use)
 
   std::unique_ptr<FallbackSubgraph> fallback_;
   std::atomic<FallbackMode> mode_{FallbackMode::kOff};

@@ -1,25 +1,66 @@
-// ATen-backed implementations of the BladeRuntime callbacks (GEMM, threads, convolution).
+// The BladeRuntime callbacks (GEMM, threads, convolution) on torch's own libraries.
 //
-// Errors: ATen checks malformed GEMM arguments (which only a broken engine would pass) and throws.
-// The exception unwinds through the engine's frames (g++ emits unwind tables on x86-64 by default)
-// into Engine::execute, where torch turns it into a RuntimeError; an engine never catches it.
+// GEMM: MKL's Fortran sgemm_, which the torch wheel's libtorch_cpu exports, called directly (found
+// with dlsym at first use): an addmm through ATen costs a few microseconds of tensor wrapping per
+// call, a lot next to the small GEMMs of an MLP. Builds without MKL, and arguments BLAS cannot
+// express, go through ATen.
+// Convolution: 2-D convolutions with a constant weight run oneDNN's convolution on the weight
+// reordered once into its blocked layout (kept in the calling engine's PackedWeights); eager torch
+// reorders it on every call. The rest goes through at::convolution.
+//
+// Errors: ATen checks malformed arguments (which only a broken engine would pass) and throws. The
+// exception unwinds through the engine's frames (g++ emits unwind tables on x86-64 by default) into
+// Engine::execute, where torch turns it into a RuntimeError; an engine never catches it.
 #include "runtime.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/mkldnn_reorder_conv2d_weight.h>
+#include <ATen/ops/to_mkldnn.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <optional>
 #include <vector>
 
 namespace blade {
 namespace {
+
+thread_local PackedWeights* current_weights = nullptr;  // set by PackingScope
+
+// ---- GEMM ----
+
+// Fortran BLAS sgemm (column-major, LP64: 32-bit integers), as MKL exports it.
+using FortranSgemm = void (*)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                              const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                              const float* beta, float* c, const int* ldc);
+
+// MKL's sgemm_ from the library that holds ATen (libtorch_cpu), or nullptr.
+FortranSgemm find_mkl_sgemm() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&at::get_num_threads), &info) == 0 || info.dli_fname == nullptr) {
+    return nullptr;
+  }
+  void* handle = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);  // already loaded: only a reference
+  if (handle == nullptr) return nullptr;
+  // Only MKL's: a reference BLAS sgemm_ elsewhere could be single-threaded or slower than ATen's.
+  if (dlsym(handle, "mkl_get_max_threads") == nullptr) return nullptr;
+  return reinterpret_cast<FortranSgemm>(dlsym(handle, "sgemm_"));
+}
+
+FortranSgemm mkl_sgemm() {
+  static const FortranSgemm fn = find_mkl_sgemm();
+  return fn;
+}
+
+bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
 
 // A non-owning float view of engine memory. `batch_stride` may be 0 (an operand shared by every
 // batch); `transposed` reads element [r][c] at c * ld + r instead of r * ld + c.
@@ -35,13 +76,11 @@ at::Tensor view(const float* data, int64_t batch, int64_t batch_stride, int64_t 
       .make_tensor();
 }
 
-// at::cpu:: calls the CPU kernels directly: no dispatcher or autograd hops on the tiny-GEMM path.
-// With C passed as both `self` and `out`, ATen accumulates in place, and beta == 0 ignores C's old
-// contents (NaN/Inf in an uninitialised buffer do not leak through).
-void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-           int64_t stride_a, int32_t trans_a, const float* b, int64_t ldb, int64_t stride_b,
-           int32_t trans_b, float beta, float* c, int64_t ldc, int64_t stride_c) {
-  if (batch <= 0 || m <= 0 || n <= 0) return;
+// at::cpu:: calls the CPU kernels directly: no dispatcher or autograd hops. With C passed as both
+// `self` and `out`, ATen accumulates in place, and beta == 0 ignores C's old contents.
+void aten_sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                int64_t stride_a, int32_t trans_a, const float* b, int64_t ldb, int64_t stride_b,
+                int32_t trans_b, float beta, float* c, int64_t ldc, int64_t stride_c) {
   at::Tensor va = view(a, batch, stride_a, m, k, lda, trans_a != 0);
   at::Tensor vb = view(b, batch, stride_b, k, n, ldb, trans_b != 0);
   at::Tensor vc = view(c, batch, stride_c, m, n, ldc, false);
@@ -52,18 +91,85 @@ void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, float alpha, const fl
   }
 }
 
+// Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands, keep the
+// transposition flags. BLAS wants every leading dimension at least the rows of its column-major
+// operand; anything else (never emitted by blade's codegen) goes to ATen.
+bool blas_can_take(int64_t m, int64_t n, int64_t k, int64_t lda, int32_t trans_a, int64_t ldb,
+                   int32_t trans_b, int64_t ldc) {
+  const bool sizes_fit = fits_int(m) && fits_int(n) && fits_int(k) && fits_int(lda) && fits_int(ldb) &&
+                         fits_int(ldc);
+  return sizes_fit && lda >= std::max<int64_t>(1, trans_a ? m : k) &&
+         ldb >= std::max<int64_t>(1, trans_b ? k : n) && ldc >= std::max<int64_t>(1, n);
+}
+
+void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           int64_t stride_a, int32_t trans_a, const float* b, int64_t ldb, int64_t stride_b,
+           int32_t trans_b, float beta, float* c, int64_t ldc, int64_t stride_c) {
+  if (batch <= 0 || m <= 0 || n <= 0) return;
+  const FortranSgemm blas = mkl_sgemm();
+  if (blas == nullptr || !blas_can_take(m, n, k, lda, trans_a, ldb, trans_b, ldc)) {
+    aten_sgemm(batch, m, n, k, alpha, a, lda, stride_a, trans_a, b, ldb, stride_b, trans_b, beta, c, ldc,
+               stride_c);
+    return;
+  }
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
+  const int ilda = static_cast<int>(lda), ildb = static_cast<int>(ldb), ildc = static_cast<int>(ldc);
+  auto one = [&](int64_t i) {
+    blas(&tb, &ta, &in, &im, &ik, &alpha, b + i * stride_b, &ildb, a + i * stride_a, &ilda, &beta,
+         c + i * stride_c, &ildc);
+  };
+  if (batch == 1 || batch < at::get_num_threads()) {
+    for (int64_t i = 0; i < batch; ++i) one(i);  // MKL threads each GEMM itself
+    return;
+  }
+  // Many small GEMMs (attention heads): one per task; MKL runs serially inside a parallel region.
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) one(i);
+  });
+}
+
+// ---- threads ----
+
 void parallel_for(int64_t begin, int64_t end, int64_t grain, blade_range_fn fn, void* ctx) {
   // ATen divides by the grain; a generated loop may ask for 0 meaning "any chunking".
   at::parallel_for(begin, end, std::max<int64_t>(grain, 1),
                    [fn, ctx](int64_t chunk_begin, int64_t chunk_end) { fn(ctx, chunk_begin, chunk_end); });
 }
 
+// ---- convolution ----
+
 at::Tensor dense(const float* data, at::IntArrayRef sizes) {
   return at::from_blob(const_cast<float*>(data), sizes, at::TensorOptions().dtype(at::kFloat));
 }
 
-// at::convolution picks the best CPU kernel (oneDNN / slow_conv / depthwise) for the shapes. It
-// returns a fresh tensor, copied into the engine's buffer (one cheap pass next to the conv).
+// oneDNN's convolution on a weight already in its blocked layout (what torch's own frozen-model
+// passes call): mkldnn::_convolution_pointwise with no post-op.
+at::Tensor onednn_conv(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
+                       at::IntArrayRef padding, at::IntArrayRef stride, at::IntArrayRef dilation, int64_t groups) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise", "");
+  std::vector<c10::IValue> stack = {x, packed_weight, bias ? c10::IValue(*bias) : c10::IValue(),
+                                    padding.vec(), stride.vec(), dilation.vec(), groups,
+                                    std::string("none"), c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  return std::move(stack[0]).toTensor();
+}
+
+// The weight in oneDNN's layout for this convolution, packed once per engine; nullopt when it
+// cannot be (no engine packing scope, a weight computed at run time, no oneDNN, not 2-D).
+std::optional<at::Tensor> packed_conv_weight(int32_t spatial, const float* weight, const at::Tensor& w,
+                                             at::IntArrayRef x_sizes, at::IntArrayRef padding,
+                                             at::IntArrayRef stride, at::IntArrayRef dilation, int64_t groups) {
+  PackedWeights* weights = current_weights;
+  if (spatial != 2 || weights == nullptr || !weights->is_constant(weight) || !at::hasMKLDNN()) return std::nullopt;
+  PackedWeights::Key key = {reinterpret_cast<int64_t>(weight), groups};
+  for (at::IntArrayRef part : {w.sizes(), x_sizes, padding, stride, dilation}) key.insert(key.end(), part.begin(), part.end());
+  return weights->get(key, [&] {
+    return at::mkldnn_reorder_conv2d_weight(w.to_mkldnn(), padding, stride, dilation, groups, x_sizes);
+  });
+}
+
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
           const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
           const int64_t* dilations, int64_t groups, float* output) {
@@ -82,9 +188,15 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
     x = at::constant_pad_nd(x, pad_nd, 0);
     std::fill(padding.begin(), padding.end(), 0);
   }
-  const std::vector<int64_t> output_padding(spatial, 0);
-  const at::Tensor y = at::convolution(x, w, b, at::IntArrayRef(strides, spatial), padding,
-                                       at::IntArrayRef(dilations, spatial), false, output_padding, groups);
+  const at::IntArrayRef stride(strides, spatial), dilation(dilations, spatial);
+  at::Tensor y;
+  if (auto packed = packed_conv_weight(spatial, weight, w, x.sizes(), padding, stride, dilation, groups)) {
+    y = onednn_conv(x, *packed, b, padding, stride, dilation, groups);
+  } else {
+    const std::vector<int64_t> output_padding(spatial, 0);
+    y = at::convolution(x, w, b, stride, padding, dilation, false, output_padding, groups);
+  }
+  // Both return a fresh tensor: one cheap pass into the engine's buffer, next to the convolution.
   if (y.numel() > 0) dense(output, y.sizes()).copy_(y);
 }
 
@@ -93,5 +205,28 @@ const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv};
 }  // namespace
 
 const BladeRuntime* runtime() { return &kRuntime; }
+
+// ---- PackedWeights ----
+
+void PackedWeights::add_constant(const void* data, size_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  constant_ranges_.emplace_back(begin, begin + bytes);
+}
+
+bool PackedWeights::is_constant(const void* data) const {
+  const auto address = reinterpret_cast<uintptr_t>(data);
+  return std::any_of(constant_ranges_.begin(), constant_ranges_.end(),
+                     [&](const auto& range) { return range.first <= address && address < range.second; });
+}
+
+at::Tensor PackedWeights::get(const Key& key, const std::function<at::Tensor()>& pack) {
+  std::lock_guard<std::mutex> lock(mutex_);  // packing under the lock: concurrent first calls pack once
+  auto it = packed_.find(key);
+  if (it == packed_.end()) it = packed_.emplace(key, pack()).first;
+  return it->second;
+}
+
+PackingScope::PackingScope(PackedWeights* weights) : previous_(current_weights) { current_weights = weights; }
+PackingScope::~PackingScope() { current_weights = previous_; }
 
 }  // namespace blade

@@ -1,11 +1,51 @@
 // The BladeRuntime table (blade_abi.h) this process hands to every engine call.
 #pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <vector>
+
 #include "blade_abi.h"
 
 namespace blade {
 
-// One static instance: GEMM and convolution through ATen (MKL/oneDNN underneath), loops on ATen's
-// intra-op thread pool.
+// One static instance: GEMM through MKL's BLAS when torch ships it (resolved at run time, ATen
+// otherwise), convolution through oneDNN/ATen, loops on ATen's intra-op thread pool.
 const BladeRuntime* runtime();
+
+// Weights the runtime re-laid out once for a faster kernel (e.g. oneDNN's blocked convolution
+// weights), owned by one Engine and keyed by the constant's address and the call's arguments. The
+// runtime only packs operands that lie inside the engine's constants: those never change, while
+// scratch memory at the same address holds different values on every call. Thread-safe.
+class PackedWeights {
+ public:
+  using Key = std::vector<int64_t>;  // the operand's address first, then whatever shapes the packing
+
+  void add_constant(const void* data, size_t bytes);
+  bool is_constant(const void* data) const;
+  // The packed form under `key`, made by `pack` on first use.
+  at::Tensor get(const Key& key, const std::function<at::Tensor()>& pack);
+
+ private:
+  std::vector<std::pair<uintptr_t, uintptr_t>> constant_ranges_;  // [begin, end) byte addresses
+  std::mutex mutex_;
+  std::map<Key, at::Tensor> packed_;
+};
+
+// While alive, runtime callbacks made on this thread may pack weights into `weights` (nullptr: no
+// packing). Restores the previous scope on exit, so nested engine calls are fine.
+class PackingScope {
+ public:
+  explicit PackingScope(PackedWeights* weights);
+  ~PackingScope();
+  PackingScope(const PackingScope&) = delete;
+  PackingScope& operator=(const PackingScope&) = delete;
+
+ private:
+  PackedWeights* previous_;
+};
 
 }  // namespace blade
