@@ -77,12 +77,12 @@ def _is_barrier(node: torch.Node) -> bool:
     return schema != "(no schema)" and bool(_WRITES.search(schema.split("->")[0]))
 
 
-def _used_values(node: torch.Node):
+def used_values(node: torch.Node):
     """Values a node reads, including those read inside its sub-blocks."""
     yield from node.inputs()
     for block in node.blocks():
         for inner in block.nodes():
-            yield from _used_values(inner)
+            yield from used_values(inner)
         yield from block.returnNode().inputs()
 
 
@@ -111,7 +111,7 @@ class _Dag:
         self.preds = [set() for _ in range(n)]
         self.succs = [set() for _ in range(n)]
         for i, node in enumerate(ops):
-            for value in _used_values(node):
+            for value in used_values(node):
                 producer = self.index.get(value.node())
                 if producer is not None and producer != i:
                     self._edge(producer, i)

@@ -11,15 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from blade.cluster.partition import Cluster
-
-
-def _reads(node: torch.Node):
-    yield from node.inputs()
-    for block in node.blocks():
-        for inner in block.nodes():
-            yield from _reads(inner)
-        yield from block.returnNode().inputs()
+from blade.cluster.partition import Cluster, used_values
 
 
 def _hoist_dependents(cluster: Cluster) -> torch.Node:
@@ -33,7 +25,7 @@ def _hoist_dependents(cluster: Cluster) -> torch.Node:
     tainted = {v for n in cluster.nodes for v in n.outputs()}
     anchor = last
     for node in span:
-        if node not in members and any(v in tainted for v in _reads(node)):
+        if node not in members and any(v in tainted for v in used_values(node)):
             tainted.update(node.outputs())
             node.moveAfter(anchor)
             anchor = node
