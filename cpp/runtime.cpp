@@ -19,6 +19,7 @@
 #include <ATen/ops/baddbmm_cpu_dispatch.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/convolution.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mkldnn_reorder_conv2d_weight.h>
 #include <ATen/ops/to_mkldnn.h>
@@ -26,6 +27,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -42,22 +44,41 @@ using FortranSgemm = void (*)(const char* transa, const char* transb, const int*
                               const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                               const float* beta, float* c, const int* ldc);
 
-// MKL's sgemm_ from the library that holds ATen (libtorch_cpu), or nullptr.
-FortranSgemm find_mkl_sgemm() {
+// MKL's packed GEMM: an operand copied once into MKL's internal layout (alpha folded in), then
+// multiplied many times with identifier 'P' in its transa/transb slot.
+using FortranSgemmPackGetSize = size_t (*)(const char* identifier, const int* m, const int* n, const int* k);
+using FortranSgemmPack = void (*)(const char* identifier, const char* trans, const int* m, const int* n,
+                                  const int* k, const float* alpha, const float* src, const int* ld, float* dest);
+using FortranSgemmCompute = void (*)(const char* transa, const char* transb, const int* m, const int* n,
+                                     const int* k, const float* a, const int* lda, const float* b, const int* ldb,
+                                     const float* beta, float* c, const int* ldc);
+
+struct Mkl {
+  FortranSgemm sgemm = nullptr;  // null: no MKL, use ATen
+  FortranSgemmPackGetSize pack_get_size = nullptr;
+  FortranSgemmPack pack = nullptr;
+  FortranSgemmCompute compute = nullptr;
+  bool can_pack() const { return pack_get_size && pack && compute; }
+};
+
+// MKL's BLAS from the library that holds ATen (libtorch_cpu in torch's wheels); empty without MKL.
+Mkl find_mkl() {
+  Mkl mkl;
   Dl_info info;
-  if (dladdr(reinterpret_cast<void*>(&at::get_num_threads), &info) == 0 || info.dli_fname == nullptr) {
-    return nullptr;
-  }
+  if (dladdr(reinterpret_cast<void*>(&at::get_num_threads), &info) == 0 || info.dli_fname == nullptr) return mkl;
   void* handle = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);  // already loaded: only a reference
-  if (handle == nullptr) return nullptr;
   // Only MKL's: a reference BLAS sgemm_ elsewhere could be single-threaded or slower than ATen's.
-  if (dlsym(handle, "mkl_get_max_threads") == nullptr) return nullptr;
-  return reinterpret_cast<FortranSgemm>(dlsym(handle, "sgemm_"));
+  if (handle == nullptr || dlsym(handle, "mkl_get_max_threads") == nullptr) return mkl;
+  mkl.sgemm = reinterpret_cast<FortranSgemm>(dlsym(handle, "sgemm_"));
+  mkl.pack_get_size = reinterpret_cast<FortranSgemmPackGetSize>(dlsym(handle, "sgemm_pack_get_size_"));
+  mkl.pack = reinterpret_cast<FortranSgemmPack>(dlsym(handle, "sgemm_pack_"));
+  mkl.compute = reinterpret_cast<FortranSgemmCompute>(dlsym(handle, "sgemm_compute_"));
+  return mkl;
 }
 
-FortranSgemm mkl_sgemm() {
-  static const FortranSgemm fn = find_mkl_sgemm();
-  return fn;
+const Mkl& mkl() {
+  static const Mkl found = find_mkl();
+  return found;
 }
 
 bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
@@ -102,22 +123,49 @@ bool blas_can_take(int64_t m, int64_t n, int64_t k, int64_t lda, int32_t trans_a
          ldb >= std::max<int64_t>(1, trans_b ? k : n) && ldc >= std::max<int64_t>(1, n);
 }
 
+// B (the Fortran call's first operand) packed by MKL once per engine when it is one of the
+// engine's constants shared by the whole batch (a weight); nullptr otherwise.
+const float* packed_gemm_weight(const float* b, int32_t trans_b, int64_t stride_b, int batch, int n, int m,
+                                int k, float alpha, int ldb) {
+  PackedWeights* weights = current_weights;
+  if (weights == nullptr || !mkl().can_pack() || k == 0 || (batch > 1 && stride_b != 0) || !weights->is_constant(b)) {
+    return nullptr;
+  }
+  int32_t alpha_bits;
+  std::memcpy(&alpha_bits, &alpha, sizeof alpha_bits);
+  const PackedWeights::Key key = {reinterpret_cast<int64_t>(b), trans_b, n, m, k, ldb, alpha_bits};
+  const at::Tensor packed = weights->get(key, [&] {
+    const char identifier = 'A', trans = trans_b ? 'T' : 'N';
+    const size_t bytes = mkl().pack_get_size(&identifier, &n, &m, &k);
+    at::Tensor dest = at::empty({static_cast<int64_t>((bytes + sizeof(float) - 1) / sizeof(float))}, at::kFloat);
+    mkl().pack(&identifier, &trans, &n, &m, &k, &alpha, b, &ldb, dest.mutable_data_ptr<float>());
+    return dest;
+  });
+  return packed.const_data_ptr<float>();  // the engine's PackedWeights keeps it alive
+}
+
 void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            int64_t stride_a, int32_t trans_a, const float* b, int64_t ldb, int64_t stride_b,
            int32_t trans_b, float beta, float* c, int64_t ldc, int64_t stride_c) {
   if (batch <= 0 || m <= 0 || n <= 0) return;
-  const FortranSgemm blas = mkl_sgemm();
-  if (blas == nullptr || !blas_can_take(m, n, k, lda, trans_a, ldb, trans_b, ldc)) {
+  const FortranSgemm blas = mkl().sgemm;
+  if (blas == nullptr || !blas_can_take(m, n, k, lda, trans_a, ldb, trans_b, ldc) || !fits_int(batch)) {
     aten_sgemm(batch, m, n, k, alpha, a, lda, stride_a, trans_a, b, ldb, stride_b, trans_b, beta, c, ldc,
                stride_c);
     return;
   }
-  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N', packed_slot = 'P';
   const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
   const int ilda = static_cast<int>(lda), ildb = static_cast<int>(ldb), ildc = static_cast<int>(ldc);
+  const float* packed = packed_gemm_weight(b, trans_b, stride_b, static_cast<int>(batch), in, im, ik, alpha, ildb);
   auto one = [&](int64_t i) {
-    blas(&tb, &ta, &in, &im, &ik, &alpha, b + i * stride_b, &ildb, a + i * stride_a, &ilda, &beta,
-         c + i * stride_c, &ildc);
+    if (packed != nullptr) {
+      mkl().compute(&packed_slot, &ta, &in, &im, &ik, packed, &ildb, a + i * stride_a, &ilda, &beta,
+                    c + i * stride_c, &ildc);
+    } else {
+      blas(&tb, &ta, &in, &im, &ik, &alpha, b + i * stride_b, &ildb, a + i * stride_a, &ilda, &beta,
+           c + i * stride_c, &ildc);
+    }
   };
   if (batch == 1 || batch < at::get_num_threads()) {
     for (int64_t i = 0; i < batch; ++i) one(i);  // MKL threads each GEMM itself
