@@ -3,6 +3,7 @@ engine compiler does (against cpp/blade_abi.h) and wrap them into torch.classes.
 from __future__ import annotations
 
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,12 @@ def make_engine(*args, **kwargs):
 ADD_INPUTS = [TensorSpec("x", "float32", [64, 128]), TensorSpec("y", "float32", [64, 128])]
 ADD_OUTPUTS = [TensorSpec("sum", "float32", [64, 128]), TensorSpec("product", "float32", [64, 128])]
 ADD_SCRATCH_BYTES = 64 * 128 * 4
+
+
+def run_in_threads(worker, count: int = 4) -> None:
+    """worker(seed) on `count` threads at once; returns when all are done."""
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()

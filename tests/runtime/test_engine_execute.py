@@ -1,9 +1,9 @@
 """Engine.execute: results against torch, the checks at the engine's door, errors from the engine,
 and concurrent calls on one engine."""
-import threading
-
 import pytest
 import torch
+
+from runtime_testing import run_in_threads
 
 
 def add_reference(x, y, bias):
@@ -94,11 +94,7 @@ def test_concurrent_execute_on_one_engine(add_engine, add_bias):
                     failures.append(seed)
                     return
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker)
     assert failures == []
 
 

@@ -1,13 +1,11 @@
 """The runtime packs constant GEMM/conv weights once per engine (cpp/runtime.h PackedWeights): results
 stay equal to torch on every call, from concurrent first calls, and operands computed at run time
 (which change every call) are never served from the cache."""
-import threading
-
 import torch
 import torch.nn.functional as F
 
 from blade.engine.manifest import TensorSpec
-from runtime_testing import compile_engine, make_engine
+from runtime_testing import compile_engine, make_engine, run_in_threads
 
 INPUTS = [TensorSpec("x", "float32", [1, 3, 8, 8]), TensorSpec("y", "float32", [5, 16]),
           TensorSpec("v", "float32", [16, 8]), TensorSpec("u", "float32", [4, 3, 3, 3])]
@@ -50,9 +48,5 @@ def test_concurrent_first_calls_pack_safely(engine_dir):
         except AssertionError as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker)
     assert errors == []
