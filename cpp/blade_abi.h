@@ -1,7 +1,12 @@
 // blade runtime ABI: the one header that generated engine code includes (besides the C++ standard
 // library). An engine .so never links against torch: everything heavy (GEMM, convolution, threads) it asks of
 // the runtime through the function table below, which the Engine (cpp/engine.cpp) fills with
-// ATen-backed implementations. Test harnesses may fill it with their own (e.g. a serial, naive one).
+// MKL/oneDNN/ATen-backed implementations (cpp/runtime.cpp). Test harnesses may fill it with their
+// own (e.g. a serial, naive one).
+//
+// Operands that point into the engine's constants are read-only and never change: the runtime may
+// re-lay them out once (packed GEMM weights, blocked convolution weights) and reuse that copy on
+// every later call of the engine. Operands anywhere else (inputs, scratch) are read afresh each call.
 //
 // Bump BLADE_ABI_VERSION whenever BladeRuntime or the entry signature changes; the Engine refuses
 // to load a .so whose blade_engine_abi_version() differs.
