@@ -238,10 +238,7 @@ def _div(ctx: LowerCtx, node):
 
 def _pow(ctx: LowerCtx, node):
     base, exponent = _args(node)[:2]
-    dtype = _out_dtype(node)
-    if not is_tensor(exponent) and ctx.const(exponent) == 2:
-        x = ctx.as_dtype(base, dtype)
-        return [ctx.b.op("Mul", [x, x])]
+    dtype = _out_dtype(node)  # (the engine turns small constant exponents into multiplies)
     return [ctx.b.op("Pow", [ctx.as_dtype(base, dtype), ctx.as_dtype(exponent, dtype)])]
 
 

@@ -263,13 +263,27 @@ def _cast(b, attrs, x):
 
 def _pow(b, attrs, x, exponent):
     if exponent.op == "const" and exponent.numel == 1:
-        # Small integer exponents as products: exact, and much cheaper than std::pow.
+        shape = broadcast_shapes(x.shape, exponent.shape)
         power = float(exponent.attrs["value"].reshape(()))
-        if power == 1.0:
-            return [b.expand(x, broadcast_shapes(x.shape, exponent.shape))]
-        if power == 2.0:
-            return [b.expand(b.ew("Mul", x, x), broadcast_shapes(x.shape, exponent.shape))]
+        fast = _small_power(b, x, power)
+        if fast is not None:
+            return [b.expand(fast, shape)]
     return [b.ew("Pow", x, b.cast(exponent, x.dtype))]
+
+
+def _small_power(b, x, power: float):
+    """x ** power as multiplies for |power| in 1..4 (negative: a reciprocal, floats only) and
+    as a square root for 0.5 -- the same fast paths ATen's pow takes, and vectorizable unlike
+    std::pow. None when no fast path applies."""
+    is_float = x.dtype in ("float32", "float64")
+    if power == 0.5 and is_float:
+        return b.ew("Sqrt", x)
+    if not power.is_integer() or not 1 <= abs(power) <= 4 or (power < 0 and not is_float):
+        return None
+    result = x
+    for _ in range(int(abs(power)) - 1):
+        result = b.ew("Mul", result, x)
+    return b.ew("Reciprocal", result) if power < 0 else result
 
 
 def _clip(b, attrs, x, low=None, high=None):

@@ -56,6 +56,11 @@ def test_exact_gelu_uses_the_vectorizable_erf():
     assert "blade_erff(" in source_of(op_case("Gelu", [(3, 17)])).source.split("blade_engine_run")[1]
 
 
+def test_small_constant_powers_are_multiplies():
+    body = source_of(op_case("Pow", [(3, 17)], np.asarray(3.0, np.float32))).source.split("blade_engine_run")[1]
+    assert "std::pow" not in body
+
+
 def test_transposed_operand_folds_into_gemm_flags_and_weight_broadcast_has_stride_zero():
     case = graph_case("mm", [node("Transpose", ["b"], ["bt"], perm=[1, 0]), node("MatMul", ["a", "bt"], ["y"])],
                       {"a": ((2, 4, 5), "float32"), "b": ((3, 5), "float32")}, ["y"])
