@@ -35,5 +35,5 @@ clean:
 
 # Speed lives here, not in tests: eager / TorchScript / Inductor / ONNX Runtime / tt_infer.
 bench: $(VENV)/.built
-	$(PY) -m pip install -q onnxruntime==1.31.1
+	$(PY) -m pip install -q onnxruntime==1.31.1 onnxscript==0.7.2
 	$(PY) bench/run.py

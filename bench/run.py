@@ -32,6 +32,8 @@ def first_tensor(out) -> torch.Tensor:
         return out
     if hasattr(out, "to_tuple"):
         out = out.to_tuple()
+    if isinstance(out, dict):
+        out = list(out.values())
     return first_tensor(out[0])
 
 
