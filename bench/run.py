@@ -93,7 +93,8 @@ def markdown(rows, rounds, calls) -> str:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32. "
         f"{rounds} interleaved rounds x {calls} calls, medians; contended rounds dropped.", "",
-        "Ratio = eager time / backend time (higher is faster).", "",
+        "Ratio = eager time / backend time (higher is faster). Compile times are with whatever "
+        "caches are warm (blade's engine cache, Inductor's FX graph cache).", "",
         "| model | eager ms | " + " | ".join(f"{b} x" for b in backends[1:])
         + " | tt_infer compile s | tt_infer rel err | aten ops in engines |",
         "|---" * (len(backends) + 4) + "|",
