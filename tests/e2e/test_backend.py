@@ -1,5 +1,7 @@
 """The tt_infer backend as users call it: registration, entry points, grad modes, options,
 serialization of the spliced module, concurrent calls."""
+import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,26 +19,40 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).eval()
 
 
+@pytest.fixture
+def engines_built(caplog):
+    """Engines the by-name backend built, read from blade's compile log line, so that a test
+    through backend="tt_infer" cannot pass with every cluster left in TorchScript."""
+    caplog.set_level(logging.INFO, logger="blade")
+
+    def count() -> int:
+        found = [re.search(r"in (\d+) engine\(s\)", r.getMessage()) for r in caplog.records]
+        return sum(int(m.group(1)) for m in found if m)
+    return count
+
+
 def test_registered_by_name():
     from torch._dynamo import list_backends
     assert "tt_infer" in list_backends()
 
 
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
-def test_torch_compile_by_name(grad_mode):
+def test_torch_compile_by_name(grad_mode, engines_built):
     model, x = _mlp(), torch.randn(4, 32)
     with grad_mode():
         expected = model(x)
         actual = torch.compile(model, backend="tt_infer")(x)
     assert_close(actual, expected)
+    assert engines_built() >= 1
 
 
-def test_dynamo_optimize_static():
+def test_dynamo_optimize_static(engines_built):
     model, x = _mlp(), torch.randn(4, 32)
     with torch.no_grad():
         expected = model(x)
         actual = torch._dynamo.optimize(backend="tt_infer", dynamic=False)(model)(x)
     assert_close(actual, expected)
+    assert engines_built() >= 1
 
 
 def test_options_reach_config_and_unknown_is_an_error():
@@ -85,13 +101,14 @@ def test_save_and_load_in_fresh_process(tmp_path):
     assert "ok" in result.stdout
 
 
-def test_concurrent_calls_share_engines():
+def test_concurrent_calls_share_engines(engines_built):
     model = _mlp()
     inputs = [torch.randn(4, 32) for _ in range(4)]
     with torch.no_grad():
         compiled = torch.compile(model, backend="tt_infer")
         expected = [model(x) for x in inputs]
         compiled(inputs[0])  # compile once, before the threads start
+    assert engines_built() >= 1
     errors = []
 
     def worker(i):
