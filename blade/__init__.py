@@ -13,7 +13,8 @@ from blade.debug import BisectResult, bisect, set_fallback_mode
 from blade.explain import Explanation, explain
 from blade.export import compile_model, export, load
 from blade.pipeline import CompiledModule, CompileReport
+from blade.profile import Profile, profile
 
 __all__ = ["Config", "CompiledModule", "CompileReport", "compile_model", "export", "load",
            "load_precompiled", "precompile", "explain", "Explanation", "bisect", "BisectResult",
-           "set_fallback_mode"]
+           "set_fallback_mode", "profile", "Profile"]

@@ -64,6 +64,7 @@ class Config:
     freeze_params: bool = _env_or("freeze_params", True)        # parameters/buffers become constants
     cxx: str = _env_or("cxx", "g++")                            # the C++ compiler engines are built with
     progress: bool = _env_or("progress", True)                  # "compiled N/M clusters" on stderr (long compiles)
+    profile: bool = _env_or("profile", False)                   # engines time their kernels (blade.profile)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACK_MODES:
@@ -110,6 +111,7 @@ ENV_VARS = {
     "freeze_params": ("BLADE_FREEZE_PARAMS", _parse_bool),
     "cxx": ("CXX", str),
     "progress": ("BLADE_PROGRESS", _parse_bool),
+    "profile": ("BLADE_PROFILE", _parse_bool),
 }
 
 _local = threading.local()

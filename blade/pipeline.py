@@ -165,7 +165,8 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
         lowered[name] = _Lowered(cluster, model, fallback_module)
         jobs.append((name, str(onnx_path), str(cluster_dir)))
 
-    compile_options = {"isa": config.target_isa, "cxx": config.cxx}
+    compile_options = {"isa": config.target_isa, "cxx": config.cxx,
+                       "extra_flags": ["-DBLADE_PROFILE"] if config.profile else []}
     compile_started = time.perf_counter()
     progress = Progress(len(jobs), enabled=config.progress)
     results = compile_many(jobs, parallelism=config.compile_parallelism,

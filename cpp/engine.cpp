@@ -4,6 +4,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/SmallVector.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 
@@ -167,6 +169,7 @@ void Engine::load() {
   }
   auto abi_version = reinterpret_cast<AbiVersionFn>(library_->find("blade_engine_abi_version"));
   run_ = reinterpret_cast<RunFn>(library_->find("blade_engine_run"));
+  profile_ = reinterpret_cast<ProfileFn>(library_->find("blade_engine_profile"));
   if (!abi_version || !run_) {
     throw_engine_error(def_.name, "the .so does not export blade_engine_abi_version and blade_engine_run");
   }
@@ -235,8 +238,21 @@ std::vector<at::Tensor> Engine::execute_checked(const std::vector<at::Tensor>& i
   return reference;
 }
 
+std::string Engine::profile() const {
+  if (!profile_) return "";
+  int64_t runs = 0;
+  const char* const* names = nullptr;
+  const int32_t count = profile_(&names, nullptr, 0, &runs);
+  std::vector<int64_t> ns(static_cast<size_t>(std::max(count, 0)));
+  profile_(&names, ns.data(), count, &runs);
+  std::string text = "runs\t" + std::to_string(runs) + "\ncall_ns\t" + std::to_string(call_ns_.load()) + "\n";
+  for (int32_t k = 0; k < count; ++k) text += std::to_string(ns[k]) + "\t" + names[k] + "\n";
+  return text;
+}
+
 std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs) const {
   TORCH_CHECK(run_, load_error_);  // only a debugging mode keeps an engine whose .so did not load
+  const auto start = profile_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   const size_t num_inputs = def_.inputs.size();
   if (inputs.size() != num_inputs) throw_input_count(inputs.size());
 
@@ -265,6 +281,10 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
   const PackingScope packing(&packed_weights_);
   int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), scratch.data());
   if (code != BLADE_OK) throw_run_failure(code);
+  if (profile_) {
+    call_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start).count(), std::memory_order_relaxed);
+  }
   return outputs;
 }
 

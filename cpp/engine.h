@@ -68,12 +68,19 @@ class Engine : public torch::CustomClassHolder {
   // The check-mode mismatch report of this engine, "" while its outputs have matched.
   std::string check_report() const;
 
+  // Where an engine compiled with Config(profile=True) spends its time, as lines of text:
+  // "runs\t<n>", "call_ns\t<total ns in run_engine>", then "<total ns>\t<kernel name>" per kernel
+  // in execution order. "" for an engine compiled without profiling.
+  std::string profile() const;
+
   const EngineDefinition& definition() const { return def_; }
   const std::string& name() const { return def_.name; }
   const std::string& info() const { return def_.info_json; }
 
  private:
   using RunFn = decltype(&blade_engine_run);
+  // Exported only by engines compiled with -DBLADE_PROFILE (blade/engine/codegen.py).
+  using ProfileFn = int32_t (*)(const char* const** names, int64_t* ns, int32_t capacity, int64_t* runs);
 
   void load();
   std::vector<at::Tensor> execute_checked(const std::vector<at::Tensor>& inputs) const;
@@ -85,6 +92,8 @@ class Engine : public torch::CustomClassHolder {
   EngineDefinition def_;
   std::unique_ptr<SharedLibrary> library_;
   RunFn run_ = nullptr;
+  ProfileFn profile_ = nullptr;
+  mutable std::atomic<int64_t> call_ns_{0};  // time in run_engine, counted only when profiling
   std::vector<const void*> constant_data_;  // data pointers of def_.constants, fixed at load
   mutable PackedWeights packed_weights_;     // constants the runtime re-laid out (made on first use)
 

@@ -17,6 +17,7 @@ TORCH_LIBRARY(blade, m) {
       .def("fallback_mode", &blade::Engine::fallback_mode)
       .def("has_fallback", &blade::Engine::has_fallback)
       .def("check_report", &blade::Engine::check_report)
+      .def("profile", &blade::Engine::profile)
       .def_pickle([](const c10::intrusive_ptr<blade::Engine>& self) { return blade::to_state(*self); },
                   [](c10::IValue state) { return blade::from_state(state); });
 }

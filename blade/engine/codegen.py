@@ -16,6 +16,7 @@ How a graph becomes code:
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -142,13 +143,18 @@ class Reduction:
     init: object       # CType -> C++ initial accumulator
     combine: object    # (acc, value) -> C++ expression
     simd: str = ""     # OpenMP simd reduction operator when the combine is associative enough
+    # Float max/min: the NaN-propagating combine is a loop-carried select g++ will not vectorize, so
+    # float loops use this NaN-ignoring combine (an OpenMP simd max/min) and OR a NaN flag alongside.
+    float_combine: object = None
 
 
 REDUCE = {
     "sum": Reduction(lambda t: f"{t}(0)", lambda acc, v: f"{acc} + {v}", "+"),
     "prod": Reduction(lambda t: f"{t}(1)", lambda acc, v: f"{acc} * {v}", "*"),
-    "max": Reduction(_neg_inf_or_lowest, lambda acc, v: f"({v} != {v} || {v} > {acc}) ? {v} : {acc}"),
-    "min": Reduction(_inf_or_max, lambda acc, v: f"({v} != {v} || {v} < {acc}) ? {v} : {acc}"),
+    "max": Reduction(_neg_inf_or_lowest, lambda acc, v: f"({v} != {v} || {v} > {acc}) ? {v} : {acc}", "max",
+                     lambda acc, v: f"{v} > {acc} ? {v} : {acc}"),
+    "min": Reduction(_inf_or_max, lambda acc, v: f"({v} != {v} || {v} < {acc}) ? {v} : {acc}", "min",
+                     lambda acc, v: f"{v} < {acc} ? {v} : {acc}"),
 }
 
 
@@ -175,6 +181,13 @@ class Buffer:
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPES[self.dtype][1]
+
+    @property
+    def element_ctype(self) -> str:
+        """The C++ type of its elements in memory. bool is stored as uint8_t (the same bytes):
+        g++ finds no vector type for loads of bool, so a loop that reads a bool mask (a causal
+        attention mask) would not vectorize at all."""
+        return "uint8_t" if self.dtype == "bool" else DTYPES[self.dtype][0]
 
 
 @dataclass
@@ -522,15 +535,24 @@ class Emitter:
             chain.append(chain[-1].child([loop_vars[a]]))
         src_idx = [loop_vars.get(d, "0" if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
         v = self.value(src, src_idx, chain[-1])
-        chain[-1].lines.append(f"{acc} = {rule.combine(acc, v)};")
-        # Vectorize the innermost accumulation when reassociating it is harmless (float sums).
+        # Vectorize the innermost accumulation when reassociating it is harmless (float sums,
+        # float max/min with their NaN flag).
         simd = rule.simd and ctype.is_float and not chain[-1].has_side_effects
+        clauses, after = f"reduction({rule.simd}:{acc})", []
+        if simd and rule.float_combine:
+            nan = self.fresh("nan")
+            scope.lines.append(f"int32_t {nan} = 0;")
+            chain[-1].lines += [f"{acc} = {rule.float_combine(acc, v)};", f"{nan} |= {v} != {v};"]
+            clauses += f" reduction(|:{nan})"
+            after = [f"if ({nan}) {acc} = std::numeric_limits<{ctype}>::quiet_NaN();"]
+        else:
+            chain[-1].lines.append(f"{acc} = {rule.combine(acc, v)};")
         body = chain[-1].lines
         for level in range(len(axes), 0, -1):
-            pragma = f"#pragma omp simd reduction({rule.simd}:{acc})" if simd and level == len(axes) else ""
+            pragma = f"#pragma omp simd {clauses}" if simd and level == len(axes) else ""
             body = chain[level - 1].lines + _for(loop_vars[axes[level - 1]], 0, src.shape[axes[level - 1]],
                                                  body, pragma)
-        scope.lines[:] = body
+        scope.lines[:] = body + after
         return acc
 
     # ---- kernels ----
@@ -562,7 +584,7 @@ class Emitter:
 
     @staticmethod
     def _pointer_decl(buf: Buffer, written: bool) -> str:
-        ctype = DTYPES[buf.dtype][0]
+        ctype = buf.element_ctype
         qual = "" if written else "const "
         source = {"input": f"inputs[{buf.index}]", "output": f"outputs[{buf.index}]",
                   "const": f"constants[{buf.index}]"}.get(buf.kind)
@@ -684,7 +706,7 @@ class Emitter:
             rows_body += [f"// {kernel.comment}"] * (len(group.kernels) > 1) + kernel.body
         for pattern, row in rebase.items():
             rows_body = [pattern.sub(row, line) for line in rows_body]
-        prologue = [f"alignas({ALIGN}) {DTYPES[b.dtype][0]} {b.ident}[{b.numel // total}];  // one row, per thread"
+        prologue = [f"alignas({ALIGN}) {b.element_ctype} {b.ident}[{b.numel // total}];  // one row, per thread"
                     for b in sorted(local, key=lambda b: b.index)]
         prologue += [line for kernel in group.kernels for line in kernel.prologue]
         uses = {buf: written for buf, written in group.uses.items() if buf not in local}
@@ -826,18 +848,20 @@ class Emitter:
         return [TensorSpec(n.name, n.dtype, list(n.shape)) for n in nodes]
 
     def _render(self) -> str:
-        lines = [HEADER, "namespace {"]
+        lines = [HEADER, PROFILE_MACROS, *_profile_table([comment for comment, _ in self.kernels_code]),
+                 "namespace {"]
         for buf in self.inline_consts:
             if not buf.referenced:
                 continue
             values = ", ".join(literal(v, buf.dtype) for v in np.asarray(buf.values).reshape(-1))
-            lines.append(f"constexpr {DTYPES[buf.dtype][0]} {buf.ident}[{max(buf.numel, 1)}] = {{{values}}};")
+            lines.append(f"constexpr {buf.element_ctype} {buf.ident}[{max(buf.numel, 1)}] = {{{values}}};")
         lines += ["}  // namespace", "", ENTRY_BEGIN]
         offsets = {f"@OFFSET{b.index}@": str(b.offset) for b in self.scratch}
         for number, (comment, body) in enumerate(self.kernels_code):
             block = [re.sub(r"@OFFSET\d+@", lambda m: offsets[m.group(0)], line) for line in body]
-            lines += ["", f"  // kernel {number}: {comment}", *_indent(block)]
-        lines += ["  return status.load(std::memory_order_relaxed);", "}", ""]
+            lines += ["", f"  // kernel {number}: {comment}", f"  BLADE_PROFILE_BEGIN({number});", *_indent(block),
+                      f"  BLADE_PROFILE_END({number});"]
+        lines += ["  BLADE_PROFILE_RUN();", "  return status.load(std::memory_order_relaxed);", "}", ""]
         return "\n".join(lines)
 
 
@@ -867,7 +891,10 @@ HEADER = """// Generated by blade.engine from one ONNX cluster. Do not edit.
 
 namespace {
 // Branch-free float32 exp (Cephes coefficients, ~1 ulp): g++ vectorizes loops that call it,
-// which it cannot do with std::exp without -ffast-math. inf/NaN/underflow behave like std::exp.
+// which it cannot do with std::exp without -ffast-math. inf/NaN behave like std::exp. Results
+// below FLT_MIN (x < -87.34) flush to 0 instead of being subnormal: a subnormal costs ~100 cycles
+// in every multiply or add it meets, and a masked softmax (exp(-inf - max) for half of a causal
+// attention) would pay it per element (measured: 25x slower). The absolute error is < 1.2e-38.
 inline float blade_expf(float x) {
   const float c = x > 88.7228394f ? 88.7228394f : (x < -103.972084f ? -103.972084f : x);
   const float n = std::nearbyint(c * 1.44269504088896341f);
@@ -886,7 +913,8 @@ inline float blade_expf(float x) {
   const float s1 = __builtin_bit_cast(float, (half + 127) << 23);
   const float s2 = __builtin_bit_cast(float, (ni - half + 127) << 23);
   const float result = y * s1 * s2;
-  return x != x ? x : (x > 88.7228394f ? std::numeric_limits<float>::infinity() : result);
+  return x != x ? x : (x > 88.7228394f ? std::numeric_limits<float>::infinity()
+                                        : (x < -87.3365448f ? 0.0f : result));
 }
 
 // tanh: odd polynomial near 0 (no cancellation), 1 - 2 / (exp(2|x|) + 1) elsewhere (Cephes).
@@ -933,6 +961,48 @@ inline float blade_erff(float x) {
 }
 }  // namespace
 """
+
+# Compiled with -DBLADE_PROFILE (Config.profile), every kernel adds its wall time to a counter and
+# the .so exports blade_engine_profile() (optional: the Engine looks it up, the ABI does not need it).
+PROFILE_MACROS = """
+#ifdef BLADE_PROFILE
+#include <chrono>
+namespace {
+std::atomic<int64_t> blade_profile_runs{0};
+inline int64_t blade_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+#define BLADE_PROFILE_BEGIN(k) const int64_t blade_start_##k = blade_now_ns()
+#define BLADE_PROFILE_END(k) \\
+  blade_profile_ns[k].fetch_add(blade_now_ns() - blade_start_##k, std::memory_order_relaxed)
+#define BLADE_PROFILE_RUN() blade_profile_runs.fetch_add(1, std::memory_order_relaxed)
+#else
+#define BLADE_PROFILE_BEGIN(k) (void)0
+#define BLADE_PROFILE_END(k) (void)0
+#define BLADE_PROFILE_RUN() (void)0
+#endif
+"""
+
+
+def _profile_table(comments) -> list:
+    """The profile counters, kernel names and blade_engine_profile() (only with BLADE_PROFILE)."""
+    names = ", ".join(json.dumps(c if len(c) <= 200 else c[:197] + "...") for c in comments) or '""'
+    return ["#ifdef BLADE_PROFILE", "namespace {",
+            f"std::atomic<int64_t> blade_profile_ns[{max(len(comments), 1)}];",
+            f"const char* const blade_profile_names[] = {{{names}}};", "}  // namespace",
+            "// Kernel k's name and total nanoseconds (over every run so far) for k < the count returned;",
+            "// *runs: completed runs. Reading never stops concurrent runs.",
+            "extern \"C\" int32_t blade_engine_profile(const char* const** names, int64_t* ns, int32_t capacity,",
+            "                                        int64_t* runs) {",
+            f"  const int32_t count = {len(comments)};",
+            "  for (int32_t k = 0; k < count && k < capacity; ++k) ns[k] = blade_profile_ns[k].load();",
+            "  *names = blade_profile_names;",
+            "  *runs = blade_profile_runs.load();",
+            "  return count;",
+            "}", "#endif", ""]
+
 
 ENTRY_BEGIN = """extern "C" int32_t blade_engine_abi_version(void) { return BLADE_ABI_VERSION; }
 

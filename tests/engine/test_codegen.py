@@ -96,7 +96,8 @@ def test_plan_arena_keeps_overlapping_lifetimes_apart():
 def test_generated_code_is_reentrant_and_self_contained():
     src = source_of(CASES[0]).source
     assert "static " not in src.replace("static_cast", "")
-    assert set(re.findall(r'#include [<"](.*)[>"]', src)) <= {"atomic", "cmath", "cstdint", "limits", "blade_abi.h"}
+    assert set(re.findall(r'#include [<"](.*)[>"]', src)) <= {"atomic", "cmath", "cstdint", "limits", "blade_abi.h",
+                                                               "chrono"}  # chrono: only with -DBLADE_PROFILE
 
 
 @pytest.mark.parametrize("value", [0.1, -1e-30, 3.4e38, 1e-45, 2.0 / 3.0, -0.0])
