@@ -32,6 +32,8 @@ INLINE_CONST_MAX = 64          # constants with at most this many elements are c
 PARALLEL_WORK = 16384          # elements of work below which a loop is not worth a thread
 STACK_ROW_BYTES = 64 * 1024    # per row group: rows of group-local scratch kept on each thread's stack
 ALIGN = 64
+WINDOW_REDUCE_MAX = 32         # reductions over at most this many elements per output ...
+WINDOW_REDUCE_MIN_ROW = 8      # ... with an innermost output dim this long use the window form
 DECLS = "@DECLS@"              # where a kernel's buffer pointers get declared
 
 
@@ -293,6 +295,14 @@ class Schedule:
             memo[node] = own + sum(self._cost(a, stored, memo) for a in node.args)
         return memo[node]
 
+    @staticmethod
+    def _stored_pad(node) -> bool:
+        """Constant padding that only grows is stored (a fill, then a plain copy of the interior):
+        read inline, every element pays a bounds check whose clamped index g++ cannot vectorize,
+        and pooling windows read each element several times."""
+        return (node.op == "pad" and node.attrs["mode"] == "constant" and min(node.attrs["begins"]) >= 0
+                and all(o >= i + b for o, i, b in zip(node.shape, node.args[0].shape, node.attrs["begins"])))
+
     def _choose(self) -> set:
         outputs = {node for _, node in self.graph.outputs}
         # reads[n]: how many times each element of n is read by the rest of the graph, looking
@@ -314,7 +324,7 @@ class Schedule:
                     must_store.add(arg)
         chosen, cost_memo = set(), {}
         for node in self.live:
-            if node.op in self.ALWAYS_MATERIALIZED:
+            if node.op in self.ALWAYS_MATERIALIZED or self._stored_pad(node):
                 chosen.add(node)
             elif node.op in COMPUTED:
                 if node in outputs or node in must_store or (reads[node] > 1 and
@@ -395,7 +405,7 @@ class Emitter:
 
     def _const_buffer(self, node: Node) -> Buffer:
         if node not in self.buffers:
-            if node.numel <= INLINE_CONST_MAX:
+            if node.numel <= INLINE_CONST_MAX or node.attrs.get("derived"):
                 buf = Buffer("inline", len(self.inline_consts), node.dtype, node.numel, node.attrs["value"])
                 self.inline_consts.append(buf)
             else:
@@ -592,16 +602,18 @@ class Emitter:
             return f"{qual}{ctype}* __restrict__ {buf.ident} = reinterpret_cast<{qual}{ctype}*>(arena + @OFFSET{buf.index}@);"
         return f"{qual}{ctype}* __restrict__ {buf.ident} = static_cast<{qual}{ctype}*>({source});"
 
-    def emit_loop_kernel(self, comment, dest: Strided, value_fn, work_per_element=1, rows=None):
+    def emit_loop_kernel(self, comment, dest: Strided, value_fn, work_per_element=1, rows=None, make=None):
         """dest[idx] = value_fn(scope, idx) for every idx of dest.shape, parallel over its rows
         (by default every dim but the innermost loop; `rows` overrides the number of leading dims),
-        fused into the open row group when that is safe."""
+        fused into the open row group when that is safe. `make` replaces _loop_kernel as the
+        builder of the kernel's loops (same arguments)."""
         shape = dest.shape
         if math.prod(shape) == 0:
             return
+        make = make or self._loop_kernel
         group = self.group
         if group is not None and shape[:len(group.rows)] == group.rows:
-            attempt = self._loop_kernel(comment, dest, value_fn, work_per_element, group)
+            attempt = make(comment, dest, value_fn, work_per_element, group)
             if self._row_local(attempt, group):
                 group.add(attempt)
                 return
@@ -611,7 +623,7 @@ class Emitter:
             rows = loop_dims[-1] + (len(loop_dims) == 1) if loop_dims else len(shape)
         self.group = RowGroup(len(self.kernels_code), tuple(shape[:rows]))
         self.kernels_code.append(None)  # the group's slot, filled by close_group
-        self.group.add(self._loop_kernel(comment, dest, value_fn, work_per_element, self.group))
+        self.group.add(make(comment, dest, value_fn, work_per_element, self.group))
         if math.prod(self.group.rows) == 1:  # nothing to share a row loop with
             self.close_group()
 
@@ -722,13 +734,66 @@ class Emitter:
         self.emit_loop_kernel(f"{node!r} = {node.op} {node.attrs.get('fn', '')}", dest,
                               lambda scope, idx: self.compute(node, idx, scope))
 
+    def _emit_pad(self, node, dest):
+        if not Schedule._stored_pad(node):
+            self._emit_elementwise(node, dest)
+            return
+        (src,) = node.args
+        fill = literal(node.attrs["value"], node.dtype)
+        self.emit_loop_kernel(f"{node!r} = pad fill", dest, lambda scope, idx: fill)
+        offset = dest.layout.offset + sum(b * st for b, st in zip(node.attrs["begins"], dest.layout.strides))
+        interior = Strided(dest.buf, src.shape, Layout(offset, dest.layout.strides))
+        self.emit_loop_kernel(f"{node!r} = pad interior", interior, lambda scope, idx: self.value(src, idx, scope))
+
     def _emit_reduce(self, node, dest):
         src = node.args[0]
         work = max(1, src.numel // max(node.numel, 1))
         loop_dims = [d for d, n in enumerate(node.shape) if n != 1]
-        self.emit_loop_kernel(f"{node!r} = reduce {node.attrs['kind']} over axes {node.attrs['axes']}",
-                              dest, lambda scope, idx: self.reduction_value(node, idx, scope), work,
+        comment = f"{node!r} = reduce {node.attrs['kind']} over axes {node.attrs['axes']}"
+        window = math.prod(src.shape[a] for a in node.attrs["axes"])
+        if loop_dims and window <= WINDOW_REDUCE_MAX and node.shape[loop_dims[-1]] >= WINDOW_REDUCE_MIN_ROW:
+            # A small window (pooling, a short axis) per output: accumulate into the output row with
+            # the window loops outside, so the innermost loop runs along an output dim and vectorizes;
+            # one reduction loop per output element would run 4-9 scalar steps each.
+            self.emit_loop_kernel(comment + " (window form)", dest, None, work, rows=loop_dims[-1],
+                                  make=lambda c, d, _, w, g: self._window_reduce_kernel(node, c, d, w, g))
+            return
+        self.emit_loop_kernel(comment, dest, lambda scope, idx: self.reduction_value(node, idx, scope), work,
                               rows=loop_dims[-1] + 1 if loop_dims else node.rank)
+
+    def _window_reduce_kernel(self, node, comment, dest: Strided, work_per_element, group) -> Kernel:
+        """A reduce node's kernel inside group's row loop: dest's row is set to the initial value,
+        then for each window position (outer loops) combined with the input along the row."""
+        (src,), rule, ctype = node.args, REDUCE[node.attrs["kind"]], CType(node.dtype)
+        self.kernel = kernel = Kernel(group.number, comment)
+        shape, k = dest.shape, len(group.rows)
+        inner = [d for d in range(k, len(shape)) if shape[d] != 1]
+        idx = [f"i{d}" if n != 1 else "0" for d, n in enumerate(shape)]
+        axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
+        window_vars = {a: self.fresh("r") for a in axes}
+        target = f"{self.use(dest.buf, write=True)}[{dest.address(idx)}]"
+        kernel.accesses.append((dest, idx, True))
+        init = [f"{target} = {rule.init(ctype)};"]
+        for d in reversed(inner):
+            init = _for(idx[d], 0, shape[d], init)
+        prologue = Scope(self)
+        loops = [(window_vars[a], src.shape[a]) for a in axes] + [(idx[d], shape[d]) for d in inner]
+        chain = [prologue.child([idx[d] for d in range(k) if shape[d] != 1] + ["o"])]
+        for var, _ in loops:
+            chain.append(chain[-1].child([var]))
+        src_idx = [window_vars.get(d, "0" if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
+        v, acc = self.value(src, src_idx, chain[-1]), self.fresh("acc")
+        # The old value in a local: read inside the combine's ?: it would be a conditional load,
+        # which keeps g++ from vectorizing.
+        chain[-1].lines += [f"const {ctype} {acc} = {target};", f"{target} = {rule.combine(acc, v)};"]
+        body = chain[-1].lines
+        for level in range(len(loops), 0, -1):
+            var, size = loops[level - 1]
+            body = chain[level - 1].lines + _for(var, 0, size, body)
+        kernel.prologue, kernel.body = prologue.lines, init + body
+        kernel.work = math.prod(shape[k:]) * work_per_element
+        self.kernel = None
+        return kernel
 
     def _emit_concat(self, node, dest):
         axis, start = node.attrs["axis"], 0
@@ -875,7 +940,7 @@ LAZY = {
 MATERIALIZE = {
     "ew": Emitter._emit_elementwise,
     "gather": Emitter._emit_elementwise,
-    "pad": Emitter._emit_elementwise,
+    "pad": Emitter._emit_pad,
     "reduce": Emitter._emit_reduce,
     "concat": Emitter._emit_concat,
     "matmul": Emitter._emit_matmul,

@@ -108,7 +108,9 @@ class Builder:
 
     def const(self, value, dtype=None, name="") -> Node:
         value = np.asarray(value, dtype=dtype)
-        node = self._add("const", value.shape, value.dtype.name, value=value)
+        # Unnamed constants are made by the lowering (e.g. pooling divisors): they are not in the
+        # ONNX model, so the engine cannot receive them at run time and compiles them in.
+        node = self._add("const", value.shape, value.dtype.name, value=value, derived=not name)
         node.name = name or node.name
         return node
 
