@@ -183,10 +183,19 @@ def _all_values(graph: torch.Graph):
         yield from node.outputs()
 
 
+FROZEN_FOLDS = (torch._C._jit_pass_fold_frozen_conv_bn, torch._C._jit_pass_fold_frozen_conv_add_or_sub,
+                torch._C._jit_pass_fold_frozen_conv_mul_or_div, torch._C._jit_pass_fold_frozen_linear_bn)
+
+
 def _prepare(scripted, inputs: list) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's own deprecation notice
         frozen = torch.jit.freeze(scripted.eval(), optimize_numerics=False)
+    # torch's own folds of frozen affine ops into the preceding conv/linear (what freeze does with
+    # optimize_numerics=True, the rest of which we do not want): a batch norm after a conv becomes
+    # new conv weights and bias, instead of a per-channel multiply-add pass over every activation.
+    for fold in FROZEN_FOLDS:
+        fold(frozen.graph)
     _clean(frozen.graph)
     _assign_types(frozen, inputs)
     _specialize_sizes(frozen.graph)
