@@ -829,6 +829,9 @@ class Emitter:
             self.emit_loop_kernel(f"{node!r} = matmul with k == 0", dest, lambda scope, idx: literal(0, node.dtype))
             return
         (a, ta, lda), (b, tb, ldb) = self._gemm_operand(a_node), self._gemm_operand(b_node)
+        # C rows may be strided (a permuted output, _permuted_matmul_output); columns are dense.
+        assert dest.layout.strides[-1] == 1 or n == 1, "matmul output columns must be dense"
+        ldc = dest.layout.strides[-2] if m > 1 else n
         self.begin_kernel(f"{node!r} = matmul {a_node!r} @ {b_node!r}")
         names = [self.use(a.buf), self.use(b.buf), self.use(dest.buf, write=True)]
         operands = (a, b, dest)
@@ -847,7 +850,7 @@ class Emitter:
                 for i, (name, o) in enumerate(zip(names, operands))]
         call = [f"rt->sgemm({sgemm_batch}, {m}, {n}, {k}, {literal(node.attrs['alpha'], 'float32')}, "
                 f"{ptrs[0]}, {lda}, {sgemm_strides[0]}, {ta}, {ptrs[1]}, {ldb}, {sgemm_strides[1]}, {tb}, "
-                f"0.0f, {ptrs[2]}, {n}, {sgemm_strides[2]});"]
+                f"0.0f, {ptrs[2]}, {ldc}, {sgemm_strides[2]});"]
         for var, (size, _) in reversed(list(zip(loop_vars, merged))):
             call = _for(var, 0, size, call)
         self.end_kernel(["{", *_indent([DECLS] + call), "}"])
@@ -884,11 +887,18 @@ class Emitter:
         for k, node in enumerate(output_nodes):
             if node in sched.materialized and node not in self.buffers:
                 self.buffers[node] = Buffer("output", k, node.dtype, node.numel)
+        users = {}
+        for node in sched.live:
+            for arg in node.args:
+                users.setdefault(arg, []).append(node)
         for node in sched.live:
             if node in sched.materialized and node.op not in ("input", "const"):
-                if node not in self.buffers:
-                    self.buffers[node] = self.new_scratch(node.dtype, node.shape).buf
-                MATERIALIZE[node.op](self, node, Strided.dense(self.buffers[node], node.shape))
+                dest = self._permuted_matmul_output(node, users.get(node, []))
+                if dest is None:
+                    if node not in self.buffers:
+                        self.buffers[node] = self.new_scratch(node.dtype, node.shape).buf
+                    dest = Strided.dense(self.buffers[node], node.shape)
+                MATERIALIZE[node.op](self, node, dest)
         for k, node in enumerate(output_nodes):
             buf = self.buffers.get(node)
             if buf is None or (buf.kind, buf.index) != ("output", k):
@@ -907,6 +917,25 @@ class Emitter:
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in self.graph.outputs],
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in self.runtime_consts],
                        scratch_bytes)
+
+    def _permuted_matmul_output(self, node: Node, users: list) -> Strided | None:
+        """A batched matmul read only through one permute (attention heads back to [seq, heads *
+        dim]) is written straight in the permuted order (sgemm's ldc and batch stride), so the
+        permute is dense and the reshape after it needs no copy. None: the usual dense buffer."""
+        if node.op != "matmul" or node in self.buffers or len(users) != 1 or node.rank < 3:
+            return None
+        (user,) = users
+        if user.op != "view" or user.attrs["view"] != "permute" or user.attrs["perm"][-1] != node.rank - 1:
+            return None
+        perm = user.attrs["perm"]
+        buf = self.new_scratch(node.dtype, user.shape).buf      # dense in the permuted order
+        permuted = contiguous_strides(user.shape)
+        strides = [0] * node.rank
+        for position, dim in enumerate(perm):
+            strides[dim] = permuted[position]
+        self.buffers[node] = buf
+        self.strided_memo[node] = Strided(buf, node.shape, Layout(0, tuple(strides)))
+        return self.strided_memo[node]
 
     @staticmethod
     def _specs(nodes):

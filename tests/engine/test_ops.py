@@ -187,6 +187,12 @@ CASES = [
         node("Transpose", ["a"], ["at"], perm=[0, 2, 1]), node("Transpose", ["b"], ["bt"], perm=[1, 0]),
         node("MatMul", ["at", "bt"], ["y"])],
         {"a": ((2, 5, 4), "float32"), "b": ((3, 5), "float32")}, ["y"], rtol=1e-4),
+    # Attention's output: the batched matmul is written in the permuted order, the reshape is free.
+    graph_case("matmul-permuted-output", [node("MatMul", ["a", "b"], ["m"]),
+                                          node("Transpose", ["m"], ["t"], perm=[0, 2, 1, 3]),
+                                          node("Reshape", ["t", "shape"], ["r"]), node("Relu", ["r"], ["y"])],
+               {"a": ((2, 3, 4, 5), "float32"), "b": ((2, 3, 5, 6), "float32")}, ["y"],
+               {"shape": arr([2, 4, 18], i64)}, rtol=1e-4),
     graph_case("shared-exp-two-outputs", [node("Exp", ["x"], ["e"]), node("Add", ["e", "e"], ["y"]),
                                           node("Neg", ["e"], ["z"])],
                {"x": ((5, 6), "float32")}, ["y", "z", "e"]),
