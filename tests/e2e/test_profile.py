@@ -1,0 +1,48 @@
+"""blade.profile: per-kernel timings from engines compiled with Config(profile=True).
+
+No timing is asserted (speed is measured in bench/): only that every kernel of every engine is
+reported, with non-negative times that fit inside the engine's own, and that the model still
+matches eager.
+"""
+import torch
+import torch.nn.functional as F
+
+import blade
+from blade.debug import CapturingBackend
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.fc = torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        return torch.softmax(F.gelu(self.fc(self.norm(x))), dim=-1).sum(-1)
+
+
+def test_profile_reports_every_kernel():
+    torch.manual_seed(0)
+    model, x = Block().eval(), torch.randn(16, 64)
+    profile = blade.profile(model, x, runs=5, warmup=2)
+    text = str(profile)
+    print("\n" + text)
+    assert profile.kernels, "a profiled engine reports its kernels"
+    assert {k.category for k in profile.kernels} >= {"GEMM", "loops"}
+    assert all(k.ms_per_run >= 0 for k in profile.kernels)
+    assert profile.kernel_ms <= profile.engine_ms * 1.05 + 1e-3  # kernels run inside run_engine
+    assert "= matmul" in text and "ms in kernels" in text
+
+
+def test_profiled_engines_match_eager_and_plain_engines_report_nothing():
+    torch.manual_seed(0)
+    model, x = Block().eval(), torch.randn(16, 64)
+    with torch.no_grad():
+        expected = model(x)
+        for profile, reports in ((True, True), (False, False)):
+            backend = CapturingBackend(blade.Config(profile=profile))
+            got = torch.compile(model, backend=backend, dynamic=False)(x)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            engines = backend.engines()
+            assert engines
+            assert all(bool(engine.profile()) == reports for _, engine in engines)
