@@ -13,7 +13,7 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 2
+#define BLADE_ABI_VERSION 3
 
 extern "C" {
 
@@ -37,14 +37,17 @@ struct BladeRuntime {
   void (*parallel_for)(int64_t begin, int64_t end, int64_t grain, blade_range_fn fn, void* ctx);
   // Float32 convolution (cross-correlation, like torch's conv) over `spatial` (1..3) dims:
   //   input [n, c_in, *in_size], weight [c_out, c_in / groups, *kernel], bias [c_out] or nullptr,
-  //   output [n, c_out, *out_size], all dense row-major. input_shape has 2 + spatial entries,
-  //   weight_shape too; strides and dilations have `spatial` entries; pads has 2 * spatial
-  //   (all begins, then all ends; they may differ, e.g. "same" with an even kernel: the runtime
-  //   zero-pads first). out_size[d] = (in + begin + end - dilation * (k - 1) - 1) / stride + 1.
+  //   output [n, c_out, *out_size]. Weight and bias are dense row-major; input and output are too
+  //   unless `layout` says channels-last (BLADE_CONV_*_CHANNELS_LAST bits, 2-D only): then the
+  //   tensor [n, c, h, w] is stored as dense [n, h, w, c]. input_shape has 2 + spatial entries
+  //   (logical order n, c, ...), weight_shape too; strides and dilations have `spatial` entries;
+  //   pads has 2 * spatial (all begins, then all ends; they may differ, e.g. "same" with an even
+  //   kernel: the runtime zero-pads first). out_size[d] = (in + begin + end - dilation * (k - 1) - 1)
+  //   / stride + 1.
   void (*conv)(int32_t spatial, const int64_t* input_shape, const float* input,
                const int64_t* weight_shape, const float* weight, const float* bias,
                const int64_t* strides, const int64_t* pads, const int64_t* dilations, int64_t groups,
-               float* output);
+               float* output, int32_t layout);
 };
 
 // Every engine .so exports these two symbols.
@@ -59,6 +62,9 @@ int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void
                          const void* const* constants, void* scratch);
 
 }  // extern "C"
+
+#define BLADE_CONV_INPUT_CHANNELS_LAST 1   // BladeRuntime::conv layout bits
+#define BLADE_CONV_OUTPUT_CHANNELS_LAST 2
 
 #define BLADE_OK 0
 #define BLADE_ERR_INDEX_OUT_OF_RANGE 1  // a gather/embedding index outside its dimension

@@ -192,6 +192,14 @@ at::Tensor dense(const float* data, at::IntArrayRef sizes) {
   return at::from_blob(const_cast<float*>(data), sizes, at::TensorOptions().dtype(at::kFloat));
 }
 
+// An engine activation: dense row-major, or (channels_last) a 4-D [n, c, h, w] stored as [n, h, w, c].
+at::Tensor activation(const float* data, at::IntArrayRef sizes, bool channels_last) {
+  at::Tensor t = dense(data, sizes);
+  if (!channels_last) return t;
+  const std::array<int64_t, 4> strides = {sizes[1] * sizes[2] * sizes[3], 1, sizes[3] * sizes[1], sizes[1]};
+  return at::from_blob(const_cast<float*>(data), sizes, strides, at::TensorOptions().dtype(at::kFloat));
+}
+
 // oneDNN's convolution on a weight already in its blocked layout (what torch's own frozen-model
 // passes call): mkldnn::_convolution_pointwise with no post-op.
 at::Tensor onednn_conv(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
@@ -208,21 +216,23 @@ at::Tensor onednn_conv(const at::Tensor& x, const at::Tensor& packed_weight, con
 // The weight in oneDNN's layout for this convolution, packed once per engine; nullopt when it
 // cannot be (no engine packing scope, a weight computed at run time, no oneDNN, not 2-D).
 std::optional<at::Tensor> packed_conv_weight(int32_t spatial, const float* weight, const at::Tensor& w,
-                                             at::IntArrayRef x_sizes, at::IntArrayRef padding,
-                                             at::IntArrayRef stride, at::IntArrayRef dilation, int64_t groups) {
+                                             const at::Tensor& x, at::IntArrayRef padding, at::IntArrayRef stride,
+                                             at::IntArrayRef dilation, int64_t groups, at::MemoryFormat out_format) {
   PackedWeights* weights = current_weights;
   if (spatial != 2 || weights == nullptr || !weights->is_constant(weight) || !at::hasMKLDNN()) return std::nullopt;
-  PackedWeights::Key key = {reinterpret_cast<int64_t>(weight), groups};
-  for (at::IntArrayRef part : {w.sizes(), x_sizes, padding, stride, dilation}) key.insert(key.end(), part.begin(), part.end());
+  const at::MemoryFormat in_format = x.suggest_memory_format();
+  PackedWeights::Key key = {reinterpret_cast<int64_t>(weight), groups, static_cast<int64_t>(in_format),
+                            static_cast<int64_t>(out_format)};
+  for (at::IntArrayRef part : {w.sizes(), x.sizes(), padding, stride, dilation}) key.insert(key.end(), part.begin(), part.end());
   at::Tensor packed = weights->get(key, [&] {
-    at::Tensor candidate = at::mkldnn_reorder_conv2d_weight(w.to_mkldnn(), padding, stride, dilation, groups, x_sizes);
-    // oneDNN picks its output layout. For some convolutions (few input channels, like a ResNet
-    // stem) it is channels-last, and transposing that into the engine's NCHW buffer costs more
-    // than ATen's own convolution (measured on ResNet's 7x7 stem: 1.5 ms copy, 1.0 ms ATen).
-    // Probe once: keep the packed weight only if the output comes back dense NCHW.
-    const at::Tensor probe = onednn_conv(at::zeros(x_sizes, at::kFloat), candidate, std::nullopt, padding, stride,
-                                         dilation, groups);
-    return probe.is_contiguous() ? candidate : at::Tensor();
+    at::Tensor candidate = at::mkldnn_reorder_conv2d_weight(w.to_mkldnn(), padding, stride, dilation, groups, x.sizes());
+    // oneDNN picks its output layout (channels-last for a ResNet stem even from NCHW input). When
+    // that is not the engine's layout, the copy into the engine's buffer transposes, which costs
+    // more than ATen's own convolution (measured on the stem: 1.5 ms copy, 1.0 ms ATen). Probe
+    // once: keep the packed weight only if the output comes back in the engine's layout.
+    const at::Tensor probe = onednn_conv(at::zeros(x.sizes(), at::TensorOptions().dtype(at::kFloat).memory_format(in_format)),
+                                         candidate, std::nullopt, padding, stride, dilation, groups);
+    return probe.is_contiguous(out_format) ? candidate : at::Tensor();
   });
   if (!packed.defined()) return std::nullopt;  // an undefined entry: this convolution is ATen's
   return packed;
@@ -230,8 +240,11 @@ std::optional<at::Tensor> packed_conv_weight(int32_t spatial, const float* weigh
 
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
           const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
-          const int64_t* dilations, int64_t groups, float* output) {
-  at::Tensor x = dense(input, at::IntArrayRef(input_shape, 2 + spatial));
+          const int64_t* dilations, int64_t groups, float* output, int32_t layout) {
+  TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
+  const bool out_channels_last = (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0;
+  at::Tensor x = activation(input, at::IntArrayRef(input_shape, 2 + spatial),
+                            (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0);
   const at::Tensor w = dense(weight, at::IntArrayRef(weight_shape, 2 + spatial));
   std::optional<at::Tensor> b;
   if (bias != nullptr) b = dense(bias, at::IntArrayRef(weight_shape, 1));
@@ -248,14 +261,16 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   }
   const at::IntArrayRef stride(strides, spatial), dilation(dilations, spatial);
   at::Tensor y;
-  if (auto packed = packed_conv_weight(spatial, weight, w, x.sizes(), padding, stride, dilation, groups)) {
+  const at::MemoryFormat out_format = out_channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  if (auto packed = packed_conv_weight(spatial, weight, w, x, padding, stride, dilation, groups, out_format)) {
     y = onednn_conv(x, *packed, b, padding, stride, dilation, groups);
   } else {
     const std::vector<int64_t> output_padding(spatial, 0);
     y = at::convolution(x, w, b, stride, padding, dilation, false, output_padding, groups);
   }
-  // Both return a fresh tensor: one cheap pass into the engine's buffer, next to the convolution.
-  if (y.numel() > 0) dense(output, y.sizes()).copy_(y);
+  // Both return a fresh tensor: one cheap pass into the engine's buffer (the same layout when
+  // the probe above kept oneDNN), next to the convolution.
+  if (y.numel() > 0) activation(output, y.sizes(), out_channels_last).copy_(y);
 }
 
 const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv};

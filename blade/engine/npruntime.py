@@ -21,7 +21,8 @@ PARALLEL_FOR_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.
                                    ctypes.c_void_p)
 CONV_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p)
+                           ctypes.c_void_p, ctypes.c_int32)
+CONV_INPUT_CHANNELS_LAST, CONV_OUTPUT_CHANNELS_LAST = 1, 2   # blade_abi.h BLADE_CONV_* layout bits
 
 
 class BladeRuntime(ctypes.Structure):
@@ -67,13 +68,20 @@ def _array(ptr, shape, ctype=ctypes.c_float):
     return np.ctypeslib.as_array((ctype * count).from_address(ptr)).reshape(shape)
 
 
-def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, groups, out):
+def _activation(ptr, shape, channels_last: bool):
+    """An engine activation [n, c, *spatial] (stored as [n, *spatial, c] when channels_last)."""
+    if not channels_last:
+        return _array(ptr, shape)
+    return np.moveaxis(_array(ptr, [shape[0], *shape[2:], shape[1]]), -1, 1)
+
+
+def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, groups, out, layout):
     """The blade_abi.h conv contract in numpy (float64 accumulation): pad, then one einsum per group
     over sliding windows."""
     ints = lambda ptr, n: [int(v) for v in _array(ptr, (n,), ctypes.c_int64)]
     in_shape, w_shape = ints(in_shape, 2 + spatial), ints(w_shape, 2 + spatial)
     strides, pads, dilations = ints(strides, spatial), ints(pads, 2 * spatial), ints(dilations, spatial)
-    x = np.pad(_array(x, in_shape).astype(np.float64),
+    x = np.pad(_activation(x, in_shape, bool(layout & CONV_INPUT_CHANNELS_LAST)).astype(np.float64),
                [(0, 0), (0, 0)] + [(pads[d], pads[spatial + d]) for d in range(spatial)])
     w = _array(w, w_shape).astype(np.float64)
     # windows[n, c, *out, *k]: the input under each kernel tap, dilated and strided
@@ -89,7 +97,7 @@ def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, grou
     if bias:
         result += _array(bias, (w_shape[0],)).reshape((1, -1) + (1,) * spatial)
     if result.size:
-        _array(out, result.shape)[...] = result.astype(np.float32)
+        _activation(out, result.shape, bool(layout & CONV_OUTPUT_CHANNELS_LAST))[...] = result.astype(np.float32)
 
 
 def _parallel_for(begin, end, grain, fn, ctx):

@@ -139,6 +139,26 @@ CASES = [
                                               node("Conv", ["t", "w"], ["c"]), node("Relu", ["c"], ["y"])],
                {"x": ((1, 5, 6, 3), "float32")}, ["y"],
                {"w": np.random.default_rng(4).standard_normal((2, 3, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-5),
+    # A residual block: convolutions and the activations between them are stored channels-last
+    # (an NCHW input with >= 8 channels is copied NHWC first; the outputs come back dense NCHW).
+    graph_case("conv-residual-block-channels-last", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), node("Relu", ["c1"], ["r1"]),
+        node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1]), node("Add", ["c2", "x"], ["s"]),
+        node("Relu", ["s"], ["r2"]), node("Conv", ["r2", "w3"], ["c3"], strides=[2, 2]),
+        node("Sigmoid", ["c3"], ["y"])],
+        {"x": ((2, 8, 7, 9), "float32")}, ["y", "r2"],
+        {"w1": np.random.default_rng(5).standard_normal((8, 8, 3, 3)).astype(f32),
+         "w2": np.random.default_rng(6).standard_normal((8, 8, 3, 3)).astype(f32),
+         "b2": np.random.default_rng(7).standard_normal((8,)).astype(f32),
+         "w3": np.random.default_rng(8).standard_normal((16, 8, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4),
+    # A ResNet stem: the padded input and the window reduction of the pooling are channels-last too.
+    graph_case("conv-maxpool-conv-channels-last", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[3, 3, 3, 3], strides=[2, 2]), node("Relu", ["c1"], ["r1"]),
+        node("MaxPool", ["r1"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        node("Conv", ["p", "w2"], ["c2"], pads=[1, 1, 1, 1]), node("Add", ["c2", "p"], ["y"])],
+        {"x": ((1, 3, 21, 19), "float32")}, ["y"],
+        {"w1": np.random.default_rng(9).standard_normal((16, 3, 7, 7)).astype(f32),
+         "w2": np.random.default_rng(10).standard_normal((16, 16, 3, 3)).astype(f32)}, rtol=1e-4, atol=1e-4),
     op_case("MaxPool", [(2, 3, 9, 8)], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
     op_case("MaxPool", [(1, 2, 7, 7)], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1, name="MaxPool-ceil"),
     op_case("MaxPool", [(1, 2, 8)], kernel_shape=[3], dilations=[2], name="MaxPool-1d-dilated"),
