@@ -971,7 +971,7 @@ class Emitter:
         for node in sched.live:
             for arg in node.args:
                 users.setdefault(arg, []).append(node)
-        self.channels_last = self._choose_channels_last()
+        self.channels_last = self._choose_channels_last(users)
         for node in sched.live:
             if node in sched.materialized and node.op not in ("input", "const"):
                 dest = self._permuted_matmul_output(node, users.get(node, []))
@@ -1019,7 +1019,7 @@ class Emitter:
         self.strided_memo[node] = Strided(buf, node.shape, Layout(0, strides_in_order(node.shape, order)))
         return self.strided_memo[node]
 
-    def _choose_channels_last(self) -> set:
+    def _choose_channels_last(self, users: dict) -> set:
         """Nodes stored channels-last (channels innermost): 2-D convolutions, and the values stored
         between them (activations, residual sums, padded inputs and window reductions of pooling).
         oneDNN then reads and writes without reordering (measured 7-30% faster per ResNet-18
@@ -1029,7 +1029,7 @@ class Emitter:
         for node in self.schedule.live:
             if node in self.buffers or node not in self.schedule.materialized or node.rank < 4:
                 continue
-            if node.rank == 4 and node.op == "conv":
+            if node.rank == 4 and node.op == "conv" and self._feeds_conv(node, users):
                 chosen.add(node)
             elif node.rank == 4 and node.op in ("ew", "pad") and self._computed_from(node, chosen, ("ew",)):
                 chosen.add(node)
@@ -1037,6 +1037,21 @@ class Emitter:
                   and self._computed_from(node, chosen, ("ew", "view"))):
                 chosen.add(node)
         return chosen
+
+    @staticmethod
+    def _feeds_conv(node: Node, users: dict) -> bool:
+        """Whether node's value reaches another convolution through elementwise ops, padding, views
+        and reductions. A convolution whose value only reaches the graph's outputs stays NCHW: the
+        outputs are NCHW, and a loop that reads NHWC to write NCHW transposes (slowly)."""
+        stack, seen = list(users.get(node, [])), set()
+        while stack:
+            user = stack.pop()
+            if user.op == "conv":
+                return True
+            if user not in seen and user.op in ("ew", "pad", "view", "reduce"):
+                seen.add(user)
+                stack.extend(users.get(user, []))
+        return False
 
     def _computed_from(self, node: Node, chosen: set, through: tuple) -> bool:
         """Whether node's value is computed from a node in chosen, looking through lazy nodes of

@@ -94,3 +94,23 @@ def test_parallel_for_follows_torch_set_num_threads():
         assert len(_testing.parallel_for_chunks(0, 100, 10)) == 2
     finally:
         torch.set_num_threads(before)
+
+
+# conv: every layout combination (NCHW / channels-last input and output), with and without the
+# weight counting as an engine constant (the oneDNN pre-packed path and its ATen fallback), plus
+# asymmetric padding (explicitly padded first) and groups, against torch's conv2d.
+@pytest.mark.parametrize("layout", [0, 1, 2, 3])
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("c_in, c_out, groups, pads, stride", [(3, 16, 1, [3, 3, 3, 3], 2), (16, 16, 1, [1, 1, 1, 1], 1),
+                                                                (16, 8, 4, [0, 1, 1, 0], 1)])
+def test_conv_layouts(layout, pack, c_in, c_out, groups, pads, stride):
+    torch.manual_seed(0)
+    x = torch.randn(2, c_in, 11, 9)
+    k = 7 if c_in == 3 else 3
+    w, b = torch.randn(c_out, c_in // groups, k, k), torch.randn(c_out)
+    expected = torch.conv2d(torch.nn.functional.pad(x, [pads[1], pads[3], pads[0], pads[2]]), w, b, stride,
+                            groups=groups)
+    channels_last = lambda t, bit: t.contiguous(memory_format=torch.channels_last if layout & bit else torch.contiguous_format)
+    out = channels_last(torch.full_like(expected, float("nan")), 2)
+    _testing.conv(channels_last(x, 1), w, b, [stride] * 2, pads, [1, 1], groups, out, layout, pack)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
