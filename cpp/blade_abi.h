@@ -44,10 +44,12 @@ struct BladeRuntime {
   //   pads has 2 * spatial (all begins, then all ends; they may differ, e.g. "same" with an even
   //   kernel: the runtime zero-pads first). out_size[d] = (in + begin + end - dilation * (k - 1) - 1)
   //   / stride + 1.
+  //   Epilogue, fused into the convolution: `sum` (nullptr, or a tensor of the output's shape and
+  //   layout, e.g. a residual) is added to the result, then `activation` (BLADE_ACTIVATION_*).
   void (*conv)(int32_t spatial, const int64_t* input_shape, const float* input,
                const int64_t* weight_shape, const float* weight, const float* bias,
                const int64_t* strides, const int64_t* pads, const int64_t* dilations, int64_t groups,
-               float* output, int32_t layout);
+               float* output, int32_t layout, const float* sum, int32_t activation);
 };
 
 // Every engine .so exports these two symbols.
@@ -65,6 +67,8 @@ int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void
 
 #define BLADE_CONV_INPUT_CHANNELS_LAST 1   // BladeRuntime::conv layout bits
 #define BLADE_CONV_OUTPUT_CHANNELS_LAST 2
+#define BLADE_ACTIVATION_NONE 0            // BladeRuntime::conv activation
+#define BLADE_ACTIVATION_RELU 1
 
 #define BLADE_OK 0
 #define BLADE_ERR_INDEX_OUT_OF_RANGE 1  // a gather/embedding index outside its dimension

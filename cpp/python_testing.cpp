@@ -54,12 +54,12 @@ std::vector<std::pair<int64_t, int64_t>> parallel_for_chunks(int64_t begin, int6
   return recorder.chunks;
 }
 
-// Calls the runtime table's conv. x and out must be dense in the layout the `layout` bits declare
+// Calls the runtime table's conv (with its sum/activation epilogue). x and out must be dense in the layout the `layout` bits declare
 // (channels-last tensors for the BLADE_CONV_*_CHANNELS_LAST bits). With pack, the weight counts as
 // an engine constant (so the runtime may pre-pack it, as inside an engine); packs live for one call.
 void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, std::vector<int64_t> strides,
           std::vector<int64_t> pads, std::vector<int64_t> dilations, int64_t groups, at::Tensor& out, int64_t layout,
-          bool pack) {
+          bool pack, const std::optional<at::Tensor>& sum, int64_t activation) {
   const auto format = [](bool channels_last) {
     return channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   };
@@ -68,6 +68,8 @@ void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tens
   TORCH_CHECK(out.is_contiguous(format(layout & BLADE_CONV_OUTPUT_CHANNELS_LAST)) && out.scalar_type() == at::kFloat,
               "out must be float32 and dense in the declared layout");
   TORCH_CHECK(w.is_contiguous() && (!b || b->is_contiguous()), "w and b must be contiguous");
+  TORCH_CHECK(!sum || (sum->sizes() == out.sizes() && sum->strides() == out.strides()),
+              "sum must have out's shape and layout");
   const int32_t spatial = static_cast<int32_t>(x.dim()) - 2;
   TORCH_CHECK(static_cast<int64_t>(strides.size()) == spatial && static_cast<int64_t>(dilations.size()) == spatial &&
               static_cast<int64_t>(pads.size()) == 2 * spatial, "strides/dilations need one entry a spatial dim, pads two");
@@ -76,7 +78,8 @@ void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tens
   const PackingScope scope(pack ? &weights : nullptr);
   runtime()->conv(spatial, x.sizes().data(), x.const_data_ptr<float>(), w.sizes().data(), w.const_data_ptr<float>(),
                   b ? b->const_data_ptr<float>() : nullptr, strides.data(), pads.data(), dilations.data(), groups,
-                  out.mutable_data_ptr<float>(), static_cast<int32_t>(layout));
+                  out.mutable_data_ptr<float>(), static_cast<int32_t>(layout),
+                  sum ? sum->const_data_ptr<float>() : nullptr, static_cast<int32_t>(activation));
 }
 
 }  // namespace
@@ -90,7 +93,7 @@ void bind_testing(pybind11::module_& m) {
         py::arg("stride_c"));
   m.def("conv", &conv, "Calls the runtime table's conv (out is written in place).", py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("groups"), py::arg("out"),
-        py::arg("layout"), py::arg("pack"));
+        py::arg("layout"), py::arg("pack"), py::arg("sum") = py::none(), py::arg("activation") = 0);
   m.def("parallel_for_chunks", &parallel_for_chunks,
         "The [begin, end) chunks the runtime's parallel_for hands out, sorted.", py::arg("begin"),
         py::arg("end"), py::arg("grain"));

@@ -192,8 +192,8 @@ at::Tensor dense(const float* data, at::IntArrayRef sizes) {
   return at::from_blob(const_cast<float*>(data), sizes, at::TensorOptions().dtype(at::kFloat));
 }
 
-// An engine activation: dense row-major, or (channels_last) a 4-D [n, c, h, w] stored as [n, h, w, c].
-at::Tensor activation(const float* data, at::IntArrayRef sizes, bool channels_last) {
+// An engine tensor: dense row-major, or (channels_last) a 4-D [n, c, h, w] stored as [n, h, w, c].
+at::Tensor engine_tensor(const float* data, at::IntArrayRef sizes, bool channels_last) {
   at::Tensor t = dense(data, sizes);
   if (!channels_last) return t;
   const std::array<int64_t, 4> strides = {sizes[1] * sizes[2] * sizes[3], 1, sizes[3] * sizes[1], sizes[1]};
@@ -201,16 +201,40 @@ at::Tensor activation(const float* data, at::IntArrayRef sizes, bool channels_la
 }
 
 // oneDNN's convolution on a weight already in its blocked layout (what torch's own frozen-model
-// passes call): mkldnn::_convolution_pointwise with no post-op.
+// passes and Inductor's CPU freezing call): mkldnn::_convolution_pointwise, with the epilogue as
+// oneDNN post-ops (a binary "add" post-op reading `sum`, an eltwise one for the activation; the
+// "sum" post-op is only offered in place, into `sum` itself).
 at::Tensor onednn_conv(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
-                       at::IntArrayRef padding, at::IntArrayRef stride, at::IntArrayRef dilation, int64_t groups) {
-  static const c10::OperatorHandle op =
+                       at::IntArrayRef padding, at::IntArrayRef stride, at::IntArrayRef dilation, int64_t groups,
+                       const std::optional<at::Tensor>& sum = std::nullopt, int32_t activation = BLADE_ACTIVATION_NONE) {
+  static const c10::OperatorHandle unary =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise", "");
-  std::vector<c10::IValue> stack = {x, packed_weight, bias ? c10::IValue(*bias) : c10::IValue(),
-                                    padding.vec(), stride.vec(), dilation.vec(), groups,
-                                    std::string("none"), c10::List<std::optional<at::Scalar>>(), c10::IValue()};
-  op.callBoxed(&stack);
+  static const c10::OperatorHandle binary =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise", "binary");
+  const bool relu = activation == BLADE_ACTIVATION_RELU;
+  const c10::IValue b = bias ? c10::IValue(*bias) : c10::IValue();
+  const auto no_scalars = c10::List<std::optional<at::Scalar>>();
+  std::vector<c10::IValue> stack;
+  if (sum) {
+    stack = {x, *sum, packed_weight, b, padding.vec(), stride.vec(), dilation.vec(), groups, std::string("add"),
+             at::Scalar(1.0), relu ? c10::IValue(std::string("relu")) : c10::IValue(), no_scalars, c10::IValue()};
+    binary.callBoxed(&stack);
+  } else {
+    stack = {x, packed_weight, b, padding.vec(), stride.vec(), dilation.vec(), groups,
+             std::string(relu ? "relu" : "none"), no_scalars, c10::IValue()};
+    unary.callBoxed(&stack);
+  }
   return std::move(stack[0]).toTensor();
+}
+
+// [n, c_out, *out_size] of a convolution padded symmetrically by `padding`.
+std::vector<int64_t> conv_output_sizes(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef padding,
+                                       at::IntArrayRef stride, at::IntArrayRef dilation) {
+  std::vector<int64_t> sizes = {x.size(0), w.size(0)};
+  for (size_t d = 0; d < padding.size(); ++d) {
+    sizes.push_back((x.size(2 + d) + 2 * padding[d] - dilation[d] * (w.size(2 + d) - 1) - 1) / stride[d] + 1);
+  }
+  return sizes;
 }
 
 // The weight in oneDNN's layout for this convolution, packed once per engine; nullopt when it
@@ -227,12 +251,13 @@ std::optional<at::Tensor> packed_conv_weight(int32_t spatial, const float* weigh
   at::Tensor packed = weights->get(key, [&] {
     at::Tensor candidate = at::mkldnn_reorder_conv2d_weight(w.to_mkldnn(), padding, stride, dilation, groups, x.sizes());
     // oneDNN picks its output layout (channels-last for a ResNet stem even from NCHW input). When
-    // that is not the engine's layout, the copy into the engine's buffer transposes, which costs
-    // more than ATen's own convolution (measured on the stem: 1.5 ms copy, 1.0 ms ATen). Probe
-    // once: keep the packed weight only if the output comes back in the engine's layout.
+    // that is not the engine's layout, the copy into the engine's buffer transposes the output,
+    // and ATen's own convolution reorders the weight on every call instead. Probe once and keep
+    // the packed weight unless the output is the larger of the two (measured on ResNet's stem,
+    // an 800K-element output: 1.5 ms transposing copy against 1.0 ms for ATen's convolution).
     const at::Tensor probe = onednn_conv(at::zeros(x.sizes(), at::TensorOptions().dtype(at::kFloat).memory_format(in_format)),
                                          candidate, std::nullopt, padding, stride, dilation, groups);
-    return probe.is_contiguous(out_format) ? candidate : at::Tensor();
+    return probe.is_contiguous(out_format) || probe.numel() < w.numel() ? candidate : at::Tensor();
   });
   if (!packed.defined()) return std::nullopt;  // an undefined entry: this convolution is ATen's
   return packed;
@@ -240,11 +265,14 @@ std::optional<at::Tensor> packed_conv_weight(int32_t spatial, const float* weigh
 
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
           const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
-          const int64_t* dilations, int64_t groups, float* output, int32_t layout) {
+          const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
+          int32_t activation) {
+  TORCH_CHECK(activation == BLADE_ACTIVATION_NONE || activation == BLADE_ACTIVATION_RELU,
+              "blade runtime: unknown convolution activation ", activation);
   TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
   const bool out_channels_last = (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0;
-  at::Tensor x = activation(input, at::IntArrayRef(input_shape, 2 + spatial),
-                            (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0);
+  at::Tensor x = engine_tensor(input, at::IntArrayRef(input_shape, 2 + spatial),
+                               (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0);
   const at::Tensor w = dense(weight, at::IntArrayRef(weight_shape, 2 + spatial));
   std::optional<at::Tensor> b;
   if (bias != nullptr) b = dense(bias, at::IntArrayRef(weight_shape, 1));
@@ -262,15 +290,21 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   const at::IntArrayRef stride(strides, spatial), dilation(dilations, spatial);
   at::Tensor y;
   const at::MemoryFormat out_format = out_channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  std::optional<at::Tensor> addend;
+  if (sum != nullptr) {
+    addend = engine_tensor(sum, conv_output_sizes(x, w, padding, stride, dilation), out_channels_last);
+  }
   if (auto packed = packed_conv_weight(spatial, weight, w, x, padding, stride, dilation, groups, out_format)) {
-    y = onednn_conv(x, *packed, b, padding, stride, dilation, groups);
+    y = onednn_conv(x, *packed, b, padding, stride, dilation, groups, addend, activation);
   } else {
     const std::vector<int64_t> output_padding(spatial, 0);
     y = at::convolution(x, w, b, stride, padding, dilation, false, output_padding, groups);
+    if (addend) y.add_(*addend);
+    if (activation == BLADE_ACTIVATION_RELU) y.relu_();
   }
   // Both return a fresh tensor: one cheap pass into the engine's buffer (the same layout when
   // the probe above kept oneDNN), next to the convolution.
-  if (y.numel() > 0) activation(output, y.sizes(), out_channels_last).copy_(y);
+  if (y.numel() > 0) engine_tensor(output, y.sizes(), out_channels_last).copy_(y);
 }
 
 const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv};

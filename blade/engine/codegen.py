@@ -940,23 +940,27 @@ class Emitter:
                               lambda scope, idx: self.value(node, idx, scope))
         return copy, nhwc
 
-    def _emit_conv(self, node, dest):
+    def _emit_conv(self, node, dest, addend=None, relu=False):
+        """dest = conv(node's args) [+ addend] [then relu]: the epilogue is the runtime's."""
         if node.numel == 0:
             return
-        out_nhwc = node in self.channels_last
+        out_nhwc = node.rank == 4 and not same_strides(node.shape, dest.layout.strides, contiguous_strides(node.shape))
         (x, in_nhwc), *params = self._conv_input(node.args[0], out_nhwc), *map(self._dense_operand, node.args[1:])
+        epilogue = (f" + {addend!r}" if addend is not None else "") + (" then relu" if relu else "")
         self.begin_kernel(f"{node!r} = conv {' * '.join(map(repr, node.args))} "
                           f"stride {node.attrs['strides']} pads {node.attrs['pads']} "
-                          f"dilation {node.attrs['dilations']} groups {node.attrs['groups']}"
+                          f"dilation {node.attrs['dilations']} groups {node.attrs['groups']}{epilogue}"
                           + (" (channels-last)" if out_nhwc else ""))
         ptrs = [f"{self.use(o.buf)} + {o.layout.offset}" for o in (x, *params)]
+        addend_ptr = f"{self.use(self.strided_of(addend).buf)} + 0" if addend is not None else "nullptr"
         bias = ptrs[2] if len(ptrs) > 2 else "nullptr"
         arrays = {"xs": node.args[0].shape, "ws": node.args[1].shape, "st": node.attrs["strides"],
                   "pd": node.attrs["pads"], "dl": node.attrs["dilations"]}
         decls = [f"const int64_t {name}[] = {{{', '.join(map(str, values))}}};" for name, values in arrays.items()]
         layout = " | ".join(["BLADE_CONV_INPUT_CHANNELS_LAST"] * in_nhwc + ["BLADE_CONV_OUTPUT_CHANNELS_LAST"] * out_nhwc)
         call = (f"rt->conv({node.rank - 2}, xs, {ptrs[0]}, ws, {ptrs[1]}, {bias}, st, pd, dl, "
-                f"{node.attrs['groups']}, {self.use(dest.buf, write=True)} + {dest.layout.offset}, {layout or 0});")
+                f"{node.attrs['groups']}, {self.use(dest.buf, write=True)} + {dest.layout.offset}, {layout or 0}, "
+                f"{addend_ptr}, {'BLADE_ACTIVATION_RELU' if relu else 'BLADE_ACTIVATION_NONE'});")
         self.end_kernel(["{", *_indent([DECLS] + decls + [call]), "}"])
 
     # ---- whole program ----
@@ -972,16 +976,17 @@ class Emitter:
             for arg in node.args:
                 users.setdefault(arg, []).append(node)
         self.channels_last = self._choose_channels_last(users)
+        fused = set()   # nodes a convolution's epilogue computes
         for node in sched.live:
-            if node in sched.materialized and node.op not in ("input", "const"):
-                dest = self._permuted_matmul_output(node, users.get(node, []))
-                if dest is None and node in self.channels_last:
-                    dest = self._store_in_order(node, (0, *range(2, node.rank), 1))
-                if dest is None:
-                    if node not in self.buffers:
-                        self.buffers[node] = self.new_scratch(node.dtype, node.shape).buf
-                    dest = Strided.dense(self.buffers[node], node.shape)
-                MATERIALIZE[node.op](self, node, dest)
+            if node in fused or node not in sched.materialized or node.op in ("input", "const"):
+                continue
+            epilogue = self._conv_epilogue(node, users, output_nodes) if node.op == "conv" else None
+            if epilogue:
+                target, addend, relu = epilogue
+                fused.add(target)
+                self._emit_conv(node, self._dest(target, users), addend, relu)
+            else:
+                MATERIALIZE[node.op](self, node, self._dest(node, users))
         for k, node in enumerate(output_nodes):
             buf = self.buffers.get(node)
             if buf is None or (buf.kind, buf.index) != ("output", k):
@@ -1000,6 +1005,52 @@ class Emitter:
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in self.graph.outputs],
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in self.runtime_consts],
                        scratch_bytes)
+
+    def _dest(self, node: Node, users: dict) -> Strided:
+        """Where a materialized node is stored: its output buffer, a permuted matmul output, a
+        channels-last buffer, or dense scratch."""
+        dest = self._permuted_matmul_output(node, users.get(node, []))
+        if dest is None and node in self.channels_last:
+            dest = self._store_in_order(node, (0, *range(2, node.rank), 1))
+        if dest is None:
+            if node not in self.buffers:
+                self.buffers[node] = self.new_scratch(node.dtype, node.shape).buf
+            dest = Strided.dense(self.buffers[node], node.shape)
+        return dest
+
+    def _conv_epilogue(self, conv: Node, users: dict, outputs: list):
+        """(target, addend or None, relu) when conv is used only by a stored relu(conv),
+        relu(conv + addend) or conv + addend (addend already stored, in the target's layout): the
+        convolution computes the target itself, with oneDNN post-ops (a ResNet block's ReLU and
+        residual sum) instead of another pass over the activation. None otherwise."""
+        def only_user(node):
+            used = users.get(node, [])
+            return used[0] if len(used) == 1 and node not in outputs else None
+
+        def is_ew(node, fn):
+            return node is not None and node.op == "ew" and node.attrs.get("fn") == fn and node.shape == conv.shape
+
+        materialized, user, addend = self.schedule.materialized, only_user(conv), None
+        if is_ew(user, "Add"):
+            others = [a for a in user.args if a is not conv]
+            if len(others) != 1 or others[0].shape != conv.shape or others[0].dtype != conv.dtype:
+                return None
+            addend = others[0]
+            if user not in materialized and is_ew(only_user(user), "Relu"):
+                user = only_user(user)
+        elif not is_ew(user, "Relu"):
+            return None
+        if user not in materialized or user in self.buffers and self.buffers[user].kind != "output":
+            return None
+        if addend is not None:
+            if addend not in self.buffers:   # not stored yet (computed later, e.g. a downsample)
+                return None
+            planned = (strides_in_order(conv.shape, (0, 2, 3, 1)) if user in self.channels_last
+                       else contiguous_strides(conv.shape))
+            stored = self.strided_of(addend)
+            if stored.layout.offset != 0 or not same_strides(conv.shape, stored.layout.strides, planned):
+                return None
+        return user, addend, user.attrs.get("fn") == "Relu"
 
     def _permuted_matmul_output(self, node: Node, users: list) -> Strided | None:
         """A batched matmul read only through one permute (attention heads back to [seq, heads *
@@ -1029,7 +1080,8 @@ class Emitter:
         for node in self.schedule.live:
             if node in self.buffers or node not in self.schedule.materialized or node.rank < 4:
                 continue
-            if node.rank == 4 and node.op == "conv" and self._feeds_conv(node, users):
+            if node.rank == 4 and node.op == "conv" and (self._feeds_conv(node, users) or
+                                                        self._computed_from(node, chosen, ("ew", "view"))):
                 chosen.add(node)
             elif node.rank == 4 and node.op in ("ew", "pad") and self._computed_from(node, chosen, ("ew",)):
                 chosen.add(node)
@@ -1041,8 +1093,8 @@ class Emitter:
     @staticmethod
     def _feeds_conv(node: Node, users: dict) -> bool:
         """Whether node's value reaches another convolution through elementwise ops, padding, views
-        and reductions. A convolution whose value only reaches the graph's outputs stays NCHW: the
-        outputs are NCHW, and a loop that reads NHWC to write NCHW transposes (slowly)."""
+        and reductions. A convolution that neither reads NHWC nor feeds a convolution stays NCHW:
+        the outputs are NCHW, and a loop that reads NHWC to write NCHW transposes (slowly)."""
         stack, seen = list(users.get(node, [])), set()
         while stack:
             user = stack.pop()

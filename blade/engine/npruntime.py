@@ -21,8 +21,9 @@ PARALLEL_FOR_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.
                                    ctypes.c_void_p)
 CONV_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int32)
+                           ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)
 CONV_INPUT_CHANNELS_LAST, CONV_OUTPUT_CHANNELS_LAST = 1, 2   # blade_abi.h BLADE_CONV_* layout bits
+ACTIVATION_RELU = 1                                          # blade_abi.h BLADE_ACTIVATION_RELU
 
 
 class BladeRuntime(ctypes.Structure):
@@ -75,7 +76,7 @@ def _activation(ptr, shape, channels_last: bool):
     return np.moveaxis(_array(ptr, [shape[0], *shape[2:], shape[1]]), -1, 1)
 
 
-def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, groups, out, layout):
+def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, groups, out, layout, addend, activation):
     """The blade_abi.h conv contract in numpy (float64 accumulation): pad, then one einsum per group
     over sliding windows."""
     ints = lambda ptr, n: [int(v) for v in _array(ptr, (n,), ctypes.c_int64)]
@@ -96,8 +97,13 @@ def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, grou
     result = np.concatenate(parts, axis=1)
     if bias:
         result += _array(bias, (w_shape[0],)).reshape((1, -1) + (1,) * spatial)
+    out_channels_last = bool(layout & CONV_OUTPUT_CHANNELS_LAST)
+    if addend:
+        result += _activation(addend, result.shape, out_channels_last)
+    if activation == ACTIVATION_RELU:
+        result = np.maximum(result, 0)
     if result.size:
-        _activation(out, result.shape, bool(layout & CONV_OUTPUT_CHANNELS_LAST))[...] = result.astype(np.float32)
+        _activation(out, result.shape, out_channels_last)[...] = result.astype(np.float32)
 
 
 def _parallel_for(begin, end, grain, fn, ctx):

@@ -114,3 +114,20 @@ def test_conv_layouts(layout, pack, c_in, c_out, groups, pads, stride):
     out = channels_last(torch.full_like(expected, float("nan")), 2)
     _testing.conv(channels_last(x, 1), w, b, [stride] * 2, pads, [1, 1], groups, out, layout, pack)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [0, 3])
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("with_sum, activation", [(True, 0), (False, 1), (True, 1)])
+def test_conv_epilogue(layout, pack, with_sum, activation):
+    """The fused epilogue: + sum (a residual, in the output's layout), then ReLU."""
+    torch.manual_seed(1)
+    x, w, b = torch.randn(1, 16, 9, 9), torch.randn(16, 16, 3, 3), torch.randn(16)
+    memory_format = torch.channels_last if layout else torch.contiguous_format
+    residual = torch.randn(1, 16, 9, 9).contiguous(memory_format=memory_format)
+    expected = torch.conv2d(x, w, b, padding=1) + (residual if with_sum else 0)
+    expected = expected.relu() if activation else expected
+    out = torch.full_like(residual, float("nan"))
+    _testing.conv(x.contiguous(memory_format=memory_format), w, b, [1, 1], [1, 1, 1, 1], [1, 1], 1, out, layout,
+                  pack, residual if with_sum else None, activation)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

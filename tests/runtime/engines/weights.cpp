@@ -23,9 +23,9 @@ extern "C" int32_t blade_engine_run(const BladeRuntime* rt, const void* const* i
   const auto* w = static_cast<const float*>(constants[0]);
   const auto* b = static_cast<const float*>(constants[1]);
   const auto* m = static_cast<const float*>(constants[2]);
-  rt->conv(2, x_shape, x, w_shape, w, b, strides, pads, dilations, 1, static_cast<float*>(outputs[0]), 0);
+  rt->conv(2, x_shape, x, w_shape, w, b, strides, pads, dilations, 1, static_cast<float*>(outputs[0]), 0, nullptr, 0);
   rt->sgemm(1, 5, 8, 16, 1.0f, y, 16, 0, 0, m, 8, 0, 0, 0.0f, static_cast<float*>(outputs[1]), 8, 0);
   rt->sgemm(1, 5, 8, 16, 1.0f, y, 16, 0, 0, doubled_v, 8, 0, 0, 0.0f, static_cast<float*>(outputs[2]), 8, 0);
-  rt->conv(2, x_shape, x, w_shape, doubled_u, nullptr, strides, pads, dilations, 1, static_cast<float*>(outputs[3]), 0);
+  rt->conv(2, x_shape, x, w_shape, doubled_u, nullptr, strides, pads, dilations, 1, static_cast<float*>(outputs[3]), 0, nullptr, 0);
   return BLADE_OK;
 }
