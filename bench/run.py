@@ -25,6 +25,8 @@ from backends import BACKENDS, TT_INFER_REPORTS  # noqa: E402
 from models import MODELS  # noqa: E402
 
 CONTENDED = 1.5
+MEASURE_S = 0.03   # target duration of one measurement (calls of one backend in one round)
+MAX_CALLS = 400
 
 
 def first_tensor(out) -> torch.Tensor:
@@ -71,6 +73,10 @@ def bench_model(name, build, rounds, calls) -> dict:
         reports = [r for r in TT_INFER_REPORTS if r is not None]
         total = sum(r.aten_total for r in TT_INFER_REPORTS if r) or 1
         row["coverage"] = sum(r.aten_in_engines for r in reports) / total if reports else 0.0
+        # Enough calls per measurement that one lasts ~MEASURE_S even for tiny models (20 calls of
+        # a 0.1 ms MLP are over in 2 ms, and one scheduler hiccup decides the median).
+        calls = max(calls, min(MAX_CALLS, int(MEASURE_S / max(median_call_s(model, inputs, 5), 1e-6))))
+        row["calls"] = calls
         per_round = {b: [] for b in runners}
         order = list(runners)
         for r in range(rounds):
@@ -92,7 +98,8 @@ def markdown(rows, rounds, calls) -> str:
         "# blade benchmark results", "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32. "
-        f"{rounds} interleaved rounds x {calls} calls, medians; contended rounds dropped.", "",
+        f"{rounds} interleaved rounds x at least {calls} calls (more for fast models, about "
+        f"{1e3 * MEASURE_S:.0f} ms per measurement), medians; contended rounds dropped.", "",
         "Ratio = eager time / backend time (higher is faster). Compile times are with whatever "
         "caches are warm (blade's engine cache, Inductor's FX graph cache).", "",
         "| model | eager ms | " + " | ".join(f"{b} x" for b in backends[1:])
