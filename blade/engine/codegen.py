@@ -1171,7 +1171,7 @@ namespace {
 // in every multiply or add it meets, and a masked softmax (exp(-inf - max) for half of a causal
 // attention) would pay it per element (measured: 25x slower). The absolute error is < 1.2e-38.
 inline float blade_expf(float x) {
-  const float c = x > 88.7228394f ? 88.7228394f : (x < -103.972084f ? -103.972084f : x);
+  const float c = x > 88.7228394f ? 88.7228394f : (x < -87.3365448f ? -87.3365448f : x);
   const float n = std::nearbyint(c * 1.44269504088896341f);
   float r = std::fma(n, -0.693359375f, c);
   r = std::fma(n, 2.12194440e-4f, r);
@@ -1182,12 +1182,10 @@ inline float blade_expf(float x) {
   p = std::fma(p, r, 1.6666665459e-1f);
   p = std::fma(p, r, 5.0000001201e-1f);
   const float y = std::fma(p * r, r, r) + 1.0f;
-  // 2^n as two normal factors, so that results in the subnormal range are still right.
+  // n is in [-126, 128]; 2^n is one normal float except at n = 128, which moves a factor 2 into y.
   const int32_t ni = static_cast<int32_t>(n);
-  const int32_t half = ni / 2;
-  const float s1 = __builtin_bit_cast(float, (half + 127) << 23);
-  const float s2 = __builtin_bit_cast(float, (ni - half + 127) << 23);
-  const float result = y * s1 * s2;
+  const int32_t top = ni > 127;
+  const float result = (top ? y + y : y) * __builtin_bit_cast(float, (ni - top + 127) << 23);
   return x != x ? x : (x > 88.7228394f ? std::numeric_limits<float>::infinity()
                                         : (x < -87.3365448f ? 0.0f : result));
 }
