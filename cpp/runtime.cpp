@@ -194,8 +194,7 @@ at::Tensor dense(const float* data, at::IntArrayRef sizes) {
 
 // An engine tensor: dense row-major, or (channels_last) a 4-D [n, c, h, w] stored as [n, h, w, c].
 at::Tensor engine_tensor(const float* data, at::IntArrayRef sizes, bool channels_last) {
-  at::Tensor t = dense(data, sizes);
-  if (!channels_last) return t;
+  if (!channels_last) return dense(data, sizes);
   const std::array<int64_t, 4> strides = {sizes[1] * sizes[2] * sizes[3], 1, sizes[3] * sizes[1], sizes[1]};
   return at::from_blob(const_cast<float*>(data), sizes, strides, at::TensorOptions().dtype(at::kFloat));
 }

@@ -208,7 +208,12 @@ class Strided:
         return linear_index(idx, self.layout.strides, self.layout.offset)
 
 
-CHANNELS_LAST = (0, 2, 3, 1)   # the dims of [n, c, h, w] in the memory order of NHWC
+def channels_last_order(rank: int) -> tuple:
+    """The dims of [n, c, *spatial] in channels-last memory order (n, *spatial, c)."""
+    return (0, *range(2, rank), 1)
+
+
+CHANNELS_LAST = channels_last_order(4)   # NCHW dims in the memory order of NHWC
 
 
 def strides_in_order(shape, order) -> tuple:
@@ -223,6 +228,20 @@ def strides_in_order(shape, order) -> tuple:
 def same_strides(shape, a, b) -> bool:
     """Whether strides a and b address the same elements of `shape` (size-1 dims never move)."""
     return all(x == y for n, x, y in zip(shape, a, b) if n != 1)
+
+
+def _permuted(s: Strided, order) -> Strided:
+    """s with its dims in `order`: the same elements, indexed in that order."""
+    return Strided(s.buf, tuple(s.shape[d] for d in order),
+                   Layout(s.layout.offset, tuple(s.layout.strides[d] for d in order)))
+
+
+def _unpermuted(idx, order) -> list:
+    """Indices in the logical dim order from indices in `order` (the inverse of _permuted)."""
+    logical = [None] * len(order)
+    for position, d in enumerate(order):
+        logical[d] = idx[position]
+    return logical
 
 
 def memory_order(s: Strided) -> tuple:
@@ -662,15 +681,7 @@ class Emitter:
     def _in_memory_order(dest: Strided, value_fn, order):
         """dest with its dims permuted into memory order (so the loops run along memory, e.g. over
         channels innermost for a channels-last buffer), and value_fn taking indices in that order."""
-        permuted = Strided(dest.buf, tuple(dest.shape[d] for d in order),
-                           Layout(dest.layout.offset, tuple(dest.layout.strides[d] for d in order)))
-
-        def permuted_value(scope, idx):
-            logical = [None] * len(order)
-            for position, d in enumerate(order):
-                logical[d] = idx[position]
-            return value_fn(scope, logical)
-        return permuted, permuted_value
+        return _permuted(dest, order), lambda scope, idx: value_fn(scope, _unpermuted(idx, order))
 
     def _loop_kernel(self, comment, dest: Strided, value_fn, work_per_element, group) -> Kernel:
         """One loop kernel inside group's row loop: the loops over dest's dims past the rows."""
@@ -801,7 +812,7 @@ class Emitter:
             # order: channels for a channels-last output) and vectorizes; one reduction loop per
             # output element would run 4-9 scalar steps each.
             order = memory_order(dest)
-            dest, _ = self._in_memory_order(dest, None, order)
+            dest = _permuted(dest, order)
             rows = [p for p, n in enumerate(dest.shape) if n != 1][-1]
             self.emit_loop_kernel(comment + " (window form)", dest, None, work, rows=rows,
                                   make=lambda c, d, _, w, g: self._window_reduce_kernel(node, c, d, w, g, order))
@@ -825,9 +836,7 @@ class Emitter:
         shape, k = dest.shape, len(group.rows)
         inner = [p for p in range(k, len(shape)) if shape[p] != 1]
         idx = [f"i{p}" if n != 1 else "0" for p, n in enumerate(shape)]
-        logical = [None] * len(order)
-        for position, d in enumerate(order):
-            logical[d] = idx[position]
+        logical = _unpermuted(idx, order)
         axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
         window_vars = {a: self.fresh("r") for a in axes}
         target = f"{self.use(dest.buf, write=True)}[{dest.address(idx)}]"
@@ -1011,7 +1020,7 @@ class Emitter:
         channels-last buffer, or dense scratch."""
         dest = self._permuted_matmul_output(node, users.get(node, []))
         if dest is None and node in self.channels_last:
-            dest = self._store_in_order(node, (0, *range(2, node.rank), 1))
+            dest = self._store_in_order(node, channels_last_order(node.rank))
         if dest is None:
             if node not in self.buffers:
                 self.buffers[node] = self.new_scratch(node.dtype, node.shape).buf
@@ -1045,7 +1054,7 @@ class Emitter:
         if addend is not None:
             if addend not in self.buffers:   # not stored yet (computed later, e.g. a downsample)
                 return None
-            planned = (strides_in_order(conv.shape, (0, 2, 3, 1)) if user in self.channels_last
+            planned = (strides_in_order(conv.shape, CHANNELS_LAST) if user in self.channels_last
                        else contiguous_strides(conv.shape))
             stored = self.strided_of(addend)
             if stored.layout.offset != 0 or not same_strides(conv.shape, stored.layout.strides, planned):
