@@ -38,7 +38,11 @@ def capture_graph(model, example_inputs: tuple) -> torch.fx.GraphModule:
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch._dynamo.export's notice
-            gm, _guards = torch._dynamo.export(model, *example_inputs)
+            # Static shapes (engines are specialized to them anyway): dynamo's dim-constraint
+            # solver has nothing to do, and on some models (transformers' ResNet) it logs a
+            # page of sympy tracebacks while failing to print a constraint it never needed.
+            gm, _guards = torch._dynamo.export(model, *example_inputs, assume_static_by_default=True,
+                                               disable_constraint_solver=True)
     except Exception as err:  # dynamo's Unsupported / UserError name the break and its source line
         raise ExportError(f"blade.export needs one graph, but dynamo could not capture the model "
                           f"whole: {err}") from err
