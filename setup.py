@@ -22,6 +22,7 @@ RUNTIME_SOURCES = [
     "cpp/engine_state.cpp",
     "cpp/isa.cpp",
     "cpp/runtime.cpp",
+    "cpp/winograd.cpp",
     "cpp/shared_library.cpp",
     "cpp/tensor_spec.cpp",
 ]

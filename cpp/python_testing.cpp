@@ -94,6 +94,8 @@ void bind_testing(pybind11::module_& m) {
   m.def("conv", &conv, "Calls the runtime table's conv (out is written in place).", py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("groups"), py::arg("out"),
         py::arg("layout"), py::arg("pack"), py::arg("sum") = py::none(), py::arg("activation") = 0);
+  m.def("set_winograd_enabled", &set_winograd_enabled,
+        "Lets the runtime's conv use Winograd where it applies (default), or never.", py::arg("enabled"));
   m.def("parallel_for_chunks", &parallel_for_chunks,
         "The [begin, end) chunks the runtime's parallel_for hands out, sorted.", py::arg("begin"),
         py::arg("end"), py::arg("grain"));

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 #include "blade_abi.h"
@@ -16,6 +17,10 @@ namespace blade {
 // otherwise), convolution through oneDNN/ATen, loops on ATen's intra-op thread pool.
 const BladeRuntime* runtime();
 
+// Whether the runtime's conv may use Winograd (winograd.h) where it applies; on by default.
+// Process-wide: for tests and A/B measurements against oneDNN's direct convolution.
+void set_winograd_enabled(bool enabled);
+
 // Weights the runtime re-laid out once for a faster kernel (e.g. oneDNN's blocked convolution
 // weights), owned by one Engine and keyed by the constant's address and the call's arguments. The
 // runtime only packs operands that lie inside the engine's constants: those never change, while
@@ -24,6 +29,8 @@ class PackedWeights {
  public:
   using Key = std::vector<int64_t>;  // the operand's address first, then whatever shapes the packing
 
+  // Thread-safe: the runtime also registers buffers it derives from constants (a Winograd
+  // weight) while other threads look up.
   void add_constant(const void* data, size_t bytes);
   bool is_constant(const void* data) const;
   // The packed form under `key`, made by `pack` on first use.
@@ -31,6 +38,7 @@ class PackedWeights {
 
  private:
   std::vector<std::pair<uintptr_t, uintptr_t>> constant_ranges_;  // [begin, end) byte addresses
+  mutable std::shared_mutex ranges_mutex_;
   std::mutex mutex_;
   std::map<Key, at::Tensor> packed_;
 };

@@ -151,6 +151,17 @@ CASES = [
          "w2": np.random.default_rng(6).standard_normal((8, 8, 3, 3)).astype(f32),
          "b2": np.random.default_rng(7).standard_normal((8,)).astype(f32),
          "w3": np.random.default_rng(8).standard_normal((16, 8, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4),
+    # The same with >= 64 channels: the runtime computes the 3x3 convolutions with Winograd F(2x2, 3x3)
+    # (odd sizes: the edge tiles are partial; the first conv's sum epilogue, the second's bias + ReLU).
+    graph_case("conv-residual-block-winograd", [
+        node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]), node("Relu", ["c1"], ["r1"]),
+        node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]), node("Add", ["c2", "x"], ["s"]),
+        node("Relu", ["s"], ["r2"]), node("Conv", ["r2", "w3"], ["y"])],
+        {"x": ((1, 64, 9, 7), "float32")}, ["y", "r2"],
+        {"w1": (np.random.default_rng(11).standard_normal((64, 64, 3, 3)) / 24).astype(f32),
+         "b1": np.random.default_rng(12).standard_normal((64,)).astype(f32),
+         "w2": (np.random.default_rng(13).standard_normal((64, 64, 3, 3)) / 24).astype(f32),
+         "w3": np.random.default_rng(14).standard_normal((8, 64, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4),
     # A ResNet stem: the padded input and the window reduction of the pooling are channels-last too.
     graph_case("conv-maxpool-conv-channels-last", [
         node("Conv", ["x", "w1"], ["c1"], pads=[3, 3, 3, 3], strides=[2, 2]), node("Relu", ["c1"], ["r1"]),

@@ -131,3 +131,36 @@ def test_conv_epilogue(layout, pack, with_sum, activation):
     _testing.conv(x.contiguous(memory_format=memory_format), w, b, [1, 1], [1, 1, 1, 1], [1, 1], 1, out, layout,
                   pack, residual if with_sum else None, activation)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+# Winograd F(2x2, 3x3): the runtime's conv takes it for 3x3 stride-1 ungrouped convolutions with a
+# constant weight, channels-last in and out, and >= 64 channels each way. Checked against a float64
+# convolution on edge cases of its tiling (odd and tiny images, asymmetric pads, a batch) and its
+# epilogue; it must also actually differ from oneDNN's direct convolution (in rounding only),
+# or the dispatch never took it.
+@pytest.mark.parametrize("n, c_in, c_out, h, w, pads", [(1, 64, 64, 8, 8, [1, 1, 1, 1]), (2, 64, 96, 9, 7, [1, 1, 1, 1]),
+                                                         (1, 80, 64, 5, 6, [0, 1, 2, 0]), (1, 64, 64, 1, 1, [1, 1, 1, 1]),
+                                                         (1, 128, 64, 3, 3, [0, 0, 0, 0])])
+@pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 1)])
+def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activation):
+    torch.manual_seed(2)
+    x, weight = torch.randn(n, c_in, h, w), torch.randn(c_out, c_in, 3, 3) / (9 * c_in) ** 0.5
+    bias = torch.randn(c_out) if with_bias else None
+    padded = torch.nn.functional.pad(x, [pads[1], pads[3], pads[0], pads[2]]).double()
+    expected = torch.conv2d(padded, weight.double(), bias.double() if with_bias else None)
+    residual = torch.randn(expected.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
+    expected = expected + residual.double() if with_sum else expected
+    expected = expected.relu() if activation else expected
+    results = {}
+    try:
+        for winograd in (True, False):
+            _testing.set_winograd_enabled(winograd)
+            out = torch.full(expected.shape, float("nan")).contiguous(memory_format=torch.channels_last)
+            _testing.conv(x.contiguous(memory_format=torch.channels_last), weight, bias, [1, 1], pads, [1, 1], 1, out,
+                          3, True, residual, activation)
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+            results[winograd] = out
+    finally:
+        _testing.set_winograd_enabled(True)
+    assert not torch.equal(results[True], results[False])
+
