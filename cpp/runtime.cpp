@@ -269,19 +269,31 @@ std::optional<at::Tensor> packed_conv_weight(int32_t spatial, const float* weigh
 
 std::atomic<bool> winograd_enabled{true};
 
-// Winograd when it pays and is exact enough: 3x3, stride 1, no dilation or groups, channels-last
+// Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
 // in and out (the layout blade picks for convolutions that feed convolutions), a constant weight
-// (transformed once per engine), and at least kWinogradMinChannels channels each way: below that
-// the transforms cost more than the multiplies they save.
+// (transformed once per engine), at least kWinogradMinChannels channels each way (below that the
+// transforms cost more than the multiplies they save) and kWinogradMinTiles 2x2 output tiles: the
+// GEMMs stream a transformed weight 16/9 the size of the original, and with few tiles they are
+// bound by that stream (ResNet's 512-channel 7x7 stage, 16 tiles: no faster than oneDNN, measured
+// in one process; its 14x14 stage, 49 tiles: 0.2-0.4 ms faster per convolution).
 constexpr int64_t kWinogradMinChannels = 64;
+constexpr int64_t kWinogradMinTiles = 32;
 
-bool winograd_applies(int32_t spatial, const int64_t* weight_shape, const float* weight, const int64_t* strides,
-                      const int64_t* dilations, int64_t groups, int32_t layout) {
+std::optional<Conv3x3Shape> winograd_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
+                                           const float* weight, const int64_t* strides, const int64_t* pads,
+                                           const int64_t* dilations, int64_t groups, int32_t layout) {
   const int32_t channels_last = BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST;
-  return winograd_enabled.load(std::memory_order_relaxed) && spatial == 2 && layout == channels_last &&
-         groups == 1 && weight_shape[2] == 3 && weight_shape[3] == 3 && strides[0] == 1 && strides[1] == 1 &&
-         dilations[0] == 1 && dilations[1] == 1 && weight_shape[0] >= kWinogradMinChannels &&
-         weight_shape[1] >= kWinogradMinChannels && current_weights != nullptr && current_weights->is_constant(weight);
+  if (!winograd_enabled.load(std::memory_order_relaxed) || spatial != 2 || layout != channels_last || groups != 1 ||
+      weight_shape[2] != 3 || weight_shape[3] != 3 || strides[0] != 1 || strides[1] != 1 || dilations[0] != 1 ||
+      dilations[1] != 1 || weight_shape[0] < kWinogradMinChannels || weight_shape[1] < kWinogradMinChannels ||
+      current_weights == nullptr || !current_weights->is_constant(weight)) {
+    return std::nullopt;
+  }
+  const Conv3x3Shape shape{input_shape[0], input_shape[2], input_shape[3], weight_shape[1], weight_shape[0],
+                           pads[0], pads[1], input_shape[2] + pads[0] + pads[2] - 2,
+                           input_shape[3] + pads[1] + pads[3] - 2};
+  if (winograd_tiles(shape) < kWinogradMinTiles) return std::nullopt;
+  return shape;
 }
 
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
@@ -291,18 +303,16 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   TORCH_CHECK(activation == BLADE_ACTIVATION_NONE || activation == BLADE_ACTIVATION_RELU,
               "blade runtime: unknown convolution activation ", activation);
   TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
-  if (winograd_applies(spatial, weight_shape, weight, strides, dilations, groups, layout)) {
-    const Conv3x3Shape shape{input_shape[0], input_shape[2], input_shape[3], weight_shape[1], weight_shape[0],
-                             pads[0], pads[1], input_shape[2] + pads[0] + pads[2] - 2,
-                             input_shape[3] + pads[1] + pads[3] - 2};
+  if (const auto shape = winograd_shape(spatial, input_shape, weight_shape, weight, strides, pads, dilations, groups,
+                                       layout)) {
     PackedWeights* weights = current_weights;
     const at::Tensor u = weights->get({reinterpret_cast<int64_t>(weight), -1 /* winograd */}, [&] {
-      at::Tensor transformed = winograd_weight(weight, shape.out_channels, shape.in_channels);
+      at::Tensor transformed = winograd_weight(weight, shape->out_channels, shape->in_channels);
       weights->add_constant(transformed.const_data_ptr(), transformed.nbytes());  // so its GEMMs pack it
       return transformed;
     });
-    winograd_conv3x3(shape, input, u.const_data_ptr<float>(), bias, sum, activation == BLADE_ACTIVATION_RELU, output,
-                     weights);
+    winograd_conv3x3(*shape, input, u.const_data_ptr<float>(), bias, sum, activation == BLADE_ACTIVATION_RELU,
+                     output, weights);
     return;
   }
   const bool out_channels_last = (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0;

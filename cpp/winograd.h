@@ -21,6 +21,9 @@ struct Conv3x3Shape {
   int64_t out_h, out_w;
 };
 
+// The number of 2x2 output tiles (the M of its GEMMs).
+int64_t winograd_tiles(const Conv3x3Shape& shape);
+
 // weight [out_channels, in_channels, 3, 3] -> G w G^T as [16, in_channels, out_channels].
 at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in_channels);
 

@@ -157,7 +157,7 @@ CASES = [
         node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]), node("Relu", ["c1"], ["r1"]),
         node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]), node("Add", ["c2", "x"], ["s"]),
         node("Relu", ["s"], ["r2"]), node("Conv", ["r2", "w3"], ["y"])],
-        {"x": ((1, 64, 9, 7), "float32")}, ["y", "r2"],
+        {"x": ((2, 64, 9, 7), "float32")}, ["y", "r2"],
         {"w1": (np.random.default_rng(11).standard_normal((64, 64, 3, 3)) / 24).astype(f32),
          "b1": np.random.default_rng(12).standard_normal((64,)).astype(f32),
          "w2": (np.random.default_rng(13).standard_normal((64, 64, 3, 3)) / 24).astype(f32),

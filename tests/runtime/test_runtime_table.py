@@ -134,13 +134,13 @@ def test_conv_epilogue(layout, pack, with_sum, activation):
 
 
 # Winograd F(2x2, 3x3): the runtime's conv takes it for 3x3 stride-1 ungrouped convolutions with a
-# constant weight, channels-last in and out, and >= 64 channels each way. Checked against a float64
-# convolution on edge cases of its tiling (odd and tiny images, asymmetric pads, a batch) and its
-# epilogue; it must also actually differ from oneDNN's direct convolution (in rounding only),
-# or the dispatch never took it.
-@pytest.mark.parametrize("n, c_in, c_out, h, w, pads", [(1, 64, 64, 8, 8, [1, 1, 1, 1]), (2, 64, 96, 9, 7, [1, 1, 1, 1]),
-                                                         (1, 80, 64, 5, 6, [0, 1, 2, 0]), (1, 64, 64, 1, 1, [1, 1, 1, 1]),
-                                                         (1, 128, 64, 3, 3, [0, 0, 0, 0])])
+# constant weight, channels-last in and out, >= 64 channels each way and >= 32 output tiles.
+# Checked against a float64 convolution on edge cases of its tiling (odd and 1x1 images, asymmetric
+# pads, batches) and its epilogue; it must also actually differ from oneDNN's direct convolution
+# (in rounding only), or the dispatch never took it.
+@pytest.mark.parametrize("n, c_in, c_out, h, w, pads", [(1, 64, 64, 12, 12, [1, 1, 1, 1]), (2, 64, 96, 9, 7, [1, 1, 1, 1]),
+                                                         (1, 80, 64, 13, 11, [0, 1, 2, 0]), (32, 64, 64, 1, 1, [1, 1, 1, 1]),
+                                                         (40, 128, 64, 3, 3, [0, 0, 0, 0])])
 @pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 1)])
 def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activation):
     torch.manual_seed(2)
@@ -163,4 +163,21 @@ def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activati
     finally:
         _testing.set_winograd_enabled(True)
     assert not torch.equal(results[True], results[False])
+
+
+@pytest.mark.parametrize("n, c_in, h, w, pack", [(1, 64, 7, 7, True), (1, 32, 12, 12, True), (1, 64, 12, 12, False)])
+def test_conv_winograd_not_taken(n, c_in, h, w, pack):
+    """Few tiles (16 for 7x7), few channels or a weight that is no engine constant: oneDNN's conv."""
+    torch.manual_seed(3)
+    x, weight = torch.randn(n, c_in, h, w).contiguous(memory_format=torch.channels_last), torch.randn(64, c_in, 3, 3)
+    results = []
+    try:
+        for winograd in (True, False):
+            _testing.set_winograd_enabled(winograd)
+            out = torch.empty(n, 64, h, w).contiguous(memory_format=torch.channels_last)
+            _testing.conv(x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 1, out, 3, pack)
+            results.append(out)
+    finally:
+        _testing.set_winograd_enabled(True)
+    assert torch.equal(results[0], results[1])
 
