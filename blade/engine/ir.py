@@ -333,7 +333,9 @@ def _softmax(log):
         total = b.reduce("sum", exp, [axis])
         if log:
             return [b.ew("Sub", shifted, b.ew("Log", total))]
-        return [b.ew("Div", exp, total)]
+        # times 1 / total, like ATen's softmax kernels: one divide a row instead of a vector divide
+        # an element (bench/'s pointwise kernel, single-threaded: 2.34 -> 2.22 ns/element)
+        return [b.ew("Mul", exp, b.ew("Reciprocal", total))]
     return rule
 
 
