@@ -125,3 +125,34 @@ def test_concurrent_calls_share_engines(engines_built):
     for t in threads:
         t.join()
     assert not errors, errors[0]
+
+
+def test_concurrent_calls_winograd_convolutions():
+    """64-channel 3x3 convolutions between convolutions take the runtime's Winograd path (scratch
+    per calling thread, the transformed weight packed once under the engine's lock): concurrent
+    calls on one compiled model stay equal to eager."""
+    torch.manual_seed(0)
+    convs = [torch.nn.Conv2d(64, 64, 3, padding=1) for _ in range(3)]
+    model = torch.nn.Sequential(convs[0], torch.nn.ReLU(), convs[1], torch.nn.ReLU(), convs[2]).eval()
+    inputs = [torch.randn(1, 64, 12, 11) for _ in range(4)]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+        compiled = blade.compile_model(model, (inputs[0],))
+    assert compiled.report.clusters and all(c.status == "compiled" for c in compiled.report.clusters)
+    errors = []
+
+    def worker(i):
+        try:
+            with torch.no_grad():
+                for _ in range(20):
+                    out = compiled(inputs[i])
+                    assert_close(out[0] if isinstance(out, (tuple, list)) else out, expected[i])
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
