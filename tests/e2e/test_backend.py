@@ -101,6 +101,26 @@ def test_save_and_load_in_fresh_process(tmp_path):
     assert "ok" in result.stdout
 
 
+def assert_concurrent_calls_match(fn, inputs, expected, calls: int) -> None:
+    """fn(inputs[i]) == expected[i], `calls` times on each of len(inputs) threads at once."""
+    errors = []
+
+    def worker(i):
+        try:
+            with torch.no_grad():
+                for _ in range(calls):
+                    assert_close(fn(inputs[i]), expected[i])
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
 def test_concurrent_calls_share_engines(engines_built):
     model = _mlp()
     inputs = [torch.randn(4, 32) for _ in range(4)]
@@ -109,22 +129,7 @@ def test_concurrent_calls_share_engines(engines_built):
         expected = [model(x) for x in inputs]
         compiled(inputs[0])  # compile once, before the threads start
     assert engines_built() >= 1
-    errors = []
-
-    def worker(i):
-        try:
-            with torch.no_grad():
-                for _ in range(50):
-                    assert_close(compiled(inputs[i]), expected[i])
-        except Exception as err:  # noqa: BLE001
-            errors.append(err)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    assert_concurrent_calls_match(compiled, inputs, expected, calls=50)
 
 
 def test_concurrent_calls_winograd_convolutions():
@@ -139,20 +144,4 @@ def test_concurrent_calls_winograd_convolutions():
         expected = [model(x) for x in inputs]
         compiled = blade.compile_model(model, (inputs[0],))
     assert compiled.report.clusters and all(c.status == "compiled" for c in compiled.report.clusters)
-    errors = []
-
-    def worker(i):
-        try:
-            with torch.no_grad():
-                for _ in range(20):
-                    out = compiled(inputs[i])
-                    assert_close(out[0] if isinstance(out, (tuple, list)) else out, expected[i])
-        except Exception as err:  # noqa: BLE001
-            errors.append(err)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    assert_concurrent_calls_match(lambda x: compiled(x)[0], inputs, expected, calls=20)
