@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <vector>
 
-#include "runtime.h"
-
 namespace blade {
 namespace {
 

@@ -1218,8 +1218,8 @@ inline float blade_expf(float x) {
 
 // 1 / y for y in [1, 2^126], relative error < 2^-23: an integer-trick estimate (error < 1/8)
 // and three Newton steps (each squares the error), 7 FMA-port instructions instead of a divide.
-// A vector divide's latency (~20 cycles with AVX-512) dominated exact-GELU and sigmoid loops
-// (perf annotate of bench/'s pointwise model). Only for the known ranges below, not for Div.
+// A vector divide's latency (~20 cycles with AVX-512) dominated sigmoid loops (perf annotate of
+// bench/'s pointwise model). Only for the known ranges of sigmoid and tanh below, not for Div.
 // NaN propagates through the Newton steps.
 inline float blade_recipf(float y) {
   float r = __builtin_bit_cast(float, 0x7EF311C3 - __builtin_bit_cast(int32_t, y));

@@ -133,6 +133,21 @@ def test_conv_epilogue(layout, pack, with_sum, activation):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, residual=None, activation=0):
+    """The runtime's stride-1 channels-last conv, run once letting it take Winograd and once not."""
+    outputs = []
+    try:
+        for winograd in (True, False):
+            _testing.set_winograd_enabled(winograd)
+            out = torch.full(out_shape, float("nan")).contiguous(memory_format=torch.channels_last)
+            _testing.conv(x.contiguous(memory_format=torch.channels_last), weight, bias, [1, 1], pads, [1, 1], 1, out,
+                          3, pack, residual, activation)
+            outputs.append(out)
+    finally:
+        _testing.set_winograd_enabled(True)
+    return outputs
+
+
 # Winograd F(2x2, 3x3): the runtime's conv takes it for 3x3 stride-1 ungrouped convolutions with a
 # constant weight, channels-last in and out, >= 64 channels each way and >= 32 output tiles.
 # Checked against a float64 convolution on edge cases of its tiling (odd and 1x1 images, asymmetric
@@ -151,33 +166,18 @@ def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activati
     residual = torch.randn(expected.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
     expected = expected + residual.double() if with_sum else expected
     expected = expected.relu() if activation else expected
-    results = {}
-    try:
-        for winograd in (True, False):
-            _testing.set_winograd_enabled(winograd)
-            out = torch.full(expected.shape, float("nan")).contiguous(memory_format=torch.channels_last)
-            _testing.conv(x.contiguous(memory_format=torch.channels_last), weight, bias, [1, 1], pads, [1, 1], 1, out,
-                          3, True, residual, activation)
-            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-            results[winograd] = out
-    finally:
-        _testing.set_winograd_enabled(True)
-    assert not torch.equal(results[True], results[False])
+    with_winograd, without = conv_with_and_without_winograd(x, weight, bias, pads, expected.shape, True, residual,
+                                                            activation)
+    for out in (with_winograd, without):
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(with_winograd, without)
 
 
 @pytest.mark.parametrize("n, c_in, h, w, pack", [(1, 64, 7, 7, True), (1, 32, 12, 12, True), (1, 64, 12, 12, False)])
 def test_conv_winograd_not_taken(n, c_in, h, w, pack):
     """Few tiles (16 for 7x7), few channels or a weight that is no engine constant: oneDNN's conv."""
     torch.manual_seed(3)
-    x, weight = torch.randn(n, c_in, h, w).contiguous(memory_format=torch.channels_last), torch.randn(64, c_in, 3, 3)
-    results = []
-    try:
-        for winograd in (True, False):
-            _testing.set_winograd_enabled(winograd)
-            out = torch.empty(n, 64, h, w).contiguous(memory_format=torch.channels_last)
-            _testing.conv(x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 1, out, 3, pack)
-            results.append(out)
-    finally:
-        _testing.set_winograd_enabled(True)
-    assert torch.equal(results[0], results[1])
+    x, weight = torch.randn(n, c_in, h, w), torch.randn(64, c_in, 3, 3)
+    with_winograd, without = conv_with_and_without_winograd(x, weight, None, [1, 1, 1, 1], (n, 64, h, w), pack)
+    assert torch.equal(with_winograd, without)
 
