@@ -128,7 +128,8 @@ CODE_FOR_OP = {
     "Cos": _float32_or_std("cos"),
     "Max": lambda t, a, b: f"({a} != {a} || {a} > {b}) ? {a} : {b}",   # NaN wins, like torch
     "Min": lambda t, a, b: f"({a} != {a} || {a} < {b}) ? {a} : {b}",
-    "Where": lambda t, c, a, b: f"{c} ? {a} : {b}",
+    # bool branches as bit operations: g++ does not vectorize a ?: select of bools
+    "Where": lambda t, c, a, b: f"({c} & {a}) | (!{c} & {b})" if t.dtype == "bool" else f"{c} ? {a} : {b}",
     "Equal": lambda t, a, b: f"{a} == {b}",
     "Less": lambda t, a, b: f"{a} < {b}",
     "LessOrEqual": lambda t, a, b: f"{a} <= {b}",
@@ -137,7 +138,9 @@ CODE_FOR_OP = {
     "Not": lambda t, a: f"!{a}",
     "And": lambda t, a, b: f"{a} && {b}",
     "Or": lambda t, a, b: f"{a} || {b}",
-    "Cast": lambda t, a: f"{a} != 0" if t.dtype == "bool" else f"static_cast<{t}>({a})",
+    # +a: a bool operand is promoted to int first (g++ does not vectorize bool -> float conversions;
+    # every other operand type is unchanged by the unary +)
+    "Cast": lambda t, a: f"{a} != 0" if t.dtype == "bool" else f"static_cast<{t}>(+{a})",
 }
 assert CODE_FOR_OP.keys() == ELEMENTWISE.keys(), "ir.ELEMENTWISE and CODE_FOR_OP must list the same ops"
 
