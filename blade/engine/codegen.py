@@ -126,8 +126,9 @@ CODE_FOR_OP = {
     "Ceil": _call("std::ceil"),
     "Sin": _float32_or_std("sin"),
     "Cos": _float32_or_std("cos"),
-    "Max": lambda t, a, b: f"({a} != {a} || {a} > {b}) ? {a} : {b}",   # NaN wins, like torch
-    "Min": lambda t, a, b: f"({a} != {a} || {a} < {b}) ? {a} : {b}",
+    # NaN wins and a tie (-0 vs +0) gives the first operand, like torch's maximum/minimum/clamp
+    "Max": lambda t, a, b: f"({a} != {a} || {a} >= {b}) ? {a} : {b}",
+    "Min": lambda t, a, b: f"({a} != {a} || {a} <= {b}) ? {a} : {b}",
     # bool branches as bit operations: g++ does not vectorize a ?: select of bools
     "Where": lambda t, c, a, b: f"({c} & {a}) | (!{c} & {b})" if t.dtype == "bool" else f"{c} ? {a} : {b}",
     "Equal": lambda t, a, b: f"{a} == {b}",
@@ -1257,7 +1258,8 @@ inline float blade_tanhf(float x) {
   p = std::fma(p, z, -3.33332819422e-1f);
   const float small = std::fma(p * z, x, x);
   const float large = 1.0f - 2.0f * blade_recipf(blade_exp_inrange(2.0f * (ax < 9.1f ? ax : 9.1f)) + 1.0f);
-  return ax < 0.625f || x != x ? small : std::copysign(large, x);
+  // x's sign on both (small is +0 for x = -0: -0 * -0 + -0 = +0)
+  return x != x ? x : std::copysign(ax < 0.625f ? small : large, x);
 }
 
 // erf: x * S(x^2) for |x| < 0.875; 1 - e^P(|x|) up to |x| = 4, with P a fit of log(erfc) (beyond
