@@ -962,12 +962,14 @@ def _var_std(ctx: LowerCtx, node):
         correction = int(ctx.const(named["unbiased"])) if "unbiased" in named else 1
     keepdim = bool(ctx.const(named["keepdim"])) if "keepdim" in named else False
     count = int(np.prod([shape[a] for a in axes]))
-    xs = ctx.as_dtype(x, dtype)
+    # in float64, as torch accumulates: float32 squares of deviations above 1.8e19 would overflow
+    f64 = np.dtype("float64")
+    xs = ctx.as_dtype(x, f64)
     mean = ctx.b.op("ReduceMean", [xs, ctx.b.ints(axes)], keepdims=1)
     centered = ctx.b.op("Sub", [xs, mean])
     total = ctx.b.op("ReduceSum", [ctx.b.op("Mul", [centered, centered]), ctx.b.ints(axes)], keepdims=int(keepdim))
-    var = ctx.b.op("Div", [total, ctx.scalar(max(count - correction, 0), dtype)])
-    return [ctx.b.op("Sqrt", [var]) if node.kind() == "aten::std" else var]
+    var = ctx.b.op("Div", [total, ctx.scalar(max(count - correction, 0), f64)])
+    return [ctx.cast(ctx.b.op("Sqrt", [var]) if node.kind() == "aten::std" else var, f64, dtype)]
 
 
 def _norm(ctx: LowerCtx, node):
@@ -1001,8 +1003,9 @@ def _logsumexp(ctx: LowerCtx, node):
     axes = _dims_to_axes(ctx.const(dims), len(ctx.shape(x)))
     xs = ctx.as_dtype(x, _out_dtype(node))
     peak = ctx.b.op("ReduceMax", [xs, ctx.b.ints(axes)], keepdims=1)
-    # an all -inf slice has peak -inf: shift by 0 there so that the result is -inf, not NaN
-    safe = ctx.b.op("Where", [ctx.b.op("Equal", [peak, ctx.scalar(-np.inf, _out_dtype(node))]),
+    # an infinite peak (an all -inf slice, or a +inf element) shifts by 0 instead, as torch does:
+    # -inf - -inf and inf - inf would be NaN where the result is -inf or inf
+    safe = ctx.b.op("Where", [ctx.b.op("Equal", [ctx.b.op("Abs", [peak]), ctx.scalar(np.inf, _out_dtype(node))]),
                               ctx.scalar(0, _out_dtype(node)), peak])
     total = ctx.b.op("ReduceSum", [ctx.b.op("Exp", [ctx.b.op("Sub", [xs, safe])]), ctx.b.ints(axes)], keepdims=1)
     out = ctx.b.op("Add", [ctx.b.op("Log", [total]), safe])

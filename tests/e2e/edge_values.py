@@ -125,7 +125,9 @@ def _auto_call(kind: str) -> list:
     if factory in ("binary", "compare"):
         return [Call("binary", lambda x, y: op(x, y))]
     if factory == "reduce":
-        return [Call("reduction", lambda x: op(x, 1)), Call("reduction", lambda x: op(x))]
+        # along the rows (a vector loop), across them (the window form: 10 rows, 4099 long) and all
+        return [Call("reduction", lambda x: op(x, 1)), Call("reduction", lambda x: op(x, 0)),
+                Call("reduction", lambda x: op(x))]
     return []
 
 
