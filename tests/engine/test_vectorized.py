@@ -7,6 +7,8 @@ compile); each node is an output, so each gets its own loop, named by its kernel
 """
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 from onnx import helper
@@ -110,6 +112,10 @@ def test_fused_user_chain_with_log_vectorizes(tmp_path):
     assert "blade_logf(" in body and "std::log" not in body
     scalar = [f"line {loop.lines[0]} of {loop.kernel}" for loop in loops if not loop.vectorized]
     assert scalar == [], f"scalar loops in the fused chain: {scalar}"
+    imported = subprocess.run(["nm", "-D", "--undefined-only", str(tmp_path / "chain" / "engine.so")],
+                              capture_output=True, text=True, check=True).stdout
+    libm = {"expf", "logf", "tanhf", "erff", "sinf", "cosf", "powf"}
+    assert libm.isdisjoint(word.split("@")[0] for word in imported.split()), f"libm calls in the engine:\n{imported}"
 
 
 def test_report_parsing_sees_a_scalar_loop(tmp_path):
