@@ -1334,9 +1334,16 @@ inline uint32_t blade_two_over_pi_word(int32_t i) {
   return word;
 }
 
-inline uint64_t blade_window_word(int32_t word, int32_t shift) {   // 32 bits of 2/pi from bit 32 word + shift
+inline uint32_t blade_window_word(int32_t word, int32_t shift) {   // 32 bits of 2/pi from bit 32 word + shift
   const uint64_t pair = (uint64_t(blade_two_over_pi_word(word)) << 32) | blade_two_over_pi_word(word + 1);
-  return ((pair << shift) >> 32) & 0xffffffffu;
+  return static_cast<uint32_t>((pair << shift) >> 32);
+}
+
+// An integer below 2^62 as a double, through 31-bit pieces: AVX2 converts only int32 to double
+// (int64 conversions are AVX-512), and the loops should vectorize on both.
+inline double blade_u62_to_double(uint64_t v) {
+  return static_cast<double>(static_cast<int32_t>(v >> 31)) * 2147483648.0 +
+         static_cast<double>(static_cast<int32_t>(v & 0x7fffffffu));
 }
 
 inline BladeReduced blade_reduce_pi_over_2(float ax) {
@@ -1346,23 +1353,23 @@ inline BladeReduced blade_reduce_pi_over_2(float ax) {
   double r = std::fma(-n, 1.5707963267948966, xd);
   r = std::fma(-n, 6.123233995736766e-17, r);
   r = std::fma(-n, -1.4973849048591698e-33, r);
-  const int32_t small_quadrant = static_cast<int32_t>(static_cast<int64_t>(n) & 3);
+  const int32_t small_quadrant = static_cast<int32_t>(n) & 3;   // n < 2^24
   // Payne-Hanek (only meaningful for ax >= 2^24: the bit offset k - 1 is then >= 0)
   const int32_t bits = __builtin_bit_cast(int32_t, ax);
   const int32_t offset = ((bits >> 23) & 255) - 151 < 0 ? 0 : ((bits >> 23) & 255) - 151;
-  const uint64_t m = static_cast<uint64_t>((bits & 0x007fffff) | 0x00800000);
+  const uint32_t m = static_cast<uint32_t>((bits & 0x007fffff) | 0x00800000);
   const int32_t word = offset >> 5, shift = offset & 31;
-  const uint64_t p0 = m * blade_window_word(word, shift);
-  const uint64_t p1 = m * blade_window_word(word + 1, shift);
-  const uint64_t p2 = m * blade_window_word(word + 2, shift);
+  const uint64_t p0 = uint64_t(m) * blade_window_word(word, shift);   // 32 x 32 -> 64-bit multiplies
+  const uint64_t p1 = uint64_t(m) * blade_window_word(word + 1, shift);
+  const uint64_t p2 = uint64_t(m) * blade_window_word(word + 2, shift);
   const uint64_t lo = p2 + (p1 << 32);
   const uint64_t hi = p0 + (p1 >> 32) + (lo < p2 ? 1u : 0u);
   // product = hi 2^64 + lo; ax 2/pi mod 4 = product / 2^94: quadrant bits 94-95, fraction below.
   const bool upper_half = (hi >> 29) & 1;   // fraction >= 1/2: take the next quadrant, r < 0
   const uint64_t frac_hi = (upper_half ? ~hi + (lo == 0 ? 1u : 0u) : hi) & 0x3fffffffu;
   const uint64_t frac_lo = upper_half ? ~lo + 1 : lo;
-  const double frac = static_cast<double>(frac_hi) * 9.313225746154785e-10 +      // 2^-30
-                      static_cast<double>(frac_lo) * 5.048709793414476e-29;       // 2^-94
+  const double frac = static_cast<double>(static_cast<int32_t>(frac_hi)) * 9.313225746154785e-10 +   // 2^-30
+                      blade_u62_to_double(frac_lo >> 2) * 2.0194839173657902e-28;                  // 2^-92
   const double big_r = (upper_half ? -frac : frac) * 1.5707963267948966;
   const int32_t big_quadrant = static_cast<int32_t>(((hi >> 30) + (upper_half ? 1u : 0u)) & 3);
   return {small ? r : big_r, small ? small_quadrant : big_quadrant};
@@ -1414,14 +1421,17 @@ inline float blade_cosf(float x) {
   return ax <= 3.40282347e+38f ? r : x - x;
 }
 
-// pow in double: log|x| to ~2^-45 (x = 2^e m, m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s),
+// pow in double: log|x| to ~2^-45 (x = 2^e m, m in [sqrt(1/2), sqrt(2)) split in float32 bits as
+// blade_logf does, so no int64 <-> double conversion (AVX-512 only) is needed; log m = 2 atanh(s),
 // s = (m - 1) / (m + 1), |s| <= 0.172, Taylor to s^15) times y, then e^t to ~2^-45 (t = n ln2 + r,
 // Taylor to r^11), rounded to float once (overflow to inf and underflow through the subnormals as
 // the conversion rounds them). The special cases of C's pow (and torch's) are selects at the end.
-inline double blade_log_d(double x) {   // x > 0, finite, normal as a double (every float is)
-  const int64_t from_sqrt_half = __builtin_bit_cast(int64_t, x) - 0x3fe6a09e667f3bcdLL;
-  const double e = static_cast<double>(from_sqrt_half >> 52);
-  const double m = __builtin_bit_cast(double, (from_sqrt_half & 0x000fffffffffffffLL) + 0x3fe6a09e667f3bcdLL);
+inline double blade_log_d(float x) {   // x > 0, finite
+  const bool subnormal = x < 1.17549435e-38f;
+  const float scaled = subnormal ? x * 8388608.0f : x;
+  const int32_t from_sqrt_half = __builtin_bit_cast(int32_t, scaled) - 0x3f3504f3;
+  const double e = static_cast<double>((from_sqrt_half >> 23) - (subnormal ? 23 : 0));
+  const double m = __builtin_bit_cast(float, (from_sqrt_half & 0x007fffff) + 0x3f3504f3);
   const double s = (m - 1.0) / (m + 1.0);
   const double z = s * s;
   double p = 1.0 / 15;
@@ -1449,13 +1459,13 @@ inline double blade_exp_d(double t) {   // t in [-300, 300]
   p = std::fma(p, r, 0.5);
   p = std::fma(p, r, 1.0);
   p = std::fma(p, r, 1.0);
-  return p * __builtin_bit_cast(double, (static_cast<int64_t>(n) + 1023) << 52);
+  return p * __builtin_bit_cast(double, (static_cast<int64_t>(static_cast<int32_t>(n)) + 1023) << 52);
 }
 
 inline float blade_powf(float x, float y) {
   const float ax = std::fabs(x);
   const bool finite_nonzero = ax > 0.0f && ax <= 3.40282347e+38f;
-  const double log_ax = blade_log_d(finite_nonzero ? static_cast<double>(ax) : 1.0);
+  const double log_ax = blade_log_d(finite_nonzero ? ax : 1.0f);
   const double t = static_cast<double>(y) * log_ax;
   const double bounded = t >= -300.0 ? (t <= 300.0 ? t : 300.0) : -300.0;   // NaN too: it is selected away below
   float r = static_cast<float>(blade_exp_d(bounded));

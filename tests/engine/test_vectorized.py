@@ -118,6 +118,17 @@ def test_fused_user_chain_with_log_vectorizes(tmp_path):
     assert libm.isdisjoint(word.split("@")[0] for word in imported.split()), f"libm calls in the engine:\n{imported}"
 
 
+def test_prelude_functions_vectorize_with_avx2_too(tmp_path):
+    """The float32 transcendentals avoid AVX-512-only conversions (int64 <-> double), so engines
+    built for x86-64-v3 (target_isa) vectorize them as well."""
+    ops = ("Exp", "Log", "Tanh", "Sigmoid", "Erf", "Sin", "Cos")
+    nodes = [node(op, ["x"], [op]) for op in ops] + [node("Pow", ["x", "y"], ["Pow"])]
+    case = graph_case("prelude-v3", nodes, {"x": (SHAPE, "float32"), "y": (SHAPE, "float32")}, [*ops, "Pow"])
+    loops = compile_with_report(case.model, tmp_path / "v3", isa="x86-64-v3")
+    assert len(loops) == len(ops) + 1
+    assert [loop.kernel for loop in loops if not loop.vectorized] == []
+
+
 def test_report_parsing_sees_a_scalar_loop(tmp_path):
     """The check can fail: a float64 exp (a libm call) is reported scalar."""
     case = graph_case("exp-f64", [node("Exp", ["x"], ["y"])], {"x": (SHAPE, "float64")}, ["y"])

@@ -41,9 +41,9 @@ def innermost_loops(source: str) -> list[tuple[tuple, str]]:
     return found
 
 
-def compile_with_report(model, out_dir: Path) -> list[Loop]:
+def compile_with_report(model, out_dir: Path, isa: str = "native") -> list[Loop]:
     """Compiles model with the engine's own command plus -fopt-info-vec-optimized; its innermost loops."""
-    compile_onnx(model, out_dir, {"extra_flags": ["-fopt-info-vec-optimized"]})
+    compile_onnx(model, out_dir, {"isa": isa, "extra_flags": ["-fopt-info-vec-optimized"]})
     source = (out_dir / "engine.cpp").read_text()
     done = {int(n) for n in VECTORIZED.findall((out_dir / "compile.log").read_text())}
     return [Loop(lines, kernel, bool(done & set(lines))) for lines, kernel in innermost_loops(source)]
