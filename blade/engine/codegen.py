@@ -1187,7 +1187,9 @@ namespace {
 // etc. are library calls it cannot vectorize without -ffast-math). With 512-bit vectors only two
 // ports execute vector instructions, so these loops are bound by instruction count: every select
 // and clamp costs as much as an FMA, and the helpers below skip the range handling their callers'
-// known argument ranges make unnecessary.
+// known argument ranges make unnecessary. Their accuracy (max ulp vs double libm) is the table in
+// README "Numerics": bench/ulp_table.py measures it, tests/engine/test_ulp.py holds them to it, and
+// tests/engine/test_vectorized.py checks that each op's loop vectorizes.
 
 // e^(c - n ln2) for |c - n ln2| <= ln2 / 2 (Cephes coefficients, ~1 ulp).
 inline float blade_exp_reduced(float c, float n) {
