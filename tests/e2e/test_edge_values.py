@@ -135,3 +135,13 @@ def test_edge_values(family, dtype, variant):
     assert not unexpected, "differences from eager:\n" + "\n".join(f"{k}: {v}" for k, v in sorted(unexpected.items()))
     fixed = sorted(expected - set(failures))
     assert not fixed, f"these now match eager, remove them from XFAIL: {fixed}"
+
+
+def test_float64_floor_division_is_refused_with_its_reason():
+    """Exact only through a wider type (float32 uses float64): torch gives 1.0 // 0.1 = 9."""
+    x, y = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64), torch.full((3,), 0.1, dtype=torch.float64)
+    capture = Capture(min_cluster_size=1)
+    with torch.no_grad():
+        out = torch.compile(lambda a, b: torch.div(a, b, rounding_mode="floor") * 2, backend=capture)(x, y)
+    assert out.tolist() == [18.0, 8.0, 38.0]
+    assert any(kind == "aten::div" and "float64" in reason for kind, reason in capture.report.left_out)
