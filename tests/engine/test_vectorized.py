@@ -43,6 +43,9 @@ SCALAR = {
     **{(op, "float64"): LIBM for op in ("Pow", "Sigmoid", "Tanh", "Exp", "Log", "Erf", "Sin", "Cos")},
 }
 SHAPE = (2, 1027)     # two rows (the parallel loop), each a vector body and a scalar tail
+# Nothing here runs the engines, so the ISA is fixed (not the host's): the same loops vectorize on
+# every machine the tests run on. (AVX2 lacks int64 <-> float conversions and 64-bit multiplies.)
+ISA = "x86-64-v4"
 
 
 def _nodes():
@@ -63,7 +66,7 @@ def loops_by_op(tmp_path_factory):
     labelled = list(_nodes())
     inputs = {f"{p}_{dtype}": (SHAPE, dtype) for dtype in ALL for p in "ab"} | {"c": (SHAPE, "bool")}
     case = graph_case("every-elementwise-op", [n for _, n in labelled], inputs, [label for label, _ in labelled])
-    loops = compile_with_report(case.model, tmp_path_factory.mktemp("vectorized") / "ops")
+    loops = compile_with_report(case.model, tmp_path_factory.mktemp("vectorized") / "ops", ISA)
     graph = ir.lower_onnx(case.model)
     label_of_node = {node.name: label for label, node in graph.outputs}
     by_op = {}
@@ -106,7 +109,7 @@ def test_fused_user_chain_with_log_vectorizes(tmp_path):
     inits = {"w": rng.standard_normal(width).astype(np.float32), "b": rng.standard_normal(width).astype(np.float32),
              "lo": np.array(-1.0, np.float32), "hi": np.array(1.0, np.float32)}
     case = graph_case("user-chain", chain, {"x": ((64, width), "float32")}, ["y"], inits)
-    loops = compile_with_report(case.model, tmp_path / "chain")
+    loops = compile_with_report(case.model, tmp_path / "chain", ISA)
     body = (tmp_path / "chain" / "engine.cpp").read_text().split("blade_engine_run")[1]
     assert loops and body.count("parallel_for(") == 1, "the chain should fuse into one row loop"
     assert "blade_logf(" in body and "std::log" not in body
@@ -132,5 +135,5 @@ def test_prelude_functions_vectorize_with_avx2_too(tmp_path):
 def test_report_parsing_sees_a_scalar_loop(tmp_path):
     """The check can fail: a float64 exp (a libm call) is reported scalar."""
     case = graph_case("exp-f64", [node("Exp", ["x"], ["y"])], {"x": (SHAPE, "float64")}, ["y"])
-    loops = compile_with_report(case.model, tmp_path / "exp64")
+    loops = compile_with_report(case.model, tmp_path / "exp64", ISA)
     assert loops and not any(loop.vectorized for loop in loops)
