@@ -36,12 +36,12 @@ XFAIL = {
 ZERO_SIGN_BY_POSITION = {"aten::maximum#0", "aten::minimum#0", "aten::max#1", "aten::min#1", "aten::clamp#1"}
 # Also not compared: which zero a max/min reduction of a row holding -0 and +0 returns (its
 # reduction order decides), and the zeros normalizations compute as x - mean of a constant row.
-ZERO_SIGN_BY_ORDER = {"aten::amax#0", "aten::amin#0", "aten::amax#2", "aten::amin#2", "aten::max#0", "aten::min#0", "aten::layer_norm#0",
-                      "aten::group_norm#0", "aten::instance_norm#0"}
+ZERO_SIGN_BY_ORDER = {"aten::amax#0", "aten::amin#0", "aten::amax#2", "aten::amin#2", "aten::max#0", "aten::min#0",
+                      "aten::layer_norm#0", "aten::group_norm#0", "aten::instance_norm#0"}
 # label -> (reduction input rows not compared, why). Rows 5 and 8 hold FLT_MAX and 1e38: eager's
 # norms compute moments in float32 with Welford updates (row 8 all 1e38: 0; row 5: a variance of
 # inf, so 0 instead of the true -0.0156), the engine as a sum (mean inf: NaN). Neither is the true
-# value for row 5; the engine keeps float32 moments for speed (var/std, cheap, use float64).
+# value for row 5; the norms keep float32 moments for speed (var/std, rarely hot, use float64).
 HUGE_NORM_ROWS = "moments overflowing float32 (|x| >= 1e38): eager float32 Welford vs engine sums"
 ROWS_NOT_COMPARED = {"aten::layer_norm#0": ([5, 8], HUGE_NORM_ROWS), "aten::instance_norm#0": ([5, 8], HUGE_NORM_ROWS),
                      "aten::group_norm#0": ([5, 6, 7, 8, 9], HUGE_NORM_ROWS + " (rows 5-9 are one group)")}
