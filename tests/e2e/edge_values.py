@@ -91,7 +91,8 @@ def reduction_inputs(dtype, seed=0) -> list:
         info = torch.iinfo(dtype)
         x[1, -1], x[2, 5], x[3] = info.max, info.min, 0
         return [x]
-    x = (1 + 0.001 * torch.randn(ROWS, LENGTH, generator=generator)) * torch.sign(torch.randn(ROWS, LENGTH, generator=generator))
+    signs = torch.sign(torch.randn(ROWS, LENGTH, generator=generator))
+    x = (1 + 0.001 * torch.randn(ROWS, LENGTH, generator=generator)) * signs
     x[1, -2] = math.nan
     x[2, 7] = math.inf
     x[3, 100], x[3, -1] = math.inf, -math.inf

@@ -17,7 +17,8 @@ from onnx_cases import graph_case, run_case
 from blade.engine.compiler import compile_onnx
 
 # op -> (max ulp allowed, the float64 reference). Measured maxima (bench/ulp_table.py --stride 7,
-# README "Numerics"; log over all 2^32 inputs): exp 1.02, log 0.85, tanh 1.32, sigmoid 2.47, erf 2.31, sin 0.50, cos 0.50, pow 0.50.
+# README "Numerics"; log over all 2^32 inputs): exp 1.02, log 0.85, tanh 1.32, sigmoid 2.47, erf 2.31,
+# sin 0.50, cos 0.50, pow 0.50.
 CONTRACT = {
     "Exp": (1.5, np.exp),
     "Log": (1.0, np.log),
