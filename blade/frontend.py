@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import re
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx
+
+from blade.cluster.aliasing import written_attributes
 
 log = logging.getLogger("blade")
 
@@ -274,10 +275,10 @@ def _concat_shared_input_linears(graph: torch.Graph) -> None:
             node.destroy()
 
 
-def _prepare(scripted, inputs: list) -> torch.jit.ScriptModule:
+def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's own deprecation notice
-        frozen = torch.jit.freeze(scripted.eval(), optimize_numerics=False)
+        frozen = torch.jit.freeze(scripted.eval(), preserved_attrs=written, optimize_numerics=False)
     # torch's own folds of frozen affine ops into the preceding conv/linear (what freeze does with
     # optimize_numerics=True, the rest of which we do not want): a batch norm after a conv becomes
     # new conv weights and bias, instead of a per-channel multiply-add pass over every activation.
@@ -293,36 +294,37 @@ def _prepare(scripted, inputs: list) -> torch.jit.ScriptModule:
     return frozen
 
 
-def written_frozen_inputs(graph: torch.Graph) -> set:
-    """Positions of frozen inputs the graph writes: torch.jit.freeze folds every attribute except
-    those its alias analysis finds written (in-place ops, training-mode batch/instance norm), so
-    these are the frozen attributes still read with prim::GetAttr."""
-    pattern = re.compile(re.escape(FROZEN_PREFIX) + r"(\d+)$")
-    found = (pattern.match(node.s("name")) for node in graph.findAllNodes("prim::GetAttr"))
-    return {int(match.group(1)) for match in found if match}
-
-
 def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool = True) -> Frontend:
-    """Script (else trace) gm; frozen inputs the graph writes are converted again as runtime
-    inputs, so each call writes the caller's tensor (once) rather than a frozen copy."""
-    front = _convert(gm, example_inputs, freeze, frozenset())
-    written = written_frozen_inputs(front.graph)
-    return _convert(gm, example_inputs, freeze, written) if written else front
-
-
-def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, written) -> Frontend:
-    """A conversion counts only if the result runs on the example inputs. (Scripting can succeed
-    and still fail at run time, e.g. on ``torch.tensor([])``.)"""
-    fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze, written)
-    inputs = [example_inputs[i] for i in runtime_inputs]
+    """Script (else trace) gm; a conversion counts only if the result runs on the example inputs.
+    (Scripting can succeed and still fail at run time, e.g. on ``torch.tensor([])``.)"""
     errors = []
     for how, convert in CONVERTERS.items():
         try:
-            module = _prepare(convert(fx_module, inputs), inputs)
+            return _convert(gm, example_inputs, freeze, how, convert)
         except Exception as err:  # noqa: BLE001 - any failure: try the next converter
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             errors.append(f"{how}: {first_line}")
             log.info("torch.jit.%s of the FX graph failed: %s", how, first_line)
-            continue
-        return Frontend(module, runtime_inputs, inputs, how)
     raise FrontendError("could not convert the FX graph to TorchScript; " + "; ".join(errors))
+
+
+def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: str, convert) -> Frontend:
+    """Frozen inputs the graph writes are converted again as runtime inputs, so each call writes
+    the caller's tensor (once) rather than a frozen copy; other attributes it writes are kept
+    through freezing (which would fold a training-mode batch norm's running statistics)."""
+    fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
+    scripted = convert(fx_module, [example_inputs[i] for i in runtime_inputs])
+    written = _written_attributes(scripted)
+    lifted = {int(name[len(FROZEN_PREFIX):]) for name in written if name.startswith(FROZEN_PREFIX)}
+    if lifted:
+        fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze, lifted)
+        scripted = convert(fx_module, [example_inputs[i] for i in runtime_inputs])
+        written = _written_attributes(scripted)
+    inputs = [example_inputs[i] for i in runtime_inputs]
+    return Frontend(_prepare(scripted, inputs, sorted(written)), runtime_inputs, inputs, how)
+
+
+def _written_attributes(scripted) -> set:
+    graph = scripted.graph.copy()
+    torch._C._jit_pass_inline(graph)
+    return written_attributes(graph)
