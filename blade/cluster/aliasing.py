@@ -8,8 +8,8 @@ node must stay in TorchScript when storage is observable through it:
   - it is a view of a tensor that is written in place (the write goes through the view);
   - it produces, or is a view chain to, a value a storage-sensitive op reads (``as_strided`` reads
     the storage under a view, not the view's logical layout);
-  - it is a view chain from a graph input (or module state) to a graph output, which eager returns
-    as an alias of that input.
+  - it is a view chain from a graph input (or module state, or another output) to a graph output,
+    which eager returns as an alias of that input.
 """
 from __future__ import annotations
 
@@ -152,6 +152,17 @@ def _is_state(value: torch.Value) -> bool:
     return value.node().kind() in ("prim::Param", "prim::GetAttr")
 
 
+def _returned_aliases(sets: AliasSets, outputs: list) -> list:
+    """Graph outputs whose storage the caller can see shared: with a graph input or module state
+    (a view of an input, returned), or with another output (dynamo returns a view and its base
+    when it breaks the graph at an ``out=`` write through that view)."""
+    returned: dict = {}
+    for value in dict.fromkeys(outputs):
+        returned.setdefault(sets.find(value), []).append(value)
+    state_sets = {sets.find(v) for v in sets.parent if _is_state(v)}
+    return [v for root, values in returned.items() if len(values) > 1 or root in state_sets for v in values]
+
+
 def storage_bound_nodes(graph: torch.Graph, ops: list) -> dict:
     """Nodes that must stay in TorchScript because storage is observable through them, each with
     its reason (see the module docstring). Writers themselves are not listed: they are barriers."""
@@ -170,10 +181,8 @@ def storage_bound_nodes(graph: torch.Graph, ops: list) -> dict:
     mark(sets.members(written), "a view of a tensor that is written in place", views_only=True)
     read_raw = [v for node in ops if node.kind() in STORAGE_SENSITIVE_KINDS for v in list(node.inputs())[:1]]
     mark(sets.members(read_raw), "its storage is read by as_strided or a stride query", views_only=False)
-    outputs = _graph_outputs(graph)
-    output_sets = {sets.find(v) for v in outputs}
-    state = [v for v in sets.parent if _is_state(v) and sets.find(v) in output_sets]
-    mark(sets.members(state), "an output that aliases a graph input or module state", views_only=True)
+    mark(sets.members(_returned_aliases(sets, _graph_outputs(graph))),
+         "an output that aliases a graph input, module state or another output", views_only=True)
     return reasons
 
 
