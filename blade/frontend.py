@@ -98,7 +98,7 @@ def _trace(module: torch.fx.GraphModule, inputs: list):
         raise FrontendError("torch.jit.trace needs tensor inputs")
     # Tracing runs the graph: on copies of the inputs, and with the module's own state (which the
     # traced module must keep sharing with the model) put back afterwards.
-    with warnings.catch_warnings(), _state_restored(module):
+    with warnings.catch_warnings(), state_restored(module_state(module)):
         warnings.simplefilter("ignore")
         return torch.jit.trace(module, tuple(copied_tensors(inputs)), check_trace=False, strict=False)
 
@@ -117,17 +117,25 @@ def copied_tensors(values: list) -> list:
         if key not in storages:
             storages[key] = storage.clone()
         copied = torch.empty(0, dtype=value.dtype, device=value.device)
-        return copied.set_(storages[key], value.storage_offset(), value.size(), value.stride())
+        copied.set_(storages[key], value.storage_offset(), value.size(), value.stride())
+        return copied.requires_grad_(value.requires_grad)  # measured types carry it
 
     with torch.no_grad():
         return [copy_of(value) for value in values]
 
 
+def module_state(module) -> list:
+    """A module's parameters and buffers."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return list(module.parameters()) + list(module.buffers())
+
+
 @contextlib.contextmanager
-def _state_restored(module: torch.nn.Module):
-    """The module's parameters and buffers hold their bytes again on exit."""
+def state_restored(tensors):
+    """The tensors (a model's parameters and buffers, inputs) hold their bytes again on exit."""
     saved = {}
-    for tensor in list(module.parameters()) + list(module.buffers()):
+    for tensor in tensors:
         storage = tensor.untyped_storage()
         saved.setdefault(storage.data_ptr(), (storage, storage.clone()))
     try:

@@ -82,8 +82,10 @@ def aliased_inputs(node: torch.Node) -> list:
     """The inputs the node's outputs may share storage with (a view, an in-place op's result, an
     element taken out of a list)."""
     inputs = list(node.inputs())
-    if node.kind() in UNPACKING_KINDS or (node.kind() in ("prim::If", "prim::Loop")):
-        return inputs  # unknown without looking inside: assume the worst
+    if node.kind() in UNPACKING_KINDS:
+        return inputs
+    if list(node.blocks()):  # control flow returns whatever its blocks return: assume any of it
+        return inputs + [v for block in node.blocks() for v in block.returnNode().inputs()]
     schema = _schema(node)
     if schema is None:
         return []

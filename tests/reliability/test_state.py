@@ -320,3 +320,13 @@ def test_export_of_a_stateful_model_starts_from_the_original_state(tmp_path):
     assert_close(first, eager_first)     # the archive's counter went 0 -> 1 -> 2, as eager's did
     assert_close(second, eager_second)
     assert ENGINE_CALL in str(loaded.graph)
+
+
+def test_explain_names_the_writer_and_runs_the_model_once():
+    model = Counter()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        text = str(blade.explain(model, torch.randn(3, 4), min_cluster_size=1))
+    torch._dynamo.reset()
+    assert "aten::add_" in text and "mutates memory" in text
+    assert model.count.item() == 0.0  # explain reports; it leaves the model as it was
