@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from blade.cluster.aliasing import written_attributes
+from blade.cluster.aliasing import written_attributes, written_constants
 
 log = logging.getLogger("blade")
 
@@ -293,6 +293,10 @@ def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
     for fold in FROZEN_FOLDS:
         fold(frozen.graph)
     _clean(frozen.graph)
+    written = written_constants(frozen.graph)
+    if written:  # the graph then runs eagerly (tt_infer's fallback), which writes the model's own state
+        raise FrontendError(f"the graph writes {len(written)} tensor(s) that freezing turned into "
+                            f"constants: %{written[0].debugName()}")
     _concat_shared_input_linears(frozen.graph)  # after CSE: a projection used twice is one linear
     _assign_types(frozen, inputs)
     _specialize_sizes(frozen.graph)

@@ -197,3 +197,13 @@ def written_attributes(graph: torch.Graph) -> set:
     self_value = next(iter(graph.inputs()), None)
     return {v.node().s("name") for v in written
             if v.node().kind() == "prim::GetAttr" and v.node().inputsAt(0) is self_value}
+
+
+def written_constants(graph: torch.Graph) -> list:
+    """Constants the graph writes, directly or through a view: state that freezing folded although
+    it is written (e.g. a nested module's running statistics). Each call would write the constant
+    shared by every call and the compile's own runs."""
+    nodes = list(graph.nodes())
+    sets = AliasSets(nodes)
+    written = sets.members([v for node in nodes for v in written_inputs(node)])
+    return [v for v in written if v.node().kind() == "prim::Constant"]
