@@ -330,3 +330,26 @@ def test_explain_names_the_writer_and_runs_the_model_once():
     torch._dynamo.reset()
     assert "aten::add_" in text and "mutates memory" in text
     assert model.count.item() == 0.0  # explain reports; it leaves the model as it was
+
+
+class NestedStats(torch.nn.Module):
+    """Running statistics two modules down: freezing can only keep top-level attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.BatchNorm1d(4))
+
+    def forward(self, x):
+        bn = self.inner[0]
+        return F.batch_norm(x, bn.running_mean, bn.running_var, training=True).relu() * 2
+
+
+def test_written_state_that_freezing_would_fold_runs_eagerly_once():
+    eager, traced = NestedStats(), torch.fx.symbolic_trace(NestedStats())
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="constants"):
+        run = tt_infer(traced, [x], options={"min_cluster_size": 1})
+    with torch.no_grad():
+        assert_close(run(x), eager(x))
+    kept = dict(traced.named_buffers())  # symbolic_trace drops the unused num_batches_tracked
+    _same_tensors(kept, {k: v for k, v in eager.named_buffers() if k in kept}, "buffer")
