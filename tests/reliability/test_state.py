@@ -215,6 +215,22 @@ def test_functional_norms_with_running_stats():
     assert "writes" in reasons["aten::batch_norm"] and "writes" in reasons["aten::instance_norm"]
 
 
+class NormsOfInputs(torch.nn.Module):
+    """The OpInfo form: the running statistics are the call's own arguments."""
+
+    def forward(self, x, bn_mean, bn_var, in_mean, in_var):
+        a = F.batch_norm(x * 2, bn_mean, bn_var, training=True)
+        b = F.instance_norm(x + 1, in_mean, in_var, use_input_stats=True)
+        return a - b
+
+
+def test_norms_update_running_stats_passed_as_inputs():
+    def make(g, call):
+        return (torch.randn(2, 4, 5, generator=g), torch.zeros(4), torch.ones(4), torch.zeros(4), torch.ones(4))
+    recorder = run_against_eager(NormsOfInputs(), seeded(make), calls=(0, 1))
+    assert recorder.engine_calls() >= 1
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. as_strided reads the storage under a view, not the view's logical layout
 # ---------------------------------------------------------------------------------------------
