@@ -56,17 +56,14 @@ def capture_graph(model, example_inputs: tuple) -> torch.fx.GraphModule:
 def _tensor_attributes_kept(model):
     """torch._dynamo.export leaves a buffer the model writes (``self.count += 1``) rebound to the
     fake tensor it traced with; bind every buffer and parameter back to the model's own tensor."""
-    modules = dict(model.named_modules()) if isinstance(model, torch.nn.Module) else {}
-    before = {(name, attr): tensor for name, module in modules.items()
-              for attr, tensor in list(module._buffers.items()) + list(module._parameters.items())}
+    modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    before = [(slots, name, tensor) for module in modules
+              for slots in (module._buffers, module._parameters) for name, tensor in list(slots.items())]
     try:
         yield
     finally:
-        for (name, attr), tensor in before.items():
-            module = modules[name]
-            slots = module._buffers if attr in module._buffers else module._parameters
-            if slots.get(attr) is not tensor:
-                slots[attr] = tensor
+        for slots, name, tensor in before:
+            slots[name] = tensor
 
 
 def compile_model(model, example_inputs: tuple, config: Config | None = None) -> CompiledModule:

@@ -188,22 +188,22 @@ def storage_bound_nodes(graph: torch.Graph, ops: list) -> dict:
     return reasons
 
 
-def written_attributes(graph: torch.Graph) -> set:
-    """Names of the module attributes (read with prim::GetAttr on the graph's self) the graph writes,
-    directly or through a view. Inline the graph first so calls do not hide their writes."""
+def _written_values(graph: torch.Graph) -> set:
+    """Every value of the top-level block that the graph writes, directly or through a view."""
     nodes = list(graph.nodes())
-    sets = AliasSets(nodes)
-    written = sets.members([v for node in nodes for v in written_inputs(node)])
+    return AliasSets(nodes).members([v for node in nodes for v in written_inputs(node)])
+
+
+def written_attributes(graph: torch.Graph) -> set:
+    """Names of the module attributes (read with prim::GetAttr on the graph's self) the graph
+    writes. Inline the graph first so calls do not hide their writes."""
     self_value = next(iter(graph.inputs()), None)
-    return {v.node().s("name") for v in written
+    return {v.node().s("name") for v in _written_values(graph)
             if v.node().kind() == "prim::GetAttr" and v.node().inputsAt(0) is self_value}
 
 
 def written_constants(graph: torch.Graph) -> list:
-    """Constants the graph writes, directly or through a view: state that freezing folded although
-    it is written (e.g. a nested module's running statistics). Each call would write the constant
-    shared by every call and the compile's own runs."""
-    nodes = list(graph.nodes())
-    sets = AliasSets(nodes)
-    written = sets.members([v for node in nodes for v in written_inputs(node)])
-    return [v for v in written if v.node().kind() == "prim::Constant"]
+    """Constants the graph writes: state that freezing folded although it is written (e.g. a
+    nested module's running statistics), which every call and every run of the compiler would
+    then write, shared."""
+    return [v for v in _written_values(graph) if v.node().kind() == "prim::Constant"]
