@@ -118,9 +118,8 @@ def test_buffer_counter_after_one_two_calls_and_a_new_shape(mode):
 
 
 def test_buffer_counter_with_default_cluster_size():
-    model = Counter()
-    run_against_eager(model, seeded(counter_inputs), calls=(0, 1), min_cluster_size=2)
-    assert model.count.item() == 2.0
+    recorder = run_against_eager(Counter(), seeded(counter_inputs), calls=(0, 1), min_cluster_size=2)
+    assert recorder.engine_calls() >= 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,3 +368,19 @@ def test_written_state_that_freezing_would_fold_runs_eagerly_once():
         assert_close(run(x), eager(x))
     kept = dict(traced.named_buffers())  # symbolic_trace drops the unused num_batches_tracked
     _same_tensors(kept, {k: v for k, v in eager.named_buffers() if k in kept}, "buffer")
+
+
+def test_exported_training_batch_norm_updates_its_stats_like_eager(tmp_path):
+    model = NormBlock(NORMS["batch_norm"]()).train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 3, 6, 6)
+    path = str(tmp_path / "bn.blade.pt")
+    with torch.no_grad():
+        blade.export(model, (x,), path, blade.Config(min_cluster_size=1))
+        _same_tensors(dict(model.named_buffers()), dict(eager.named_buffers()), "buffer")  # untouched
+        loaded = blade.load(path)
+        for _ in range(2):
+            assert_close(loaded(x), eager(x))
+    saved = {name.replace("L__self___norm_", "norm."): t for name, t in loaded.named_buffers()}
+    _same_tensors(saved, dict(eager.named_buffers()), "archive buffer")
+    assert ENGINE_CALL in str(loaded.graph)
