@@ -223,6 +223,24 @@ class NormsOfInputs(torch.nn.Module):
         return a - b
 
 
+class StatsThroughViews(torch.nn.Module):
+    """Running statistics kept as rows of one buffer: batch norm writes through select views."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("stats", torch.stack([torch.zeros(4), torch.ones(4)]))
+
+    def forward(self, x):
+        return F.batch_norm(x * 2, self.stats[0], self.stats[1], training=True).exp() + 1
+
+
+def test_training_batch_norm_writes_through_views_of_a_buffer():
+    recorder = run_against_eager(StatsThroughViews(), seeded(lambda g, c: (torch.randn(3, 4, generator=g),)),
+                                 calls=(0, 1))
+    assert recorder.engine_calls() >= 1
+    assert "written in place" in dict(recorder.left_out())["aten::select"]
+
+
 def test_norms_update_running_stats_passed_as_inputs():
     def make(g, call):
         return (torch.randn(2, 4, 5, generator=g), torch.zeros(4), torch.ones(4), torch.zeros(4), torch.ones(4))
