@@ -402,3 +402,32 @@ def test_exported_training_batch_norm_updates_its_stats_like_eager(tmp_path):
     saved = {name.replace("L__self___norm_", "norm."): t for name, t in loaded.named_buffers()}
     _same_tensors(saved, dict(eager.named_buffers()), "archive buffer")
     assert ENGINE_CALL in str(loaded.graph)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The rules themselves, on small graphs: who writes, which values alias
+# ---------------------------------------------------------------------------------------------
+
+WRITERS = {   # one node's IR -> the names of the inputs it writes
+    "%y : Tensor = aten::add_(%a, %b, %one)": ["a"],
+    "%y : Tensor = aten::add(%a, %b, %one, %c)": ["c"],                  # out=
+    "%y : Tensor = aten::batch_norm(%a, %none, %none, %b, %c, %true, %f, %f, %true)": ["b", "c"],
+    "%y : Tensor = aten::batch_norm(%a, %none, %none, %b, %c, %false, %f, %f, %true)": [],
+    "%y : Tensor = aten::instance_norm(%a, %none, %none, %none, %none, %true, %f, %f, %true)": [],
+    "%y : Tensor = aten::mul(%a, %b)": [],
+}
+
+
+@pytest.mark.parametrize("line", sorted(WRITERS))
+def test_written_inputs_from_schemas(line):
+    from blade.cluster.aliasing import written_inputs
+    graph = torch._C.parse_ir(f"""graph(%a : Tensor, %b : Tensor, %c : Tensor):
+      %one : int = prim::Constant[value=1]()
+      %true : bool = prim::Constant[value=1]()
+      %false : bool = prim::Constant[value=0]()
+      %f : float = prim::Constant[value=0.1]()
+      %none : NoneType = prim::Constant()
+      {line}
+      return (%y)""")
+    node = graph.return_node().inputsAt(0).node()
+    assert [v.debugName() for v in written_inputs(node)] == WRITERS[line]
