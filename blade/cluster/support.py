@@ -198,6 +198,15 @@ def unary(*onnx_ops: str):
     return lower
 
 
+def rounding(onnx_op: str):
+    """floor/ceil: integers are already integral (through a float they would lose precision, and
+    int64 max would overflow)."""
+    def lower(ctx: LowerCtx, node):
+        x = ctx.as_dtype(_args(node)[0], _out_dtype(node))
+        return [ctx.b.op("Identity" if np.issubdtype(_out_dtype(node), np.integer) else onnx_op, [x])]
+    return lower
+
+
 def identity(ctx: LowerCtx, node):
     return [ctx.b.op("Identity", [ctx.tensor(_args(node)[0])])]
 
@@ -223,6 +232,8 @@ def _div(ctx: LowerCtx, node):
     dtype = _out_dtype(node)
     if mode is None:
         return [ctx.b.op("Div", [ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)])]
+    if mode == "floor" and not np.issubdtype(dtype, np.integer):
+        return [_float_floor_div(ctx, ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype), dtype)]
     if np.issubdtype(dtype, np.integer):
         # integer floor/trunc division: exact through float64 for |values| < 2**53
         q = ctx.b.op("Div", [ctx.as_dtype(args[0], np.float64), ctx.as_dtype(args[1], np.float64)])
@@ -234,6 +245,23 @@ def _div(ctx: LowerCtx, node):
         zero = ctx.scalar(0, np.float64 if np.issubdtype(dtype, np.integer) else dtype)
         q = ctx.b.op("Where", [ctx.b.op("Less", [q, zero]), ctx.b.op("Ceil", [q]), ctx.b.op("Floor", [q])])
     return [ctx.cast(q, np.float64 if np.issubdtype(dtype, np.integer) else dtype, dtype)]
+
+
+def _float_floor_div(ctx: LowerCtx, a: str, b: str, dtype) -> str:
+    """torch's floor division of floats, which rounds through fmod: the floor of the quotient (taken
+    in float64, so a float32 quotient rounding up to an integer does not floor one too high), but
+    inf // finite is NaN (fmod(inf, b) is NaN) and a nonzero a over a b so large that the quotient
+    underflows to zero gives -1 when the signs differ (a // inf is -1 for a < 0)."""
+    f64 = np.dtype("float64")
+    a, b = ctx.cast(a, dtype, f64), ctx.cast(b, dtype, f64)
+    op, zero, inf = ctx.b.op, ctx.scalar(0, f64), ctx.scalar(np.inf, f64)
+    q = op("Div", [a, b])
+    opposite_signs = op("Not", [op("Equal", [op("Less", [a, zero]), op("Less", [b, zero])])])
+    underflow = op("And", [op("And", [op("Equal", [q, zero]), op("Not", [op("Equal", [a, zero])])]), opposite_signs])
+    inf_by_finite = op("And", [op("Equal", [op("Abs", [a]), inf]),
+                               op("And", [op("Less", [op("Abs", [b]), inf]), op("Not", [op("Equal", [b, zero])])])])
+    floor = op("Where", [underflow, ctx.scalar(-1, f64), op("Floor", [q])])
+    return ctx.cast(op("Where", [inf_by_finite, ctx.scalar(np.nan, f64), floor]), f64, dtype)
 
 
 def _pow(ctx: LowerCtx, node):
@@ -934,12 +962,14 @@ def _var_std(ctx: LowerCtx, node):
         correction = int(ctx.const(named["unbiased"])) if "unbiased" in named else 1
     keepdim = bool(ctx.const(named["keepdim"])) if "keepdim" in named else False
     count = int(np.prod([shape[a] for a in axes]))
-    xs = ctx.as_dtype(x, dtype)
+    # in float64, as torch accumulates: float32 squares of deviations above 1.8e19 would overflow
+    f64 = np.dtype("float64")
+    xs = ctx.as_dtype(x, f64)
     mean = ctx.b.op("ReduceMean", [xs, ctx.b.ints(axes)], keepdims=1)
     centered = ctx.b.op("Sub", [xs, mean])
     total = ctx.b.op("ReduceSum", [ctx.b.op("Mul", [centered, centered]), ctx.b.ints(axes)], keepdims=int(keepdim))
-    var = ctx.b.op("Div", [total, ctx.scalar(max(count - correction, 0), dtype)])
-    return [ctx.b.op("Sqrt", [var]) if node.kind() == "aten::std" else var]
+    var = ctx.b.op("Div", [total, ctx.scalar(max(count - correction, 0), f64)])
+    return [ctx.cast(ctx.b.op("Sqrt", [var]) if node.kind() == "aten::std" else var, f64, dtype)]
 
 
 def _norm(ctx: LowerCtx, node):
@@ -973,8 +1003,9 @@ def _logsumexp(ctx: LowerCtx, node):
     axes = _dims_to_axes(ctx.const(dims), len(ctx.shape(x)))
     xs = ctx.as_dtype(x, _out_dtype(node))
     peak = ctx.b.op("ReduceMax", [xs, ctx.b.ints(axes)], keepdims=1)
-    # an all -inf slice has peak -inf: shift by 0 there so that the result is -inf, not NaN
-    safe = ctx.b.op("Where", [ctx.b.op("Equal", [peak, ctx.scalar(-np.inf, _out_dtype(node))]),
+    # an infinite peak (an all -inf slice, or a +inf element) shifts by 0 instead, as torch does:
+    # -inf - -inf and inf - inf would be NaN where the result is -inf or inf
+    safe = ctx.b.op("Where", [ctx.b.op("Equal", [ctx.b.op("Abs", [peak]), ctx.scalar(np.inf, _out_dtype(node))]),
                               ctx.scalar(0, _out_dtype(node)), peak])
     total = ctx.b.op("ReduceSum", [ctx.b.op("Exp", [ctx.b.op("Sub", [xs, safe])]), ctx.b.ints(axes)], keepdims=1)
     out = ctx.b.op("Add", [ctx.b.op("Log", [total]), safe])
@@ -1046,11 +1077,14 @@ def _elu_expr(ctx, x, dtype, alpha=1.0, scale=1.0, input_scale=1.0):
                                 ctx.scalar(1, dtype)])
     negative = ctx.b.op("Mul", [negative, ctx.scalar(alpha * scale, dtype)])
     positive = ctx.b.op("Mul", [x, ctx.scalar(scale, dtype)])
-    return ctx.b.op("Where", [ctx.b.op("Greater", [x, ctx.scalar(0, dtype)]), positive, negative])
+    # x < 0 picks the exp branch, so -0 keeps its sign through x * scale like torch's elu
+    return ctx.b.op("Where", [ctx.b.op("Less", [x, ctx.scalar(0, dtype)]), negative, positive])
 
 
 ACTIVATIONS = {
-    "aten::hardswish": lambda ctx, x, dt: ctx.b.op("Mul", [x, _hardsigmoid_expr(ctx, x, dt)]),
+    # x * clip(x + 3, 0, 6) / 6 in torch's order: x * 6 overflows to inf for |x| > FLT_MAX / 6 as in eager
+    "aten::hardswish": lambda ctx, x, dt: ctx.b.op("Div", [
+        ctx.b.op("Mul", [x, _clip(ctx, ctx.b.op("Add", [x, ctx.scalar(3, dt)]), dt, 0, 6)]), ctx.scalar(6, dt)]),
     "aten::hardsigmoid": _hardsigmoid_expr,
     "aten::hardtanh": _clip,
     "aten::relu6": lambda ctx, x, dt: _clip(ctx, x, dt, 0, 6),
@@ -1111,6 +1145,9 @@ def _div_check(node):
     args = _args(node)
     if len(args) > 2 and constant_value(args[2]) not in (None, "floor", "trunc"):
         return "aten::div with an unknown rounding_mode"
+    if len(args) > 2 and constant_value(args[2]) == "floor" and node.output().type().dtype() == torch.float64:
+        # (float32 takes the quotient in float64, see _float_floor_div; float64 has no wider type)
+        return "aten::div floor of float64: torch rounds through fmod (1.0 // 0.1 is 9), exact only in a wider type"
     return None
 
 
@@ -1141,8 +1178,8 @@ LOWERING: dict[str, Rule] = {
     "aten::rsqrt": Rule(unary("Sqrt", "Reciprocal")),
     "aten::reciprocal": Rule(unary("Reciprocal")),
     "aten::erf": Rule(unary("Erf")),
-    "aten::floor": Rule(unary("Floor")),
-    "aten::ceil": Rule(unary("Ceil")),
+    "aten::floor": Rule(rounding("Floor")),
+    "aten::ceil": Rule(rounding("Ceil")),
     "aten::sin": Rule(unary("Sin")),
     "aten::cos": Rule(unary("Cos")),
     "aten::gelu": Rule(_gelu),

@@ -97,33 +97,40 @@ def _call(fn):
     return lambda t, a: f"{fn}({a})"
 
 
+def _float32_or_std(name):
+    """blade_<name>f of the prelude for float32 (a loop calling it vectorizes), std::<name> otherwise."""
+    return lambda t, a: f"blade_{name}f({a})" if t.dtype == "float32" else f"std::{name}({a})"
+
+
 CODE_FOR_OP = {
     "Add": lambda t, a, b: f"{a} + {b}",
     "Sub": lambda t, a, b: f"{a} - {b}",
     "Mul": lambda t, a, b: f"{a} * {b}",
     # ONNX integer division truncates (as C++ does); x / 0 must not trap the process.
     "Div": lambda t, a, b: f"{a} / {b}" if t.is_float else f"({b} == 0 ? {t}(0) : {t}({a} / {b}))",
-    "Pow": lambda t, a, b: (f"std::pow({a}, {b})" if t.is_float
+    "Pow": lambda t, a, b: (f"blade_powf({a}, {b})" if t.dtype == "float32" else f"std::pow({a}, {b})" if t.is_float
                             else f"static_cast<{t}>(std::pow(double({a}), double({b})))"),
     "Neg": lambda t, a: f"-{a}",
     "Abs": _call("std::abs"),
     "Relu": lambda t, a: f"({a} < {t}(0) ? {t}(0) : {a})",   # NaN passes through, like torch
-    # float32 exp/tanh/sigmoid/erf use the branch-free versions of the prelude so that loops vectorize.
+    # float32 exp/tanh/sigmoid/erf/log/sin/cos/pow use the branch-free versions of the prelude so that loops vectorize.
     "Sigmoid": lambda t, a: (f"blade_sigmoidf({a})" if t.dtype == "float32"
                              else f"{t}(1) / ({t}(1) + {_exp(t)}(-{a}))"),
     "Tanh": lambda t, a: f"{'blade_tanhf' if t.dtype == 'float32' else 'std::tanh'}({a})",
     "Exp": lambda t, a: f"{_exp(t)}({a})",
-    "Log": _call("std::log"),
+    "Log": _float32_or_std("log"),
     "Sqrt": _call("std::sqrt"),
     "Reciprocal": lambda t, a: f"{t}(1) / {a}",
     "Erf": lambda t, a: f"{'blade_erff' if t.dtype == 'float32' else 'std::erf'}({a})",
     "Floor": _call("std::floor"),
     "Ceil": _call("std::ceil"),
-    "Sin": _call("std::sin"),
-    "Cos": _call("std::cos"),
-    "Max": lambda t, a, b: f"({a} != {a} || {a} > {b}) ? {a} : {b}",   # NaN wins, like torch
-    "Min": lambda t, a, b: f"({a} != {a} || {a} < {b}) ? {a} : {b}",
-    "Where": lambda t, c, a, b: f"{c} ? {a} : {b}",
+    "Sin": _float32_or_std("sin"),
+    "Cos": _float32_or_std("cos"),
+    # NaN wins and a tie (-0 vs +0) gives the first operand, like torch's maximum/minimum/clamp
+    "Max": lambda t, a, b: f"({a} != {a} || {a} >= {b}) ? {a} : {b}",
+    "Min": lambda t, a, b: f"({a} != {a} || {a} <= {b}) ? {a} : {b}",
+    # bool branches as bit operations: g++ does not vectorize a ?: select of bools
+    "Where": lambda t, c, a, b: f"({c} & {a}) | (!{c} & {b})" if t.dtype == "bool" else f"{c} ? {a} : {b}",
     "Equal": lambda t, a, b: f"{a} == {b}",
     "Less": lambda t, a, b: f"{a} < {b}",
     "LessOrEqual": lambda t, a, b: f"{a} <= {b}",
@@ -132,7 +139,9 @@ CODE_FOR_OP = {
     "Not": lambda t, a: f"!{a}",
     "And": lambda t, a, b: f"{a} && {b}",
     "Or": lambda t, a, b: f"{a} || {b}",
-    "Cast": lambda t, a: f"{a} != 0" if t.dtype == "bool" else f"static_cast<{t}>({a})",
+    # +a: a bool operand is promoted to int first (g++ does not vectorize bool -> float conversions;
+    # every other operand type is unchanged by the unary +)
+    "Cast": lambda t, a: f"{a} != 0" if t.dtype == "bool" else f"static_cast<{t}>(+{a})",
 }
 assert CODE_FOR_OP.keys() == ELEMENTWISE.keys(), "ir.ELEMENTWISE and CODE_FOR_OP must list the same ops"
 
@@ -1178,7 +1187,9 @@ namespace {
 // etc. are library calls it cannot vectorize without -ffast-math). With 512-bit vectors only two
 // ports execute vector instructions, so these loops are bound by instruction count: every select
 // and clamp costs as much as an FMA, and the helpers below skip the range handling their callers'
-// known argument ranges make unnecessary.
+// known argument ranges make unnecessary. Their accuracy (max ulp vs double libm) is the table in
+// README "Numerics": bench/ulp_table.py measures it, tests/engine/test_ulp.py holds them to it, and
+// tests/engine/test_vectorized.py checks that each op's loop vectorizes.
 
 // e^(c - n ln2) for |c - n ln2| <= ln2 / 2 (Cephes coefficients, ~1 ulp).
 inline float blade_exp_reduced(float c, float n) {
@@ -1249,7 +1260,8 @@ inline float blade_tanhf(float x) {
   p = std::fma(p, z, -3.33332819422e-1f);
   const float small = std::fma(p * z, x, x);
   const float large = 1.0f - 2.0f * blade_recipf(blade_exp_inrange(2.0f * (ax < 9.1f ? ax : 9.1f)) + 1.0f);
-  return ax < 0.625f || x != x ? small : std::copysign(large, x);
+  // x's sign on both (small is +0 for x = -0: -0 * -0 + -0 = +0)
+  return x != x ? x : std::copysign(ax < 0.625f ? small : large, x);
 }
 
 // erf: x * S(x^2) for |x| < 0.875; 1 - e^P(|x|) up to |x| = 4, with P a fit of log(erfc) (beyond
@@ -1276,6 +1288,205 @@ inline float blade_erff(float x) {
   p = std::fma(p, t, -1.4429383736569434e-4f);
   const float large = 1.0f - blade_exp_inrange(p);  // p in [-16.8, -0.25]
   return ax < 0.875f ? small : std::copysign(large, x);
+}
+
+// log: x = 2^e * m with m in [sqrt(1/2), sqrt(2)) (bit arithmetic relative to sqrt(1/2)'s bits),
+// log(x) = e ln2 + log1p(f), f = m - 1 exact; log1p(f) = f - f^2/2 + f^3 P(f), P a weighted
+// least-squares fit made here (degree 8: 0.04 ulp of fit error with float32 coefficients). ln2 in
+// two parts so that e * ln2_hi is exact. Subnormals are scaled by 2^23 first; 0, negatives, +inf
+// and NaN are selected at the end (like std::log: -inf, NaN, +inf, NaN).
+inline float blade_logf(float x) {
+  const bool subnormal = x < 1.17549435e-38f;   // also 0 and negatives: their result is replaced
+  const float scaled = subnormal ? x * 8388608.0f : x;
+  const int32_t from_sqrt_half = __builtin_bit_cast(int32_t, scaled) - 0x3f3504f3;
+  const float e = static_cast<float>((from_sqrt_half >> 23) - (subnormal ? 23 : 0));
+  const float f = __builtin_bit_cast(float, (from_sqrt_half & 0x007fffff) + 0x3f3504f3) - 1.0f;
+  float p = 0.06607358157634735f;
+  p = std::fma(p, f, -0.11506462097167969f);
+  p = std::fma(p, f, 0.11857376247644424f);
+  p = std::fma(p, f, -0.12429631501436234f);
+  p = std::fma(p, f, 0.14226478338241577f);
+  p = std::fma(p, f, -0.16667000949382782f);
+  p = std::fma(p, f, 0.2000177949666977f);
+  p = std::fma(p, f, -0.2500002086162567f);
+  p = std::fma(p, f, 0.33333316445350647f);
+  const float f2 = f * f;
+  const float tail = std::fma(e, 1.42860682030941723212e-6f, std::fma(f2 * f, p, -0.5f * f2));
+  float r = std::fma(e, 0.693145751953125f, f + tail);
+  r = x == 0.0f ? -std::numeric_limits<float>::infinity() : r;
+  r = x < 0.0f ? std::numeric_limits<float>::quiet_NaN() : r;
+  return x <= 3.40282347e+38f ? r : x;   // +inf and NaN return themselves
+}
+
+// Trigonometric range reduction of ax = |x| (finite): ax = (4k + quadrant) pi/2 + r, |r| <= pi/4,
+// r in double. Below 2^24 Cody-Waite with pi/2 in three doubles (n < 2^24, each fma nearly exact);
+// from 2^24 on (every such float is m 2^k, m a 24-bit integer) Payne-Hanek: ax 2/pi mod 4 is
+// m times a 96-bit window of the bits of 2/pi starting at bit k - 1, a 120-bit integer product of
+// 32-bit words (the window's words picked by selects, so no table lookup stops vectorization).
+// Both are computed for every element and one is selected: no branch.
+struct BladeReduced { double r; int32_t quadrant; };
+
+// Bits 32i .. 32i + 31 of 2/pi (bit 0: the ones), i in 0..6, as masks ORed together: a ?: chain
+// would become a switch table, a load g++ does not vectorize.
+inline uint32_t blade_two_over_pi_word(int32_t i) {
+  constexpr uint32_t words[7] = {0x517cc1b7u, 0x27220a94u, 0xfe13abe8u, 0xfa9a6ee0u, 0x6db14accu, 0x9e21c820u,
+                                 0xff28b1d5u};
+  uint32_t word = 0;
+  for (int32_t k = 0; k < 7; ++k) word |= words[k] & (0u - static_cast<uint32_t>(i == k));
+  return word;
+}
+
+inline uint32_t blade_window_word(int32_t word, int32_t shift) {   // 32 bits of 2/pi from bit 32 word + shift
+  const uint64_t pair = (uint64_t(blade_two_over_pi_word(word)) << 32) | blade_two_over_pi_word(word + 1);
+  return static_cast<uint32_t>((pair << shift) >> 32);
+}
+
+// An integer below 2^62 as a double, through 31-bit pieces: AVX2 converts only int32 to double
+// (int64 conversions are AVX-512), and the loops should vectorize on both.
+inline double blade_u62_to_double(uint64_t v) {
+  return static_cast<double>(static_cast<int32_t>(v >> 31)) * 2147483648.0 +
+         static_cast<double>(static_cast<int32_t>(v & 0x7fffffffu));
+}
+
+inline BladeReduced blade_reduce_pi_over_2(float ax) {
+  const bool small = ax < 16777216.0f;
+  const double xd = small ? ax : 0.0;   // (keeps n's conversion to int defined)
+  const double n = std::nearbyint(xd * 0.63661977236758134);
+  double r = std::fma(-n, 1.5707963267948966, xd);
+  r = std::fma(-n, 6.123233995736766e-17, r);
+  r = std::fma(-n, -1.4973849048591698e-33, r);
+  const int32_t small_quadrant = static_cast<int32_t>(n) & 3;   // n < 2^24
+  // Payne-Hanek (only meaningful for ax >= 2^24: the bit offset k - 1 is then >= 0)
+  const int32_t bits = __builtin_bit_cast(int32_t, ax);
+  const int32_t offset = ((bits >> 23) & 255) - 151 < 0 ? 0 : ((bits >> 23) & 255) - 151;
+  const uint32_t m = static_cast<uint32_t>((bits & 0x007fffff) | 0x00800000);
+  const int32_t word = offset >> 5, shift = offset & 31;
+  const uint64_t p0 = uint64_t(m) * blade_window_word(word, shift);   // 32 x 32 -> 64-bit multiplies
+  const uint64_t p1 = uint64_t(m) * blade_window_word(word + 1, shift);
+  const uint64_t p2 = uint64_t(m) * blade_window_word(word + 2, shift);
+  const uint64_t lo = p2 + (p1 << 32);
+  const uint64_t hi = p0 + (p1 >> 32) + (lo < p2 ? 1u : 0u);
+  // product = hi 2^64 + lo; ax 2/pi mod 4 = product / 2^94: quadrant bits 94-95, fraction below.
+  const bool upper_half = (hi >> 29) & 1;   // fraction >= 1/2: take the next quadrant, r < 0
+  const uint64_t frac_hi = (upper_half ? ~hi + (lo == 0 ? 1u : 0u) : hi) & 0x3fffffffu;
+  const uint64_t frac_lo = upper_half ? ~lo + 1 : lo;
+  const double frac = static_cast<double>(static_cast<int32_t>(frac_hi)) * 9.313225746154785e-10 +   // 2^-30
+                      blade_u62_to_double(frac_lo >> 2) * 2.0194839173657902e-28;                  // 2^-92
+  const double big_r = (upper_half ? -frac : frac) * 1.5707963267948966;
+  const int32_t big_quadrant = static_cast<int32_t>(((hi >> 30) + (upper_half ? 1u : 0u)) & 3);
+  return {small ? r : big_r, small ? small_quadrant : big_quadrant};
+}
+
+// sin and cos of |r| <= pi/4 in double (Taylor terms to r^11 / r^12: truncation < 2^-40), so the
+// float result is rounded once.
+inline double blade_sin_kernel(double r) {
+  const double z = r * r;
+  double p = -2.5052108385441720e-08;      // -1/11!
+  p = std::fma(p, z, 2.7557319223985893e-06);   // 1/9!
+  p = std::fma(p, z, -1.9841269841269841e-04);  // -1/7!
+  p = std::fma(p, z, 8.3333333333333333e-03);   // 1/5!
+  p = std::fma(p, z, -1.6666666666666667e-01);  // -1/3!
+  return std::fma(p * z, r, r);
+}
+
+inline double blade_cos_kernel(double r) {
+  const double z = r * r;
+  double p = 2.0876756987868099e-09;       // 1/12!
+  p = std::fma(p, z, -2.7557319223985888e-07);  // -1/10!
+  p = std::fma(p, z, 2.4801587301587302e-05);   // 1/8!
+  p = std::fma(p, z, -1.3888888888888889e-03);  // -1/6!
+  p = std::fma(p, z, 4.1666666666666667e-02);   // 1/4!
+  p = std::fma(p, z, -0.5);
+  return std::fma(p, z, 1.0);
+}
+
+// sin(quadrant pi/2 + r) for quadrant 0..3 is sin r, cos r, -sin r, -cos r; cos is one quadrant on.
+inline float blade_quadrant_value(BladeReduced red, int32_t start) {
+  const int32_t q = (red.quadrant + start) & 3;
+  const double s = blade_sin_kernel(red.r), c = blade_cos_kernel(red.r);
+  const double v = (q & 1) ? c : s;
+  return static_cast<float>((q & 2) ? -v : v);
+}
+
+// sin is odd: reduce |x| and give the result x's sign (so sin(-0) = -0). inf and NaN give NaN.
+inline float blade_sinf(float x) {
+  const float ax = std::fabs(x);
+  const float v = blade_quadrant_value(blade_reduce_pi_over_2(ax), 0);
+  const float r = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) ^
+                                             (__builtin_bit_cast(uint32_t, x) & 0x80000000u));
+  return ax <= 3.40282347e+38f ? r : x - x;
+}
+
+inline float blade_cosf(float x) {
+  const float ax = std::fabs(x);
+  const float r = blade_quadrant_value(blade_reduce_pi_over_2(ax), 1);
+  return ax <= 3.40282347e+38f ? r : x - x;
+}
+
+// pow in double: log|x| to ~2^-45 (x = 2^e m, m in [sqrt(1/2), sqrt(2)) split in float32 bits as
+// blade_logf does, so no int64 <-> double conversion (AVX-512 only) is needed; log m = 2 atanh(s),
+// s = (m - 1) / (m + 1), |s| <= 0.172, Taylor to s^15) times y, then e^t to ~2^-45 (t = n ln2 + r,
+// Taylor to r^11), rounded to float once (overflow to inf and underflow through the subnormals as
+// the conversion rounds them). The special cases of C's pow (and torch's) are selects at the end.
+inline double blade_log_d(float x) {   // x > 0, finite
+  const bool subnormal = x < 1.17549435e-38f;
+  const float scaled = subnormal ? x * 8388608.0f : x;
+  const int32_t from_sqrt_half = __builtin_bit_cast(int32_t, scaled) - 0x3f3504f3;
+  const double e = static_cast<double>((from_sqrt_half >> 23) - (subnormal ? 23 : 0));
+  const double m = __builtin_bit_cast(float, (from_sqrt_half & 0x007fffff) + 0x3f3504f3);
+  const double s = (m - 1.0) / (m + 1.0);
+  const double z = s * s;
+  double p = 1.0 / 15;
+  p = std::fma(p, z, 1.0 / 13);
+  p = std::fma(p, z, 1.0 / 11);
+  p = std::fma(p, z, 1.0 / 9);
+  p = std::fma(p, z, 1.0 / 7);
+  p = std::fma(p, z, 1.0 / 5);
+  p = std::fma(p, z, 1.0 / 3);
+  return std::fma(e, 0.69314718055994531, 2.0 * std::fma(p * z, s, s));
+}
+
+inline double blade_exp_d(double t) {   // t in [-300, 300]
+  const double n = std::nearbyint(t * 1.4426950408889634);
+  const double r = std::fma(-n, 2.319046813846299558e-17, std::fma(-n, 0.69314718055994529, t));
+  double p = 1.0 / 39916800;   // 1/11!
+  p = std::fma(p, r, 1.0 / 3628800);
+  p = std::fma(p, r, 1.0 / 362880);
+  p = std::fma(p, r, 1.0 / 40320);
+  p = std::fma(p, r, 1.0 / 5040);
+  p = std::fma(p, r, 1.0 / 720);
+  p = std::fma(p, r, 1.0 / 120);
+  p = std::fma(p, r, 1.0 / 24);
+  p = std::fma(p, r, 1.0 / 6);
+  p = std::fma(p, r, 0.5);
+  p = std::fma(p, r, 1.0);
+  p = std::fma(p, r, 1.0);
+  return p * __builtin_bit_cast(double, (static_cast<int64_t>(static_cast<int32_t>(n)) + 1023) << 52);
+}
+
+inline float blade_powf(float x, float y) {
+  const float ax = std::fabs(x);
+  const bool finite_nonzero = ax > 0.0f && ax <= 3.40282347e+38f;
+  const double log_ax = blade_log_d(finite_nonzero ? ax : 1.0f);
+  const double t = static_cast<double>(y) * log_ax;
+  const double bounded = t >= -300.0 ? (t <= 300.0 ? t : 300.0) : -300.0;   // NaN too: it is selected away below
+  float r = static_cast<float>(blade_exp_d(bounded));
+  // |x| = 0 or inf: 0 or inf by the sign of y (times log's sign: log 0 < 0 < log inf)
+  const bool big = (ax == 0.0f) == (y < 0.0f);
+  r = finite_nonzero ? r : (big ? std::numeric_limits<float>::infinity() : 0.0f);
+  // |y| = inf: 1 for |x| = 1, else 0 or inf by whether |x| < 1 and y's sign
+  const bool y_inf = std::fabs(y) > 3.40282347e+38f;
+  r = y_inf ? (ax == 1.0f ? 1.0f : ((ax < 1.0f) == (y < 0.0f) ? std::numeric_limits<float>::infinity() : 0.0f)) : r;
+  // a negative base: odd integer y gives the odd sign, a non-integer y a NaN (finite x only)
+  const float y_trunc = std::trunc(y);
+  const bool y_int = y_trunc == y;
+  const bool y_odd = y_int && std::fabs(y) < 16777216.0f &&
+                     (static_cast<int32_t>(std::fabs(y) < 16777216.0f ? y : 0.0f) & 1);
+  const bool x_negative = __builtin_bit_cast(int32_t, x) < 0;
+  r = x_negative && y_odd ? -r : r;
+  r = x < 0.0f && ax <= 3.40282347e+38f && !y_int && !y_inf ? std::numeric_limits<float>::quiet_NaN() : r;
+  r = x != x || y != y ? x + y : r;
+  return y == 0.0f || x == 1.0f ? 1.0f : r;   // even pow(NaN, 0) and pow(1, NaN)
 }
 }  // namespace
 """

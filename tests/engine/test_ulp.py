@@ -1,0 +1,91 @@
+"""The numerics contract of the prelude's float32 transcendentals, on a fixed dense sample.
+
+bench/ulp_table.py measures them over (nearly) every float32 input; this test checks the same
+bounds on 2^18 evenly spaced bit patterns (every float32 binade, both signs) plus dense ranges
+where the functions bend, through a compiled engine (the code engines really run), against
+float64 numpy. A regression in a prelude function fails here.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from onnx_cases import graph_case, run_case
+from blade.engine.compiler import compile_onnx
+
+# op -> (max ulp allowed, the float64 reference). Measured maxima (bench/ulp_table.py --stride 7,
+# README "Numerics"; log over all 2^32 inputs): exp 1.02, log 0.85, tanh 1.32, sigmoid 2.47, erf 2.31,
+# sin 0.50, cos 0.50, pow 0.50.
+CONTRACT = {
+    "Exp": (1.5, np.exp),
+    "Log": (1.0, np.log),
+    "Tanh": (1.5, np.tanh),
+    "Sigmoid": (2.5, lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "Erf": (2.5, np.frompyfunc(math.erf, 1, 1)),
+    "Sin": (0.6, np.sin),
+    "Cos": (0.6, np.cos),
+}
+POW_ULP = 0.6
+
+
+def dense_sample() -> np.ndarray:
+    every_binade = (np.arange(1 << 18, dtype=np.uint64) * ((1 << 32) // (1 << 18)) + 12345).astype(np.uint32)
+    floats = every_binade.view(np.float32)
+    ranges = [np.linspace(-20, 20, 40001), np.linspace(0.5, 2, 20001), np.linspace(-1e4, 1e4, 20001)]
+    x = np.concatenate([floats[np.isfinite(floats)], *[r.astype(np.float32) for r in ranges]])
+    return x.astype(np.float32)
+
+
+def ulps(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """|got - ref| in float32 ulps of ref, where ref is a finite normal float32 value (else 0)."""
+    with np.errstate(all="ignore"):   # refs beyond float32 (overflowing to inf) and NaNs are left out
+        return _ulps(got, ref)
+
+
+def _ulps(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    ref32 = ref.astype(np.float32)
+    normal = np.isfinite(ref32) & (np.abs(ref) >= np.finfo(np.float32).tiny)
+    exponent = np.frexp(np.where(normal, ref32, 1.0).astype(np.float64))[1] - 1
+    err = np.abs(got.astype(np.float64) - ref) / np.ldexp(1.0, exponent - 23)
+    return np.where(normal, err, 0.0)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    x = dense_sample()
+    rng = np.random.default_rng(0)
+    base = np.abs(x[: len(x) // 2]) + np.float32(1e-30)
+    # exponents that keep base^y inside the float range: y = t / log2(base), t in [-140, 120]
+    exponent = (rng.uniform(-140, 120, base.shape) / np.where(np.log2(base) == 0, 1, np.log2(base))).astype(np.float32)
+    nodes = [helper.make_node(op, ["x"], [op]) for op in CONTRACT] + [helper.make_node("Pow", ["b", "e"], ["Pow"])]
+    case = graph_case("ulp", nodes, {"x": (x.shape, "float32"), "b": (base.shape, "float32"),
+                                     "e": (exponent.shape, "float32")},
+                      [*CONTRACT, "Pow"], values={"x": x, "b": base, "e": exponent})
+    out = tmp_path_factory.mktemp("ulp")
+    manifest = compile_onnx(case.model, out)
+    return case, dict(zip([*CONTRACT, "Pow"], run_case(case, out / "engine.so", manifest)))
+
+
+@pytest.mark.parametrize("op", list(CONTRACT))
+def test_unary_within_contract(op, results):
+    case, outputs = results
+    bound, reference = CONTRACT[op]
+    x = case.feeds["x"].astype(np.float64)
+    with np.errstate(all="ignore"):
+        ref = np.asarray(reference(x), dtype=np.float64)
+    err = ulps(outputs[op], ref)
+    worst = int(np.argmax(err))
+    assert err[worst] <= bound, f"{op}({x[worst]!r}) = {outputs[op][worst]!r}, float64 {ref[worst]!r}: {err[worst]:.2f} ulp"
+
+
+def test_pow_within_contract(results):
+    case, outputs = results
+    b, e = case.feeds["b"].astype(np.float64), case.feeds["e"].astype(np.float64)
+    with np.errstate(all="ignore"):
+        ref = np.power(b, e)
+    err = ulps(outputs["Pow"], ref)
+    worst = int(np.argmax(err))
+    assert err[worst] <= POW_ULP, f"pow({b[worst]!r}, {e[worst]!r}) = {outputs['Pow'][worst]!r}: {err[worst]:.2f} ulp"

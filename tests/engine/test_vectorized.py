@@ -1,0 +1,139 @@
+"""Every elementwise op's loop vectorizes (g++'s -fopt-info report, not a timing): a scalar op in a
+fused loop makes the whole loop scalar (a chain with std::log ran 2.8x slower than eager).
+
+The ops come from the engine's own table (ir.ELEMENTWISE): an op without an entry in SIGNATURES
+fails by name, so a new op cannot slip in unchecked. All ops and dtypes are nodes of one model (one
+compile); each node is an output, so each gets its own loop, named by its kernel comment.
+"""
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from onnx_cases import graph_case
+from vectorization import compile_with_report
+from blade.engine import ir
+
+FLOATS = ("float32", "float64")
+NUMERIC = ("float32", "float64", "int64", "int32")
+ALL = NUMERIC + ("bool",)
+# op -> (number of operands, dtypes of the operands it is compiled for)
+SIGNATURES = {
+    **{op: (2, NUMERIC) for op in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min",
+                                   "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
+    "Equal": (2, ALL),
+    **{op: (1, NUMERIC) for op in ("Neg", "Abs", "Relu")},
+    **{op: (1, FLOATS) for op in ("Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Floor", "Ceil",
+                                  "Sin", "Cos")},
+    "Not": (1, ("bool",)),
+    **{op: (2, ("bool",)) for op in ("And", "Or")},
+    "Where": (3, ALL),     # a bool condition, both branches of the dtype
+    "Cast": (1, ALL),      # from the dtype to every dtype
+}
+LIBM = "float64 calls libm (the prelude's branch-free versions are float32)"
+# (op, dtype) -> why its loop stays scalar. Checked both ways: an entry whose loop vectorizes fails too.
+SCALAR = {
+    ("Div", "int64"): "integer div: sweep branch (and x86 has no vector integer divide)",
+    ("Div", "int32"): "integer div: sweep branch (and x86 has no vector integer divide)",
+    ("Pow", "int64"): "integer pow: sweep branch",
+    ("Pow", "int32"): "integer pow: sweep branch",
+    **{(op, "float64"): LIBM for op in ("Pow", "Sigmoid", "Tanh", "Exp", "Log", "Erf", "Sin", "Cos")},
+}
+SHAPE = (2, 1027)     # two rows (the parallel loop), each a vector body and a scalar tail
+# Nothing here runs the engines, so the ISA is fixed (not the host's): the same loops vectorize on
+# every machine the tests run on. (AVX2 lacks int64 <-> float conversions and 64-bit multiplies.)
+ISA = "x86-64-v4"
+
+
+def _nodes():
+    """(label, ONNX node) per op, dtype (and Cast target); the inputs are a_<dtype>, b_<dtype>, c."""
+    for op, (arity, dtypes) in SIGNATURES.items():
+        for dtype in dtypes:
+            if op == "Cast":
+                for to in (t for t in ALL if t != dtype):   # (a cast to its own dtype is no op)
+                    yield f"Cast-{dtype}-{to}", helper.make_node(
+                        "Cast", [f"a_{dtype}"], [f"Cast-{dtype}-{to}"], to=helper.np_dtype_to_tensor_dtype(np.dtype(to)))
+                continue
+            names = ["c", f"a_{dtype}", f"b_{dtype}"] if op == "Where" else [f"a_{dtype}", f"b_{dtype}"][:arity]
+            yield f"{op}-{dtype}", helper.make_node(op, names, [f"{op}-{dtype}"])
+
+
+@pytest.fixture(scope="module")
+def loops_by_op(tmp_path_factory):
+    labelled = list(_nodes())
+    inputs = {f"{p}_{dtype}": (SHAPE, dtype) for dtype in ALL for p in "ab"} | {"c": (SHAPE, "bool")}
+    case = graph_case("every-elementwise-op", [n for _, n in labelled], inputs, [label for label, _ in labelled])
+    loops = compile_with_report(case.model, tmp_path_factory.mktemp("vectorized") / "ops", ISA)
+    graph = ir.lower_onnx(case.model)
+    label_of_node = {node.name: label for label, node in graph.outputs}
+    by_op = {}
+    for loop in loops:
+        node_name = loop.kernel.split(":", 1)[1].split("[", 1)[0]
+        by_op.setdefault(label_of_node.get(node_name, loop.kernel), []).append(loop)
+    return by_op
+
+
+def test_every_elementwise_op_has_a_signature():
+    assert set(ir.ELEMENTWISE) - set(SIGNATURES) == set(), "add the new ops to SIGNATURES"
+
+
+def test_every_elementwise_loop_vectorizes(loops_by_op):
+    labels = [label for label, _ in _nodes()]
+    missing = [label for label in labels if label not in loops_by_op]
+    assert not missing, f"no loop found for {missing}"
+    scalar = sorted(label for label in labels if not all(loop.vectorized for loop in loops_by_op[label]))
+    expected = sorted(f"{op}-{dtype}" for op, dtype in SCALAR)
+    unexpected = [s for s in scalar if s not in expected]
+    assert not unexpected, f"these ops' loops did not vectorize: {unexpected}"
+    vectorized = [e for e in expected if e not in scalar]
+    assert not vectorized, f"these now vectorize, remove them from SCALAR: {vectorized}"
+
+
+def node(op, ins, outs, **attrs):
+    return helper.make_node(op, ins, outs, **attrs)
+
+
+def test_fused_user_chain_with_log_vectorizes(tmp_path):
+    """silu, tanh, exp, log, affine, softmax, gelu, layer norm, clamp and abs over [64, 4096] (the
+    chain users measured 2.8x slower than eager when std::log made its fused loop scalar)."""
+    rng = np.random.default_rng(0)
+    width = 4096
+    chain = [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["silu"]), node("Tanh", ["silu"], ["t"]),
+             node("Exp", ["t"], ["e"]), node("Log", ["e"], ["l"]), node("Mul", ["l", "w"], ["lw"]),
+             node("Add", ["lw", "b"], ["affine"]), node("Softmax", ["affine"], ["p"], axis=-1),
+             node("Gelu", ["p"], ["g"]), node("LayerNormalization", ["g", "w", "b"], ["n"], axis=-1),
+             node("Clip", ["n", "lo", "hi"], ["c"]), node("Abs", ["c"], ["y"])]
+    inits = {"w": rng.standard_normal(width).astype(np.float32), "b": rng.standard_normal(width).astype(np.float32),
+             "lo": np.array(-1.0, np.float32), "hi": np.array(1.0, np.float32)}
+    case = graph_case("user-chain", chain, {"x": ((64, width), "float32")}, ["y"], inits)
+    loops = compile_with_report(case.model, tmp_path / "chain", ISA)
+    body = (tmp_path / "chain" / "engine.cpp").read_text().split("blade_engine_run")[1]
+    assert loops and body.count("parallel_for(") == 1, "the chain should fuse into one row loop"
+    assert "blade_logf(" in body and "std::log" not in body
+    scalar = [f"line {loop.lines[0]} of {loop.kernel}" for loop in loops if not loop.vectorized]
+    assert scalar == [], f"scalar loops in the fused chain: {scalar}"
+    imported = subprocess.run(["nm", "-D", "--undefined-only", str(tmp_path / "chain" / "engine.so")],
+                              capture_output=True, text=True, check=True).stdout
+    libm = {"expf", "logf", "tanhf", "erff", "sinf", "cosf", "powf"}
+    assert libm.isdisjoint(word.split("@")[0] for word in imported.split()), f"libm calls in the engine:\n{imported}"
+
+
+def test_prelude_functions_vectorize_with_avx2_too(tmp_path):
+    """The float32 transcendentals avoid AVX-512-only conversions (int64 <-> double), so engines
+    built for x86-64-v3 (target_isa) vectorize them as well."""
+    ops = ("Exp", "Log", "Tanh", "Sigmoid", "Erf", "Sin", "Cos")
+    nodes = [node(op, ["x"], [op]) for op in ops] + [node("Pow", ["x", "y"], ["Pow"])]
+    case = graph_case("prelude-v3", nodes, {"x": (SHAPE, "float32"), "y": (SHAPE, "float32")}, [*ops, "Pow"])
+    loops = compile_with_report(case.model, tmp_path / "v3", isa="x86-64-v3")
+    assert len(loops) == len(ops) + 1
+    assert [loop.kernel for loop in loops if not loop.vectorized] == []
+
+
+def test_report_parsing_sees_a_scalar_loop(tmp_path):
+    """The check can fail: a float64 exp (a libm call) is reported scalar."""
+    case = graph_case("exp-f64", [node("Exp", ["x"], ["y"])], {"x": (SHAPE, "float64")}, ["y"])
+    loops = compile_with_report(case.model, tmp_path / "exp64", ISA)
+    assert loops and not any(loop.vectorized for loop in loops)
