@@ -1,0 +1,89 @@
+"""What a compiled graph checks on every call before it runs its engines.
+
+Engines compute inference only, on the parameter values of compile time:
+
+- **autograd**: an engine's outputs have no ``grad_fn``. When autograd would record (grad enabled
+  and an input or parameter requires grad), the graph runs eagerly instead, with one warning, so
+  ``backward()`` works; under ``torch.no_grad()`` / ``torch.inference_mode()`` the check is one
+  ``torch.is_grad_enabled()`` call.
+- **frozen weights**: with ``Config.freeze_params`` parameters and buffers become constants inside
+  the engines. ``FrozenWeights`` remembers each one's identity, version counter (bumped by every
+  in-place write: ``mul_``, ``copy_``, ``load_state_dict``, optimizer steps) and data pointer
+  (``p.data = t``); a change means the engines hold stale values and the graph must be compiled
+  again. Writes through ``p.data`` (``p.data.copy_(t)``) bypass the version counter: they are
+  invisible here (as they are to autograd).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+def readable_source(name: str) -> str:
+    """dynamo's "L['self']._modules['fc']._parameters['weight']" as "L['self'].fc.weight"."""
+    return re.sub(r"\._(?:modules|parameters|buffers)\['([^']+)'\]", r".\1", name)
+
+
+def placeholder_names(gm: torch.fx.GraphModule) -> list[str]:
+    """A readable name per graph input: where dynamo got it from, else the placeholder's name.
+    Kept in gm.meta: dynamo drops the sources from the nodes after the first compile, and a
+    recompile (frozen weights changed) should name inputs the same way."""
+    if "blade_input_names" not in gm.meta:
+        gm.meta["blade_input_names"] = [_source_name(node) for node in gm.graph.nodes if node.op == "placeholder"]
+    return gm.meta["blade_input_names"]
+
+
+def _source_name(node: torch.fx.Node) -> str:
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return readable_source(source.name) if source is not None else node.name
+
+
+def first_requiring_grad(args, names: list[str], attributes: dict) -> str | None:
+    """The name of the first tensor autograd would record through (call under grad mode only)."""
+    for position, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor) and arg.requires_grad:
+            return names[position] if position < len(names) else f"input {position}"
+    return next((name for name, tensor in attributes.items() if tensor.requires_grad), None)
+
+
+def module_tensors(gm: torch.fx.GraphModule) -> dict:
+    """Parameters and buffers the graph reads as attributes (dynamo leaves them there with
+    ``inline_inbuilt_nn_modules = False``); TorchScript freezing makes them constants."""
+    return {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+
+
+@dataclass(frozen=True)
+class _Frozen:
+    name: str
+    position: int | None    # where dynamo passes it, None for a module attribute
+    tensor: torch.Tensor
+    version: int
+    data_ptr: int
+
+
+class FrozenWeights:
+    """The tensors a compile froze into constants, and their state at compile time."""
+
+    def __init__(self, entries: list[_Frozen]):
+        self.entries = entries
+        # plain tuples: the per-call loop below reads them without attribute lookups
+        self._rows = tuple((e.name, e.position, e.tensor, e.version, e.data_ptr) for e in entries)
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list) -> "FrozenWeights":
+        """Frozen = tensor inputs the frontend did not keep as inputs, and the module's attributes."""
+        names, kept = placeholder_names(gm), set(runtime_inputs)
+        frozen = [(names[i], i, t) for i, t in enumerate(example_inputs)
+                  if isinstance(t, torch.Tensor) and i not in kept]
+        frozen += [(f"graph attribute {name}", None, t) for name, t in module_tensors(gm).items()]
+        return cls([_Frozen(name, position, t, t._version, t.data_ptr()) for name, position, t in frozen])
+
+    def changed(self, args) -> str | None:
+        """The name of the first frozen tensor replaced or written since compile time, else None."""
+        for name, position, tensor, version, data_ptr in self._rows:
+            current = tensor if position is None else args[position]
+            if current is not tensor or current._version != version or current.data_ptr() != data_ptr:
+                return name
+        return None
