@@ -15,6 +15,7 @@ Engines compute inference only, on the parameter values of compile time:
 """
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
@@ -49,9 +50,41 @@ def first_requiring_grad(args, names: list[str], attributes: dict) -> str | None
 
 
 def module_tensors(gm: torch.fx.GraphModule) -> dict:
-    """Parameters and buffers the graph reads as attributes (dynamo leaves them there with
-    ``inline_inbuilt_nn_modules = False``); TorchScript freezing makes them constants."""
+    """Parameters and buffers the graph reads as attributes (``torch._dynamo.export``'s graphs,
+    behind blade.compile_model and blade.export); TorchScript freezing makes them constants."""
     return {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+
+
+# FX targets that write their first argument in place, besides methods named like ``add_``.
+WRITING_FUNCTIONS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                     operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+                     operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift}
+# FX targets whose result aliases their first argument (a write to it writes the input).
+VIEW_TARGETS = {operator.getitem, "view", "view_as", "reshape", "narrow", "select", "transpose",
+                "permute", "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "t", "detach",
+                "__getitem__", "unflatten", "as_strided", "diagonal"}
+
+
+def written_inputs(gm: torch.fx.GraphModule) -> set[int]:
+    """Positions of graph inputs the graph itself writes (``self.count.add_(1)``, a buffer
+    updated through a view): state, not weights; their version counters move on every call."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    alias_of = {node: position for position, node in enumerate(placeholders)}
+    written = set()
+    for node in gm.graph.nodes:
+        first = node.args[0] if node.args else None
+        if node.op not in ("call_method", "call_function") or first not in alias_of:
+            continue
+        if _writes_first_arg(node.target):
+            written.add(alias_of[first])
+        elif node.target in VIEW_TARGETS or getattr(node.target, "__name__", None) in VIEW_TARGETS:
+            alias_of[node] = alias_of[first]
+    return written
+
+
+def _writes_first_arg(target) -> bool:
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return target in WRITING_FUNCTIONS or (name.endswith("_") and not name.endswith("__"))
 
 
 @dataclass(frozen=True)
@@ -73,8 +106,9 @@ class FrozenWeights:
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list) -> "FrozenWeights":
-        """Frozen = tensor inputs the frontend did not keep as inputs, and the module's attributes."""
-        names, kept = placeholder_names(gm), set(runtime_inputs)
+        """Frozen = tensor inputs the frontend did not keep as inputs, and the module's attributes,
+        but not those the graph writes itself."""
+        names, kept = placeholder_names(gm), set(runtime_inputs) | written_inputs(gm)
         frozen = [(names[i], i, t) for i, t in enumerate(example_inputs)
                   if isinstance(t, torch.Tensor) and i not in kept]
         frozen += [(f"graph attribute {name}", None, t) for name, t in module_tensors(gm).items()]

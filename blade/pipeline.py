@@ -95,6 +95,9 @@ class CompileReport:
         return [(n.kind, n.reason) for n in self.left_out_nodes]
 
 
+MAX_RECOMPILES = 4   # frozen weights changed more often than this: the graph runs eagerly
+
+
 @dataclass
 class GraphSource:
     """What a live compile keeps to run its graph eagerly or compile it again (never serialized:
@@ -118,6 +121,7 @@ class CompiledModule:
         self.source = source
         self._warned_eager = False
         self._recompiling = threading.Lock()
+        self._recompiles = 0
 
     def __call__(self, *args):
         if torch.is_grad_enabled():  # the only cost under no_grad / inference_mode
@@ -126,8 +130,8 @@ class CompiledModule:
                 return self._run_eagerly(args, recording)
         if self.source is not None:
             stale = self.source.frozen.changed(args)
-            if stale is not None:
-                self._recompile(args, stale)
+            if stale is not None and not self._recompiled(args, stale):
+                return self.source.gm(*args)
         try:
             return self.module(*[args[i] for i in self.runtime_inputs])
         except RuntimeError as err:
@@ -149,12 +153,22 @@ class CompiledModule:
             warnings.warn(eager_for_grad_message(recording))
         return self.source.gm(*args)
 
-    def _recompile(self, args, stale: str) -> None:
+    def _recompiled(self, args, stale: str) -> bool:
         """Compile the graph again on the frozen tensors' current values (one thread at a time;
-        the others wait and find it done)."""
+        the others wait and find it done). False past MAX_RECOMPILES: weights that keep changing
+        are better read eagerly (the caller runs the FX graph, always current)."""
         with self._recompiling:
             if self.source.frozen.changed(args) is None:
-                return
+                return True
+            if self._recompiles >= MAX_RECOMPILES:
+                if self._recompiles == MAX_RECOMPILES:
+                    self._recompiles += 1
+                    warnings.warn(f"blade: {stale} changed after this graph was compiled, which "
+                                  f"was compiled {MAX_RECOMPILES} times already for changed weights: "
+                                  f"it runs eagerly from now on (freeze_params=False keeps weights "
+                                  f"out of the engines)")
+                return False
+            self._recompiles += 1
             warnings.warn(f"blade: {stale} changed after this graph was compiled (written in place "
                           f"or replaced) and its engines hold the old value: compiling it again "
                           f"(freeze_params=False keeps weights out of the engines)")
@@ -162,6 +176,7 @@ class CompiledModule:
                 fresh = compile_fx(self.source.gm, list(args), self.source.config)
             self.module, self.runtime_inputs, self.report = fresh.module, fresh.runtime_inputs, fresh.report
             self.source = fresh.source
+            return True
 
     def engines(self) -> dict:
         """cluster name -> its torch.classes.blade.Engine, for the clusters that got one."""

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 
 import blade  # noqa: E402
+import blade.pipeline  # noqa: E402
 
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
 CHANGED = "changed after this graph was compiled"
@@ -106,3 +107,47 @@ def test_compile_model_sees_changed_attribute_weights():
             (out,) = compiled(x)
         torch.testing.assert_close(out, net(x))
     assert ENGINE_CALL in str(compiled.module.graph)
+
+
+def test_weights_changing_on_every_call_run_eagerly_after_a_few_recompiles():
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(3, 8)
+    compiled = torch.compile(net, backend=Capture(), dynamic=False)
+    messages = []
+    with torch.no_grad():
+        for _ in range(blade.pipeline.MAX_RECOMPILES + 3):
+            net.fc.weight.add_(0.5)
+            out, changed = _changed_warnings(lambda: compiled(x))
+            torch.testing.assert_close(out, net(x))
+            messages += changed
+    assert len(messages) == blade.pipeline.MAX_RECOMPILES + 1
+    assert "runs eagerly from now on" in messages[-1]
+
+
+class Counter(torch.nn.Module):
+    """Writes its own buffer: state, not a weight (no recompile on every call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        self.register_buffer("calls", torch.zeros(1))
+        self.register_buffer("history", torch.zeros(3))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        self.history[1:].mul_(0.5)
+        return torch.tanh(self.fc(x)) * 2
+
+
+def test_buffers_the_graph_writes_are_not_watched():
+    net, x = Counter(), torch.randn(3, 8)
+    compiled = torch.compile(net, backend=Capture(), dynamic=False)
+    with torch.no_grad():
+        for _ in range(3):
+            out, changed = _changed_warnings(lambda: compiled(x))
+            assert not changed
+            torch.testing.assert_close(out, net(x))
+        net.fc.weight.mul_(2)  # the weight is still watched
+        out, changed = _changed_warnings(lambda: compiled(x))
+        assert len(changed) == 1 and "fc.weight" in changed[0]
+        torch.testing.assert_close(out, net(x))
