@@ -26,8 +26,9 @@ RUNTIME_SOURCES = [
     "cpp/shared_library.cpp",
     "cpp/tensor_spec.cpp",
 ]
-# What the Python extension adds on top: the pybind module and its test hooks.
-PYTHON_SOURCES = ["cpp/python_module.cpp", "cpp/python_testing.cpp"]
+# What the Python extension adds on top: the pybind module, its test hooks, the per-call
+# frozen-weights check.
+PYTHON_SOURCES = ["cpp/python_module.cpp", "cpp/python_testing.cpp", "cpp/frozen_tensors.cpp"]
 HEADERS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "cpp").glob("*.h"))
 
 # torch 2.13's headers use a C++20 extension (bit-field initializers) that g++ accepts in C++17.

@@ -96,14 +96,14 @@ def check_stamps(stamps: dict, what: str) -> None:
 class PrecompiledModule(CompiledModule, SerializableCallable):
     """A CompiledModule that dynamo's AOT precompile can save and load."""
 
-    def __init__(self, module, runtime_inputs: list, report: CompileReport, stamps: dict):
-        super().__init__(module, runtime_inputs, report)
+    def __init__(self, module, runtime_inputs: list, report: CompileReport, stamps: dict, source=None):
+        super().__init__(module, runtime_inputs, report, source)
         self.stamps = stamps
 
     @classmethod
     def wrap(cls, compiled: CompiledModule, fallback: str) -> "PrecompiledModule":
         return cls(compiled.module, compiled.runtime_inputs, compiled.report,
-                   make_stamps(compiled.report, fallback))
+                   make_stamps(compiled.report, fallback), compiled.source)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "PrecompiledModule") -> bytes:

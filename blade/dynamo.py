@@ -13,7 +13,8 @@ from torch._dynamo.backends.registry import register_backend
 
 from blade.aot import PrecompiledModule
 from blade.config import Config
-from blade.pipeline import compile_fx
+from blade.guards import first_requiring_grad, module_tensors, placeholder_names
+from blade.pipeline import compile_fx, eager_for_grad_message
 from blade.specialize import ShapeSpecialized, is_dynamic
 
 log = logging.getLogger("blade")
@@ -21,6 +22,10 @@ log = logging.getLogger("blade")
 
 def tt_infer(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
     config = Config.from_options(options)  # bad option names are the user's error: raise
+    recording = _autograd_recording(gm, example_inputs)
+    if recording is not None:
+        warnings.warn(eager_for_grad_message(recording))
+        return gm.forward
     if is_dynamic(gm, example_inputs):
         return ShapeSpecialized(gm, config)
     try:
@@ -30,6 +35,15 @@ def tt_infer(gm: torch.fx.GraphModule, example_inputs, options: dict | None = No
                       f"it runs eagerly")
         log.debug("tt_infer failure", exc_info=True)
         return gm.forward
+
+
+def _autograd_recording(gm: torch.fx.GraphModule, example_inputs) -> str | None:
+    """What autograd would record through, when it would (dynamo calls the backend under the
+    frame's grad mode and guards on it and on requires_grad, so this holds for every call of
+    the graph): engines compute no gradients, so such a graph is not worth compiling."""
+    if not torch.is_grad_enabled():
+        return None
+    return first_requiring_grad(example_inputs, placeholder_names(gm), module_tensors(gm))
 
 
 register_backend(name="tt_infer", compiler_fn=tt_infer)

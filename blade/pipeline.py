@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ from blade.cluster.splice import splice
 from blade.cluster.support import LoweringError
 from blade.config import Config
 from blade.engine.driver import compile_many
+from blade.errors import translate_engine_error
 from blade.frontend import to_torchscript
+from blade.guards import FrozenWeights, first_requiring_grad, module_tensors, placeholder_names
 from blade.progress import Progress
 from blade.runtime import make_engine
 from blade.sources import fx_locations, node_location
@@ -92,16 +95,88 @@ class CompileReport:
         return [(n.kind, n.reason) for n in self.left_out_nodes]
 
 
-class CompiledModule:
-    """What the backend hands to dynamo: calls the spliced ScriptModule with the runtime inputs."""
+MAX_RECOMPILES = 4   # frozen weights changed more often than this: the graph runs eagerly
 
-    def __init__(self, module: torch.jit.ScriptModule, runtime_inputs: list, report: CompileReport):
+
+@dataclass
+class GraphSource:
+    """What a live compile keeps to run its graph eagerly or compile it again (never serialized:
+    a deserialized CompiledModule has engines only)."""
+    gm: torch.fx.GraphModule
+    config: Config
+    input_names: list            # a readable name per graph input (blade/guards.py)
+    attributes: dict             # parameters and buffers the graph reads as attributes
+    frozen: FrozenWeights        # the tensors frozen into the engines, as they were then
+
+
+class CompiledModule:
+    """What the backend hands to dynamo: calls the spliced ScriptModule with the runtime inputs,
+    after the checks of blade/guards.py (autograd recording, frozen weights changed)."""
+
+    def __init__(self, module: torch.jit.ScriptModule, runtime_inputs: list, report: CompileReport,
+                 source: GraphSource | None = None):
         self.module = module
         self.runtime_inputs = runtime_inputs
         self.report = report
+        self.source = source
+        self._warned_eager = False
+        self._recompiling = threading.Lock()
+        self._recompiles = 0
 
     def __call__(self, *args):
-        return self.module(*[args[i] for i in self.runtime_inputs])
+        if torch.is_grad_enabled():  # the only cost under no_grad / inference_mode
+            recording = first_requiring_grad(args, *self._grad_names())
+            if recording is not None:
+                return self._run_eagerly(args, recording)
+        if self.source is not None:
+            stale = self.source.frozen.changed(args)
+            if stale is not None and not self._recompiled(args, stale):
+                return self.source.gm(*args)
+        try:
+            return self.module(*[args[i] for i in self.runtime_inputs])
+        except RuntimeError as err:
+            translated = translate_engine_error(err, self.report)
+            if translated is None:
+                raise
+            raise translated from err
+
+    def _grad_names(self) -> tuple:
+        return (self.source.input_names, self.source.attributes) if self.source else ([], {})
+
+    def _run_eagerly(self, args, recording: str):
+        if self.source is None:
+            raise RuntimeError(f"blade: autograd is recording ({recording} requires grad) but this "
+                               f"deserialized compiled graph has only engines, which compute no "
+                               f"gradients: call it under torch.no_grad() or torch.inference_mode()")
+        if not self._warned_eager:
+            self._warned_eager = True
+            warnings.warn(eager_for_grad_message(recording))
+        return self.source.gm(*args)
+
+    def _recompiled(self, args, stale: str) -> bool:
+        """Compile the graph again on the frozen tensors' current values (one thread at a time;
+        the others wait and find it done). False past MAX_RECOMPILES: weights that keep changing
+        are better read eagerly (the caller runs the FX graph, always current)."""
+        with self._recompiling:
+            if self.source.frozen.changed(args) is None:
+                return True
+            if self._recompiles >= MAX_RECOMPILES:
+                if self._recompiles == MAX_RECOMPILES:
+                    self._recompiles += 1
+                    warnings.warn(f"blade: {stale} changed after this graph was compiled, which "
+                                  f"was compiled {MAX_RECOMPILES} times already for changed weights: "
+                                  f"it runs eagerly from now on (freeze_params=False keeps weights "
+                                  f"out of the engines)")
+                return False
+            self._recompiles += 1
+            warnings.warn(f"blade: {stale} changed after this graph was compiled (written in place "
+                          f"or replaced) and its engines hold the old value: compiling it again "
+                          f"(freeze_params=False keeps weights out of the engines)")
+            with self.source.config:
+                fresh = compile_fx(self.source.gm, list(args), self.source.config)
+            self.module, self.runtime_inputs, self.report = fresh.module, fresh.runtime_inputs, fresh.report
+            self.source = fresh.source
+            return True
 
     def engines(self) -> dict:
         """cluster name -> its torch.classes.blade.Engine, for the clusters that got one."""
@@ -217,7 +292,19 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
         _remove_successful(work_root, spliced, cluster_reports)
     log.info("blade: %d/%d aten ops in %d engine(s), compiled in %.2fs (total %.2fs)",
              report.aten_in_engines, report.aten_total, len(spliced), report.compile_wall_s, report.total_s)
-    return CompiledModule(front.module, front.runtime_inputs, report)
+    return CompiledModule(front.module, front.runtime_inputs, report,
+                          _source(gm, example_inputs, front.runtime_inputs, config))
+
+
+def _source(gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list, config: Config) -> GraphSource:
+    return GraphSource(gm, config, placeholder_names(gm), module_tensors(gm),
+                       FrozenWeights.of(gm, example_inputs, runtime_inputs))
+
+
+def eager_for_grad_message(recording: str) -> str:
+    return (f"blade: this graph runs eagerly: autograd is recording (grad is enabled and {recording} "
+            f"requires grad) and engines compute no gradients; call the model under torch.no_grad() "
+            f"or torch.inference_mode() to run its engines")
 
 
 def _failed_cluster_nodes(clusters: list, parts, locations: dict) -> list:

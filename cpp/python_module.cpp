@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "blade_abi.h"
+#include "frozen_tensors.h"
 #include "isa.h"
 #include "python_testing.h"
 
@@ -16,6 +17,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("isa_supported", &blade::isa_supported, pybind11::arg("isa"),
         "Whether code compiled with -march=<isa> runs on this CPU (False for unknown names).");
   m.def("known_isas", &blade::known_isas, "The ISA levels blade knows, lowest first.");
+  blade::bind_frozen_tensors(m);
 
   auto testing = m.def_submodule("_testing", "Hooks into the runtime for blade's own tests.");
   blade::bind_testing(testing);

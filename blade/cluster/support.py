@@ -469,7 +469,9 @@ def _cat(ctx: LowerCtx, node):
 
 def _embedding(ctx: LowerCtx, node):
     weight, indices = _args(node)[:2]
-    return [ctx.b.op("Gather", [ctx.tensor(weight), ctx.tensor(indices)], axis=0)]
+    rows = ctx.shape(weight)[0]
+    ids = _index_in_range(ctx, _int64(ctx, indices), rows, wraps=False, past_end=rows)
+    return [ctx.b.op("Gather", [ctx.tensor(weight), ids], axis=0)]
 
 
 def _split(ctx: LowerCtx, node):
@@ -512,8 +514,9 @@ def _index(ctx: LowerCtx, node):
     dims = [d for d, e in enumerate(entries) if e is not None]
     first, last = dims[0], dims[-1] + 1
     linear, stride = None, 1
+    extent = int(np.prod([shape[d] for d in dims]))  # of the flattened dims the Gather reads
     for d in reversed(dims):
-        i = _wrap_negative(ctx, entries[d], shape[d])
+        i = _index_in_range(ctx, entries[d], shape[d], wraps=True, past_end=extent)
         term = i if stride == 1 else ctx.b.op("Mul", [i, ctx.scalar(stride, np.int64)])
         linear = term if linear is None else ctx.b.op("Add", [linear, term])
         stride *= shape[d]
@@ -543,6 +546,24 @@ def _wrap_negative(ctx: LowerCtx, index: str, n: int) -> str:
     """index + n where index < 0 (torch's negative indexing), on an int64 ONNX value."""
     size = ctx.scalar(n, np.int64)
     return ctx.b.op("Where", [ctx.b.op("Less", [index, ctx.scalar(0, np.int64)]), ctx.b.op("Add", [index, size]), index])
+
+
+def _index_in_range(ctx: LowerCtx, index: str, n: int, *, wraps: bool, past_end: int) -> str:
+    """An int64 index into a dim of size n, read as eager reads it: negatives count from the end
+    only where the op allows that (aten::index does; embedding, index_select and gather raise),
+    and an index outside the dim becomes past_end, a position past the end of the Gather that
+    reads it. ONNX Gather would wrap a negative one and a linearized multi-dim index can land
+    inside the tensor, so without this a bad index reads another element; the engine's range
+    check on past_end fails the call instead, as eager raises."""
+    if wraps:
+        index = _wrap_negative(ctx, index, n)
+    outside = ctx.b.op("Or", [ctx.b.op("Less", [index, ctx.scalar(0, np.int64)]),
+                              ctx.b.op("GreaterOrEqual", [index, ctx.scalar(n, np.int64)])])
+    return ctx.b.op("Where", [outside, ctx.scalar(max(past_end, 1), np.int64), index])
+
+
+def _int64(ctx: LowerCtx, index: torch.Value) -> str:
+    return ctx.cast(ctx.tensor(index), ctx.dtype(index), np.dtype("int64"))
 
 
 def _dims_to_axes(dims, rank: int) -> list:
@@ -848,7 +869,9 @@ def _dim_arg(ctx: LowerCtx, node, index: int, rank: int) -> int:
 def _index_select(ctx: LowerCtx, node):
     x, _, index = _args(node)[:3]
     dim = _dim_arg(ctx, node, 1, len(ctx.shape(x)))
-    return [ctx.b.op("Gather", [ctx.tensor(x), ctx.tensor(index)], axis=dim)]
+    n = ctx.shape(x)[dim] if ctx.shape(x) else 1
+    i = _index_in_range(ctx, _int64(ctx, index), n, wraps=False, past_end=n)
+    return [ctx.b.op("Gather", [ctx.tensor(x), i], axis=dim)]
 
 
 def _gather(ctx: LowerCtx, node):
@@ -861,7 +884,7 @@ def _gather(ctx: LowerCtx, node):
     for d, n in enumerate(ishape):
         if d != dim:
             position += (np.arange(n) * strides[d]).reshape([-1 if k == d else 1 for k in range(len(ishape))])
-    i = _wrap_negative(ctx, ctx.cast(ctx.tensor(index), ctx.dtype(index), np.dtype("int64")), shape[dim])
+    i = _index_in_range(ctx, _int64(ctx, index), shape[dim], wraps=False, past_end=int(np.prod(shape)))
     linear = ctx.b.op("Add", [ctx.b.op("Mul", [i, ctx.scalar(strides[dim], np.int64)]), ctx.b.constant(position)])
     flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
     return [ctx.b.op("Gather", [flat, linear], axis=0)]
@@ -1295,6 +1318,11 @@ LOWERING: dict[str, Rule] = {
     "prim::ListUnpack": Rule(_list_unpack, tensor_lists=True),
     "aten::__getitem__": Rule(_list_getitem, tensor_lists=True),
 }
+
+# Ops whose rules read through _index_in_range: an index from the model's data that is out of
+# range fails the engine's call (blade/errors.py names these ops in the error).
+RANGE_CHECKED = ("aten::embedding", "aten::index", "aten::index_select", "aten::gather")
+assert all(kind in LOWERING for kind in RANGE_CHECKED)
 
 # Node kinds that are never "ops" (they are absorbed into whatever uses them).
 IGNORED_KINDS = {"prim::Constant"}

@@ -1,0 +1,43 @@
+#include "frozen_tensors.h"
+
+#include <pybind11/stl.h>
+
+namespace blade {
+
+FrozenTensors::FrozenTensors(const std::vector<int64_t>& positions,
+                             const std::vector<pybind11::object>& tensors) {
+  TORCH_CHECK(positions.size() == tensors.size(), "FrozenTensors: ", positions.size(), " positions for ",
+              tensors.size(), " tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(THPVariable_Check(tensors[i].ptr()), "FrozenTensors: entry ", i, " is not a tensor");
+    at::Tensor tensor = THPVariable_Unpack(tensors[i].ptr());
+    entries_.push_back({positions[i], tensors[i], tensor, static_cast<int64_t>(tensor._version()),
+                        tensor.unsafeGetTensorImpl()->unsafe_storage().data()});
+  }
+}
+
+int64_t FrozenTensors::changed(const pybind11::tuple& args) const {
+  const auto n_args = static_cast<int64_t>(args.size());
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    if (e.position >= 0 && (e.position >= n_args || args[e.position].ptr() != e.object.ptr())) {
+      return static_cast<int64_t>(i);
+    }
+    if (static_cast<int64_t>(e.tensor._version()) != e.version ||
+        e.tensor.unsafeGetTensorImpl()->unsafe_storage().data() != e.data) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+void bind_frozen_tensors(pybind11::module_& m) {
+  pybind11::class_<FrozenTensors>(m, "FrozenTensors",
+                                  "Identity, version counter and storage of frozen tensors, checked per call.")
+      .def(pybind11::init<const std::vector<int64_t>&, const std::vector<pybind11::object>&>(),
+           pybind11::arg("positions"), pybind11::arg("tensors"))
+      .def("changed", &FrozenTensors::changed, pybind11::arg("args"),
+           "Index of the first tensor replaced or written since construction, else -1.");
+}
+
+}  // namespace blade
