@@ -16,6 +16,11 @@ takes, the compile report, and the stamps below; loading is ``torch.jit.load``, 
 ``blade.precompile(m, (x,), path)`` is the first two lines; ``fn = blade.load_precompiled(path, m)``
 the last, with the model bound (``fn(x)``) and the outputs as one flat tuple of tensors.
 
+Integrity: the serialized bytes are ``PRECOMPILED_MAGIC``, the SHA-256 of the payload, then the
+payload (a pickle); loading checks the hash before unpickling anything, so damage anywhere in
+blade's part is a ``CorruptArtifact`` (the engines inside carry their own hashes as well, checked
+by the Engine before its .so is loaded). torch's own container around it is torch's.
+
 Stamps: an artifact records the torch version, blade's archive format, the engine ABI and the ISA
 levels its engines need. ``check_stamps`` turns a mismatch into one clear error before anything is
 loaded — except an ISA the host lacks when engines carry their TorchScript fallback (then the
@@ -24,6 +29,7 @@ Engine runs the fallback and only a warning is given here).
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import pickle
 import platform
@@ -35,12 +41,36 @@ from torch._dynamo.aot_compile_types import SerializableCallable
 import blade._C as _C
 from blade.pipeline import CompiledModule, CompileReport
 
-ARCHIVE_FORMAT = 2          # bumped when the stamps or the archive layout change
-PRECOMPILED_FORMAT = 1      # the layout of PrecompiledModule's serialized bytes
+ARCHIVE_FORMAT = 3          # bumped when the stamps or the archive layout change (3: hashed engines)
+PRECOMPILED_FORMAT = 2      # the layout of PrecompiledModule's serialized bytes (2: sealed)
+PRECOMPILED_MAGIC = b"blade-precompiled-2\n"
 
 
 class IncompatibleArtifact(RuntimeError):
     """A saved blade artifact cannot run in this process (the message says why and what to do)."""
+
+
+class CorruptArtifact(IncompatibleArtifact):
+    """A saved blade artifact's bytes are not the bytes that were saved (damaged or modified)."""
+
+
+def seal(payload: bytes) -> bytes:
+    """payload behind a magic and its SHA-256, for unseal to check."""
+    return PRECOMPILED_MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def unseal(data: bytes, what: str) -> bytes:
+    """The payload seal wrapped, or IncompatibleArtifact / CorruptArtifact saying why not."""
+    if not data.startswith(PRECOMPILED_MAGIC):
+        raise IncompatibleArtifact(f"{what} is not of blade precompiled format {PRECOMPILED_FORMAT} (saved by an "
+                                   f"older blade, or damaged): re-run aot_compile with this blade")
+    start = len(PRECOMPILED_MAGIC) + hashlib.sha256().digest_size
+    digest, payload = data[len(PRECOMPILED_MAGIC):start], data[start:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CorruptArtifact(f"{what} is damaged: the SHA-256 of its {len(payload)} bytes differs from the one "
+                              f"saved with them; nothing of it was loaded. Restore a good copy or re-run "
+                              f"aot_compile")
+    return payload
 
 
 def torch_release(version: str) -> str:
@@ -109,13 +139,13 @@ class PrecompiledModule(CompiledModule, SerializableCallable):
     def serialize_compile_artifacts(cls, fn: "PrecompiledModule") -> bytes:
         archive = io.BytesIO()
         torch.jit.save(fn.module, archive)
-        return pickle.dumps({"format": PRECOMPILED_FORMAT, "stamps": fn.stamps,
-                             "module": archive.getvalue(), "runtime_inputs": list(fn.runtime_inputs),
-                             "report": fn.report})
+        return seal(pickle.dumps({"format": PRECOMPILED_FORMAT, "stamps": fn.stamps,
+                                  "module": archive.getvalue(), "runtime_inputs": list(fn.runtime_inputs),
+                                  "report": fn.report}))
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "PrecompiledModule":
-        state = pickle.loads(data)
+        state = pickle.loads(unseal(data, "blade precompiled function"))
         if state.get("format") != PRECOMPILED_FORMAT:
             raise IncompatibleArtifact(f"blade precompiled function of format {state.get('format')}; "
                                        f"this blade reads format {PRECOMPILED_FORMAT}: re-run aot_compile")

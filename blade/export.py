@@ -10,19 +10,27 @@ linked, see examples/cpp). Its inputs are the model's tensor arguments, flattene
 outputs are the model's output tensors, flattened (pytree order). The archive carries the stamps of
 blade.aot (torch version, formats, ABI, ISA) as the extra file ``blade_metadata.json``;
 ``blade.load`` checks them first and names every mismatch.
+
+Integrity: torch.jit.load reads records without checking the zip's CRC-32s (a flipped weight
+byte loads as a wrong weight), so ``blade.load`` first reads every record back against its CRC-32
+(any damage of up to 32 bits in a row is caught for sure, longer damage but for a 2**-32 chance)
+and raises ``CorruptArtifact`` naming the record. Each Engine also carries SHA-256 hashes of its
+.so, constants and fields, checked before its .so is loaded, which protects ``torch.jit.load`` and
+C++ loaders too (engine_state.h); the rest of the archive (code, pickles, TorchScript constants)
+is protected only by ``blade.load``'s check.
 """
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 import warnings
 import zipfile
 
 import torch
 import torch.fx
 
-from blade.aot import check_stamps, make_stamps
+from blade.aot import CorruptArtifact, check_stamps, make_stamps
 from blade.config import Config, current
 from blade.pipeline import CompiledModule, compile_fx
 
@@ -61,8 +69,10 @@ def compile_model(model, example_inputs: tuple, config: Config | None = None) ->
 def _atomic_jit_save(module, path: str, extra_files: dict) -> None:
     """torch.jit.save to a temp file beside path, then os.replace: readers never see half a file."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".blade-export-", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp = os.path.join(directory, f".blade-export-{secrets.token_hex(8)}.tmp")
+    # Mode 0666 less the umask, like open(): tempfile.mkstemp's 0600 would hide the archive from a
+    # server running as another user.
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         torch.jit.save(module, tmp, _extra_files=extra_files)
         os.replace(tmp, path)
@@ -91,9 +101,26 @@ def read_stamps(path: str) -> dict | None:
         return json.loads(archive.read(names[0])) if names else None
 
 
+def verify_archive(path: str) -> None:
+    """Read every record of the archive back against its CRC-32; CorruptArtifact if one differs or
+    the zip structure itself is damaged."""
+    with open(path, "rb") as file:  # a missing or unreadable file is an OSError, not damage
+        try:
+            with zipfile.ZipFile(file) as archive:
+                for info in archive.infolist():
+                    with archive.open(info) as record:  # raises at the end on a CRC mismatch
+                        while record.read(1 << 20):
+                            pass
+        except Exception as err:  # noqa: BLE001 - whatever zipfile trips over in damaged bytes
+            raise CorruptArtifact(f"blade archive {path} is damaged ({type(err).__name__}: {err}); nothing "
+                                  f"of it was loaded. Restore a good copy or re-export the model") from err
+
+
 def load(path: str) -> torch.jit.ScriptModule:
-    """The exported module, after checking its stamps against this process (clear error if they
-    do not match; only a warning when the archive's engines carry their fallback)."""
+    """The exported module, after checking its bytes (CorruptArtifact) and its stamps against this
+    process (clear error if they do not match; only a warning when the archive's engines carry
+    their fallback)."""
+    verify_archive(path)
     stamps = read_stamps(path)
     if stamps is None:
         raise ValueError(f"{path} is not a blade archive (no {METADATA_FILE}); use torch.jit.load")
