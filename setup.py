@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent
 # OpenSSL's libcrypto: RUNTIME_LIBRARIES), the BladeRuntime table, the .so loader, ISA checks. Free of pybind/Python, so the same list builds a plain shared library for C++
 # programs that load saved blade modules with libtorch alone.
 RUNTIME_SOURCES = [
+    "cpp/archive_check.cpp",
     "cpp/content_digest.cpp",
     "cpp/engine.cpp",
     "cpp/engine_fallback.cpp",

@@ -12,15 +12,18 @@ blade.aot (torch version, formats, ABI, ISA) as the extra file ``blade_metadata.
 ``blade.load`` checks them first and names every mismatch.
 
 Integrity: torch.jit.load reads records without checking the zip's CRC-32s (a flipped weight
-byte loads as a wrong weight), so ``blade.load`` first reads every record back against its CRC-32
-(any damage of up to 32 bits in a row is caught for sure, longer damage but for a 2**-32 chance)
-and raises ``CorruptArtifact`` naming the record. Each Engine also carries SHA-256 hashes of its
-.so, constants and fields, checked before its .so is loaded, which protects ``torch.jit.load`` and
-C++ loaders too (engine_state.h); the rest of the archive (code, pickles, TorchScript constants)
-is protected only by ``blade.load``'s check.
+byte loads as a wrong weight). So the archive also holds ``extra/blade_records.txt``, the SHA-256
+of every other record (cpp/archive_check.h), and ``blade.load`` checks, before loading anything:
+the zip structure and every record's CRC-32 (pure Python: no damaged header reaches torch's C++
+reader), then the records' SHA-256s (``blade._C.verify_archive``, which C++ servers call before
+``torch::jit::load``, see examples/cpp). Damage is a ``CorruptArtifact`` naming the record. Each
+Engine also carries SHA-256s of its .so, constants and fields, checked before its .so is loaded,
+so a plain ``torch.jit.load`` still never runs a damaged engine (engine_state.h).
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import secrets
@@ -30,11 +33,16 @@ import zipfile
 import torch
 import torch.fx
 
+import blade._C as _C
 from blade.aot import CorruptArtifact, check_stamps, make_stamps
 from blade.config import Config, current
 from blade.pipeline import CompiledModule, compile_fx
 
 METADATA_FILE = "blade_metadata.json"
+RECORDS_FILE = "blade_records.txt"     # "<sha256> <record>" per record but UNLISTED_RECORDS
+# Not hashed: the list itself, and torch's id of the archive, which torch derives from all records
+# (the list included) and reads back only as an id. cpp/archive_check.cpp skips the same two.
+UNLISTED_RECORDS = (f"extra/{RECORDS_FILE}", ".data/serialization_id")
 
 
 class ExportError(RuntimeError):
@@ -66,8 +74,9 @@ def compile_model(model, example_inputs: tuple, config: Config | None = None) ->
     return compile_fx(gm, flat_inputs, config or current())
 
 
-def _atomic_jit_save(module, path: str, extra_files: dict) -> None:
-    """torch.jit.save to a temp file beside path, then os.replace: readers never see half a file."""
+def _atomic_jit_save(module, path: str, extra_files: dict, check=lambda tmp: None) -> None:
+    """torch.jit.save to a temp file beside path, check(tmp), then os.replace: readers never see
+    half a file."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".blade-export-{secrets.token_hex(8)}.tmp")
     # Mode 0666 less the umask, like open(): tempfile.mkstemp's 0600 would hide the archive from a
@@ -75,10 +84,44 @@ def _atomic_jit_save(module, path: str, extra_files: dict) -> None:
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         torch.jit.save(module, tmp, _extra_files=extra_files)
+        check(tmp)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def record_digests(archive) -> dict:
+    """Record name (without the archive's top dir) -> SHA-256 hex, for every record but
+    UNLISTED_RECORDS. archive: a path or a binary file object."""
+    digests = {}
+    with zipfile.ZipFile(archive) as zf:
+        for info in zf.infolist():
+            name = info.filename.split("/", 1)[1]
+            if name in UNLISTED_RECORDS:
+                continue
+            digest = hashlib.sha256()
+            with zf.open(info) as record:
+                for chunk in iter(lambda: record.read(1 << 20), b""):
+                    digest.update(chunk)
+            digests[name] = digest.hexdigest()
+    return digests
+
+
+def _save_with_record_digests(module, path: str, extra_files: dict) -> None:
+    """Saves the archive with extra/blade_records.txt listing the SHA-256 of every other record.
+    torch.jit.save writes the records in one go, so a first save into memory learns them; the
+    second (to disk) must write the same bytes, which is checked before it is published."""
+    first = io.BytesIO()
+    torch.jit.save(module, first, _extra_files=extra_files)
+    digests = record_digests(first)
+    records = "".join(f"{digest} {name}\n" for name, digest in sorted(digests.items()))
+
+    def same_records(tmp: str) -> None:
+        if record_digests(tmp) != digests:
+            raise RuntimeError("blade.export: torch.jit.save wrote different records on two saves of one module, "
+                               "so their hashes cannot be recorded")
+    _atomic_jit_save(module, path, dict(extra_files, **{RECORDS_FILE: records}), check=same_records)
 
 
 def export(model, example_inputs: tuple, path: str, config: Config | None = None) -> CompiledModule:
@@ -89,7 +132,7 @@ def export(model, example_inputs: tuple, path: str, config: Config | None = None
     if not stamps["engines"]:
         warnings.warn(f"blade.export: no cluster of the model compiled to an engine; {path} is plain "
                       f"TorchScript")
-    _atomic_jit_save(compiled.module, path, {METADATA_FILE: json.dumps(stamps)})
+    _save_with_record_digests(compiled.module, path, {METADATA_FILE: json.dumps(stamps)})
     return compiled
 
 
@@ -102,8 +145,8 @@ def read_stamps(path: str) -> dict | None:
 
 
 def verify_archive(path: str) -> None:
-    """Read every record of the archive back against its CRC-32; CorruptArtifact if one differs or
-    the zip structure itself is damaged."""
+    """CorruptArtifact unless the zip structure is sound, every record matches its CRC-32, and
+    every record its SHA-256 in extra/blade_records.txt."""
     with open(path, "rb") as file:  # a missing or unreadable file is an OSError, not damage
         try:
             with zipfile.ZipFile(file) as archive:
@@ -114,6 +157,10 @@ def verify_archive(path: str) -> None:
         except Exception as err:  # noqa: BLE001 - whatever zipfile trips over in damaged bytes
             raise CorruptArtifact(f"blade archive {path} is damaged ({type(err).__name__}: {err}); nothing "
                                   f"of it was loaded. Restore a good copy or re-export the model") from err
+    try:
+        _C.verify_archive(path)
+    except RuntimeError as err:
+        raise CorruptArtifact(str(err)) from err
 
 
 def load(path: str) -> torch.jit.ScriptModule:

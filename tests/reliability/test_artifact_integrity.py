@@ -59,6 +59,17 @@ def test_blade_load_refuses_a_damaged_record_of_any_kind(exported):
         assert case.verdict == "error" and case.detail.startswith("CorruptArtifact: blade archive"), case
 
 
+def test_cpp_loaders_get_a_check_of_the_records_torch_does_not(exported, tmp_path):
+    """blade._C.verify_archive is what blade_run (examples/cpp) runs before torch::jit::load."""
+    raw = exported[0].read_bytes()
+    for region in ("ts_constant", "code", "pickle"):
+        span = exported[2][region][0]
+        path = fuzz.damaged_copy(raw, [span.start + len(span) // 2], random.Random(0), tmp_path / f"{region}.pt")
+        with pytest.raises(RuntimeError, match=f"blade archive {path} is damaged: the SHA-256 of record"):
+            blade._C.verify_archive(str(path))
+    blade._C.verify_archive(str(exported[0]))
+
+
 def test_engine_fields_are_hashed(exported):
     """Specs live in data.pkl, outside any tensor record: a larger output shape or a smaller scratch
     would make the engine write out of bounds."""
