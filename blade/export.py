@@ -91,6 +91,14 @@ def _atomic_jit_save(module, path: str, extra_files: dict, check=lambda tmp: Non
         raise
 
 
+def _read_through(record):
+    """The SHA-256 of an open zip record, read in chunks (zipfile checks its CRC-32 at the end)."""
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: record.read(1 << 20), b""):
+        digest.update(chunk)
+    return digest
+
+
 def record_digests(archive) -> dict:
     """Record name (without the archive's top dir) -> SHA-256 hex, for every record but
     UNLISTED_RECORDS. archive: a path or a binary file object."""
@@ -100,11 +108,8 @@ def record_digests(archive) -> dict:
             name = info.filename.split("/", 1)[1]
             if name in UNLISTED_RECORDS:
                 continue
-            digest = hashlib.sha256()
             with zf.open(info) as record:
-                for chunk in iter(lambda: record.read(1 << 20), b""):
-                    digest.update(chunk)
-            digests[name] = digest.hexdigest()
+                digests[name] = _read_through(record).hexdigest()
     return digests
 
 
@@ -144,19 +149,23 @@ def read_stamps(path: str) -> dict | None:
         return json.loads(archive.read(names[0])) if names else None
 
 
-def verify_archive(path: str) -> None:
-    """CorruptArtifact unless the zip structure is sound, every record matches its CRC-32, and
-    every record its SHA-256 in extra/blade_records.txt."""
+def check_zip(path: str) -> None:
+    """CorruptArtifact unless the zip structure is sound and every record matches its CRC-32.
+    Pure Python, so no damaged header reaches torch's C++ zip reader."""
     with open(path, "rb") as file:  # a missing or unreadable file is an OSError, not damage
         try:
             with zipfile.ZipFile(file) as archive:
                 for info in archive.infolist():
-                    with archive.open(info) as record:  # raises at the end on a CRC mismatch
-                        while record.read(1 << 20):
-                            pass
+                    with archive.open(info) as record:
+                        _read_through(record)
         except Exception as err:  # noqa: BLE001 - whatever zipfile trips over in damaged bytes
             raise CorruptArtifact(f"blade archive {path} is damaged ({type(err).__name__}: {err}); nothing "
                                   f"of it was loaded. Restore a good copy or re-export the model") from err
+
+
+def check_records(path: str) -> None:
+    """CorruptArtifact unless every record matches its SHA-256 in extra/blade_records.txt (the
+    check C++ servers run before torch::jit::load)."""
     try:
         _C.verify_archive(path)
     except RuntimeError as err:
@@ -167,9 +176,10 @@ def load(path: str) -> torch.jit.ScriptModule:
     """The exported module, after checking its bytes (CorruptArtifact) and its stamps against this
     process (clear error if they do not match; only a warning when the archive's engines carry
     their fallback)."""
-    verify_archive(path)
+    check_zip(path)
     stamps = read_stamps(path)
     if stamps is None:
         raise ValueError(f"{path} is not a blade archive (no {METADATA_FILE}); use torch.jit.load")
     check_stamps(stamps, f"blade archive {path}")
+    check_records(path)
     return torch.jit.load(path)
