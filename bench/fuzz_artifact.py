@@ -34,6 +34,7 @@ import json
 import os
 import random
 import select
+import struct
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,7 @@ import zipfile
 from pathlib import Path
 
 VERDICT_PREFIX = "FUZZ "
+LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip local file header: signature, ..., name and extra lengths
 BAD_CLASSES = ("crash", "hang", "wrong")
 SENSITIVE_REGIONS = ("so", "tensor", "ts_constant", "pickle", "code", "zip_header", "central_directory")
 
@@ -105,9 +107,8 @@ def regions(archive: Path) -> dict[str, list[range]]:
     with zipfile.ZipFile(archive) as zf:
         infos = sorted(zf.infolist(), key=lambda i: i.header_offset)
         for info in infos:
-            name_len, extra_len = int.from_bytes(raw[info.header_offset + 26:info.header_offset + 28], "little"), \
-                int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
-            start = info.header_offset + 30 + name_len + extra_len
+            _, name_len, extra_len = LOCAL_HEADER.unpack_from(raw, info.header_offset)
+            start = info.header_offset + LOCAL_HEADER.size + name_len + extra_len
             found["zip_header"].append(range(info.header_offset, start))
             if info.compress_size:
                 found[_record_region(info.filename, raw[start:start + 4])].append(
