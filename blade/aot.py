@@ -19,7 +19,11 @@ the last, with the model bound (``fn(x)``) and the outputs as one flat tuple of 
 Integrity: the serialized bytes are ``PRECOMPILED_MAGIC``, the SHA-256 of the payload, then the
 payload (a pickle); loading checks the hash before unpickling anything, so damage anywhere in
 blade's part is a ``CorruptArtifact`` (the engines inside carry their own hashes as well, checked
-by the Engine before its .so is loaded). torch's own container around it is torch's.
+by the Engine before its .so is loaded). torch's container around it (dynamo's guards and
+bytecode, pickled) has no check of its own: ``blade.precompile`` appends ``FILE_TRAILER`` and the
+SHA-256 of the whole file, which ``blade.load_precompiled`` checks before handing the bytes to
+torch. torch's unpickler stops at the pickle's end, so ``torch.compiler.load_compiled_function``
+still reads such a file (a test holds torch to that).
 
 Stamps: an artifact records the torch version, blade's archive format, the engine ABI and the ISA
 levels its engines need. ``check_stamps`` turns a mismatch into one clear error before anything is
@@ -44,6 +48,8 @@ from blade.pipeline import CompiledModule, CompileReport
 ARCHIVE_FORMAT = 3          # bumped when the stamps or the archive layout change (3: hashed engines)
 PRECOMPILED_FORMAT = 2      # the layout of PrecompiledModule's serialized bytes (2: sealed)
 PRECOMPILED_MAGIC = b"blade-precompiled-2\n"
+FILE_TRAILER = b"\nblade-sha256:"   # + 64 hex digits: the end of a file blade.precompile wrote
+FILE_TRAILER_SIZE = len(FILE_TRAILER) + 64
 
 
 class IncompatibleArtifact(RuntimeError):
@@ -197,13 +203,33 @@ def precompile(model: torch.nn.Module, example_inputs: tuple, path: str, *, guar
         fn = torch.compile(served.forward, backend="tt_infer", fullgraph=True,
                            options=compile_options or None).aot_compile((tuple(example_inputs), {}))
         fn.save_compiled_function(path, external_data={"model": served})
+    with open(path, "rb+") as f:
+        f.write(_trailer(f.read()))  # reading left the position at the end: the trailer goes after
     return functools.partial(fn, served)  # a method's precompiled function takes self first
+
+
+def _trailer(data: bytes) -> bytes:
+    return FILE_TRAILER + hashlib.sha256(data).hexdigest().encode()
+
+
+def _checked_file(path: str) -> bytes:
+    """torch's bytes of a file blade.precompile wrote, after checking its trailer's SHA-256."""
+    with open(path, "rb") as f:
+        data = f.read()
+    body, trailer = data[:-FILE_TRAILER_SIZE], data[-FILE_TRAILER_SIZE:]
+    if not trailer.startswith(FILE_TRAILER):
+        raise IncompatibleArtifact(f"{path} does not end in blade's hash (not written by blade.precompile, by an "
+                                   f"older blade, or damaged); load it with torch.compiler.load_compiled_function "
+                                   f"or precompile it again")
+    if trailer != _trailer(body):
+        raise CorruptArtifact(f"{path} is damaged: the SHA-256 of its {len(body)} bytes differs from the one saved "
+                              f"with them; nothing of it was loaded. Restore a good copy or precompile again")
+    return body
 
 
 def load_precompiled(path: str, model: torch.nn.Module):
     """The function ``precompile`` saved, bound to ``model``: call it with the inputs only (under
     ``torch.no_grad()`` like at precompile time; dynamo checks its guards on every call)."""
     served = _Forward(model)
-    with open(path, "rb") as f:
-        fn = torch.compiler.load_compiled_function(f, external_data={"model": served})
+    fn = torch.compiler.load_compiled_function(io.BytesIO(_checked_file(path)), external_data={"model": served})
     return functools.partial(fn, served)

@@ -107,3 +107,22 @@ def test_fuzz_hundreds_of_flips(exported):
     cases = fuzz.make_cases(exported[2], list(exported[2]), 300, random.Random(1))
     cases += [fuzz.Case(region, [p]) for region, p in fuzz.chosen_positions(archive, exported[2])]
     _assert_no_bad_cases(run(exported, cases, seed=1))
+
+
+def test_a_damaged_precompiled_file_is_refused_and_torch_still_reads_an_intact_one(tmp_path):
+    """blade.precompile appends a SHA-256 trailer to torch's file; torch's own loader must keep
+    ignoring it (its unpickler stops at the pickle's end)."""
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).eval(), torch.randn(2, 8)
+    path = tmp_path / "m.aot"
+    blade.precompile(model, (x,), str(path))
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(blade.load_precompiled(str(path), model)(x)[0], expected)
+        with open(path, "rb") as f:
+            plain = torch.compiler.load_compiled_function(f, external_data={"model": blade.aot._Forward(model)})
+        torch.testing.assert_close(plain(blade.aot._Forward(model), x)[0], expected)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x04
+    path.write_bytes(data)
+    with pytest.raises(CorruptArtifact, match=f"{path} is damaged: the SHA-256"):
+        blade.load_precompiled(str(path), model)
