@@ -14,6 +14,7 @@ import torch
 
 from blade.config import Config
 from blade.debug import CapturingBackend
+from blade.frontend import module_state, state_restored
 
 
 @dataclass
@@ -86,9 +87,11 @@ def _unique(items) -> list:
 
 def explain(model, *example_inputs, **options) -> Explanation:
     """Compiles model for these inputs as torch.compile(backend="tt_infer", options=options)
-    would, runs it once, and reports what happened."""
+    would, runs it once, and reports what happened. The model's state and the inputs are left as
+    they were (dynamo's explain and the compiled call each run the model once)."""
     config = Config.from_options(options)
-    with torch.no_grad():
+    inputs = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    with torch.no_grad(), state_restored(module_state(model) + inputs):
         dynamo_view = torch._dynamo.explain(model)(*example_inputs)
         torch._dynamo.reset()
         backend = CapturingBackend(config)

@@ -22,6 +22,7 @@ so a plain ``torch.jit.load`` still never runs a damaged engine (engine_state.h)
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -52,7 +53,7 @@ class ExportError(RuntimeError):
 def capture_graph(model, example_inputs: tuple) -> torch.fx.GraphModule:
     """One FX graph for the whole model, with flat tensor inputs and outputs."""
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), _tensor_attributes_kept(model):
             warnings.simplefilter("ignore", FutureWarning)  # torch._dynamo.export's notice
             # Static shapes (engines are specialized to them anyway): dynamo's dim-constraint
             # solver has nothing to do, and on some models (transformers' ResNet) it logs a
@@ -65,6 +66,20 @@ def capture_graph(model, example_inputs: tuple) -> torch.fx.GraphModule:
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat positional inputs, flat tuple output
     gm.recompile()
     return gm
+
+
+@contextlib.contextmanager
+def _tensor_attributes_kept(model):
+    """torch._dynamo.export leaves a buffer the model writes (``self.count += 1``) rebound to the
+    fake tensor it traced with; bind every buffer and parameter back to the model's own tensor."""
+    modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    before = [(slots, name, tensor) for module in modules
+              for slots in (module._buffers, module._parameters) for name, tensor in list(slots.items())]
+    try:
+        yield
+    finally:
+        for slots, name, tensor in before:
+            slots[name] = tensor
 
 
 def compile_model(model, example_inputs: tuple, config: Config | None = None) -> CompiledModule:

@@ -3,20 +3,27 @@
 This is one of the two TorchScript-specific layers (with cluster/splice.py); the engine compiler
 never sees TorchScript. Steps:
   1. parameters and buffers that dynamo lifted to graph inputs become module constants (inference
-     freezing, as Inductor's freezing and torch_blade do); the rest stay runtime inputs;
+     freezing, as Inductor's freezing and torch_blade do); the rest stay runtime inputs, and so
+     does lifted state the graph writes (a counter buffer, batch norm's running statistics in
+     training mode): each call then writes the caller's tensor once, like eager;
   2. torch.jit.script, or torch.jit.trace with the example inputs when scripting fails;
   3. freeze, inline, constant-propagate, remove mutation, specialize sizes to the static shapes;
   4. give every tensor value of the top-level block its concrete shape and dtype, measured by
-     running the graph once on the example inputs (exact for every op, no shape functions needed).
+     running the graph on copies of the example inputs and of the module's state (exact for every
+     op, no shape functions needed; the caller's tensors are never written by a compile).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx
+
+from blade.cluster.aliasing import written_attributes, written_constants
 
 log = logging.getLogger("blade")
 
@@ -42,9 +49,13 @@ def is_frozen_input(value) -> bool:
     return isinstance(value, torch.nn.Parameter) or hasattr(value, "_dynamo_static_input_type")
 
 
-def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool):
+FROZEN_PREFIX = "_blade_frozen_"
+
+
+def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, written=frozenset()):
     """Copy gm into a plain GraphModule (torch 2.13 hands backends a lazy one) and turn frozen
-    inputs into attributes. Returns the module and the positions of the inputs it still takes."""
+    inputs, except the positions in ``written``, into attributes. Returns the module and the
+    positions of the inputs it still takes."""
     graph = torch.fx.Graph()
     env: dict = {}
     root = torch.nn.Module()
@@ -58,8 +69,8 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool):
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for position, node in enumerate(placeholders):
         value = example_inputs[position] if position < len(example_inputs) else None
-        if freeze and isinstance(value, torch.Tensor) and is_frozen_input(value):
-            attr = f"_blade_frozen_{position}"
+        if freeze and isinstance(value, torch.Tensor) and is_frozen_input(value) and position not in written:
+            attr = f"{FROZEN_PREFIX}{position}"
             root.register_buffer(attr, value.detach())
             env[node] = graph.get_attr(attr)
         elif isinstance(value, (bool, int, float)):
@@ -85,9 +96,53 @@ def _script(module: torch.fx.GraphModule, inputs: list):
 def _trace(module: torch.fx.GraphModule, inputs: list):
     if not all(isinstance(x, torch.Tensor) for x in inputs):
         raise FrontendError("torch.jit.trace needs tensor inputs")
-    with warnings.catch_warnings():
+    # Tracing runs the graph: on copies of the inputs, and with the module's own state (which the
+    # traced module must keep sharing with the model) put back afterwards.
+    with warnings.catch_warnings(), state_restored(module_state(module)):
         warnings.simplefilter("ignore")
-        return torch.jit.trace(module, tuple(inputs), check_trace=False, strict=False)
+        return torch.jit.trace(module, tuple(copied_tensors(inputs)), check_trace=False, strict=False)
+
+
+def copied_tensors(values: list) -> list:
+    """The values with every tensor replaced by a copy of the same sizes, strides and storage
+    offset; views of one storage stay views of one copied storage. What the frontend runs the
+    graph on, so a graph that writes its inputs never writes the caller's."""
+    storages: dict = {}
+
+    def copy_of(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        storage = value.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in storages:
+            storages[key] = storage.clone()
+        copied = torch.empty(0, dtype=value.dtype, device=value.device)
+        copied.set_(storages[key], value.storage_offset(), value.size(), value.stride())
+        return copied.requires_grad_(value.requires_grad)  # measured types carry it
+
+    with torch.no_grad():
+        return [copy_of(value) for value in values]
+
+
+def module_state(module) -> list:
+    """A module's parameters and buffers."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return list(module.parameters()) + list(module.buffers())
+
+
+@contextlib.contextmanager
+def state_restored(tensors):
+    """The tensors (a model's parameters and buffers, inputs) hold their bytes again on exit."""
+    saved = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        saved.setdefault(storage.data_ptr(), (storage, storage.clone()))
+    try:
+        yield
+    finally:
+        for storage, snapshot in saved.values():
+            storage.copy_(snapshot)
 
 
 CONVERTERS = {"script": _script, "trace": _trace}  # tried in this order
@@ -168,8 +223,8 @@ def _assign_types(module: torch.jit.ScriptModule, inputs: list) -> None:
         probe.registerOutput(probe_values[value])
     probe.makeMultiOutputIntoTuple()
     fn = torch._C._create_function_from_graph("blade_type_probe", probe)
-    with torch.no_grad():
-        results = fn(module._c, *inputs)
+    with torch.no_grad():  # on copies: the graph may write its inputs and the module's state
+        results = fn(copy.deepcopy(module)._c, *copied_tensors(inputs))
     if not isinstance(results, tuple):
         results = (results,)
     for value, result in zip(values, results):
@@ -228,16 +283,20 @@ def _concat_shared_input_linears(graph: torch.Graph) -> None:
             node.destroy()
 
 
-def _prepare(scripted, inputs: list) -> torch.jit.ScriptModule:
+def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's own deprecation notice
-        frozen = torch.jit.freeze(scripted.eval(), optimize_numerics=False)
+        frozen = torch.jit.freeze(scripted.eval(), preserved_attrs=written, optimize_numerics=False)
     # torch's own folds of frozen affine ops into the preceding conv/linear (what freeze does with
     # optimize_numerics=True, the rest of which we do not want): a batch norm after a conv becomes
     # new conv weights and bias, instead of a per-channel multiply-add pass over every activation.
     for fold in FROZEN_FOLDS:
         fold(frozen.graph)
     _clean(frozen.graph)
+    written = written_constants(frozen.graph)
+    if written:  # the graph then runs eagerly (tt_infer's fallback), which writes the model's own state
+        raise FrontendError(f"the graph writes {len(written)} tensor(s) that freezing turned into "
+                            f"constants: %{written[0].debugName()}")
     _concat_shared_input_linears(frozen.graph)  # after CSE: a projection used twice is one linear
     _assign_types(frozen, inputs)
     _specialize_sizes(frozen.graph)
@@ -250,16 +309,34 @@ def _prepare(scripted, inputs: list) -> torch.jit.ScriptModule:
 def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool = True) -> Frontend:
     """Script (else trace) gm; a conversion counts only if the result runs on the example inputs.
     (Scripting can succeed and still fail at run time, e.g. on ``torch.tensor([])``.)"""
-    fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
-    inputs = [example_inputs[i] for i in runtime_inputs]
     errors = []
     for how, convert in CONVERTERS.items():
         try:
-            module = _prepare(convert(fx_module, inputs), inputs)
+            return _convert(gm, example_inputs, freeze, how, convert)
         except Exception as err:  # noqa: BLE001 - any failure: try the next converter
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             errors.append(f"{how}: {first_line}")
             log.info("torch.jit.%s of the FX graph failed: %s", how, first_line)
-            continue
-        return Frontend(module, runtime_inputs, inputs, how)
     raise FrontendError("could not convert the FX graph to TorchScript; " + "; ".join(errors))
+
+
+def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: str, convert) -> Frontend:
+    """Frozen inputs the graph writes are converted again as runtime inputs, so each call writes
+    the caller's tensor (once) rather than a frozen copy; other attributes it writes are kept
+    through freezing (which would fold a training-mode batch norm's running statistics)."""
+    fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
+    scripted = convert(fx_module, [example_inputs[i] for i in runtime_inputs])
+    written = _written_attributes(scripted)
+    lifted = {int(name[len(FROZEN_PREFIX):]) for name in written if name.startswith(FROZEN_PREFIX)}
+    if lifted:
+        fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze, lifted)
+        scripted = convert(fx_module, [example_inputs[i] for i in runtime_inputs])
+        written = _written_attributes(scripted)
+    inputs = [example_inputs[i] for i in runtime_inputs]
+    return Frontend(_prepare(scripted, inputs, sorted(written)), runtime_inputs, inputs, how)
+
+
+def _written_attributes(scripted) -> set:
+    graph = scripted.graph.copy()
+    torch._C._jit_pass_inline(graph)
+    return written_attributes(graph)

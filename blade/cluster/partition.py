@@ -6,29 +6,25 @@ is refused when some path leaves A, runs through a node outside A∪B and enters
 way): contracting such a pair would create a cycle. Reachability is kept as one Python-int bitset
 per op, so a merge check costs a few big-int operations and thousands of nodes partition quickly.
 
-Nodes that mutate memory (in-place ops, side effects) are barriers: unsupported, and ordered
-after every op before them and before every op after them, so no cluster straddles them.
+Nodes that mutate memory (in-place ops, training-mode norms, side effects) are barriers:
+unsupported, and ordered after every op before them and before every op after them, so no cluster
+straddles them. Nodes through which storage is observable (views of written tensors, values
+as_strided reads, views returned as aliases of inputs) stay out too (cluster/aliasing.py).
 Nodes inside control flow blocks stay where they are (the block owner is unsupported).
 
 Every op left out gets a reason (shown by reports).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
+from blade.cluster.aliasing import has_side_effects, storage_bound_nodes
 from blade.cluster.support import can_lower, is_constant, is_tensor
 
 # Tensor[] glue and pure aliases: they do not count toward a cluster's size.
 GLUE_KINDS = {"prim::ListConstruct", "prim::ListUnpack", "aten::__getitem__"}
-VIEW_KINDS = {"aten::view", "aten::reshape", "aten::flatten", "aten::view_as", "aten::reshape_as",
-              "aten::permute", "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze",
-              "aten::expand", "aten::expand_as", "aten::contiguous", "aten::detach", "aten::slice",
-              "aten::narrow", "aten::select", "aten::split", "aten::split_with_sizes", "aten::chunk",
-              "aten::dropout", "aten::feature_dropout", "aten::to", "aten::type_as",
-              "prim::ListConstruct", "prim::ListUnpack", "aten::__getitem__"}
 
 
 @dataclass
@@ -64,19 +60,6 @@ def _is_op_or_input(node: torch.Node) -> bool:
     return node.kind() == "prim::Param" or _is_op(node)
 
 
-SIDE_EFFECT_KINDS = {"prim::Print", "prim::RaiseException", "prim::SetAttr", "aten::warn",
-                     "prim::CallMethod", "prim::CallFunction", "prim::Enter", "prim::Exit"}
-_WRITES = re.compile(r"\([a-z]+!\)")  # alias annotation of a written argument, e.g. Tensor(a!)
-
-
-def _is_barrier(node: torch.Node) -> bool:
-    """Writes memory or has other side effects: nothing may be reordered across it."""
-    if node.kind() in SIDE_EFFECT_KINDS:
-        return True
-    schema = node.schema()
-    return schema != "(no schema)" and bool(_WRITES.search(schema.split("->")[0]))
-
-
 def used_values(node: torch.Node):
     """Values a node reads, including those read inside its sub-blocks."""
     yield from node.inputs()
@@ -84,22 +67,6 @@ def used_values(node: torch.Node):
         for inner in block.nodes():
             yield from used_values(inner)
         yield from block.returnNode().inputs()
-
-
-def _aliases_of_mutated(ops) -> set:
-    """Values that alias (through view-like ops) a value some barrier mutates in place."""
-    mutated = {next(iter(n.inputs())) for n in ops if _is_barrier(n) and list(n.inputs())}
-    changed = True
-    while changed:
-        changed = False
-        for node in ops:
-            if node.kind() not in VIEW_KINDS:
-                continue
-            values = [v for v in list(node.inputs())[:1] + list(node.outputs())]
-            if any(v in mutated for v in values) and not all(v in mutated for v in values):
-                mutated.update(values)
-                changed = True
-    return mutated
 
 
 class _Dag:
@@ -115,7 +82,7 @@ class _Dag:
                 producer = self.index.get(value.node())
                 if producer is not None and producer != i:
                     self._edge(producer, i)
-        barriers = [i for i, node in enumerate(ops) if _is_barrier(node)]
+        barriers = [i for i, node in enumerate(ops) if has_side_effects(node)]
         bounds = [-1] + barriers + [n]
         for k, barrier in enumerate(barriers):  # order every op around each barrier
             for i in range(bounds[k] + 1, barrier):
@@ -203,14 +170,14 @@ def _bad_boundary_nodes(cluster: Cluster) -> list:
 def partition(graph: torch.Graph, *, min_cluster_size: int = 2, excluded_ops=()) -> Partition:
     ops = [node for node in graph.nodes() if _is_op(node)]
     reasons: dict = {}
-    mutated = _aliases_of_mutated(ops)
+    storage_bound = storage_bound_nodes(graph, ops)
     for node in ops:
         if list(node.blocks()):
             reasons[node] = f"control flow ({node.kind()}) stays in TorchScript"
-        elif _is_barrier(node):
-            reasons[node] = "mutates memory (in-place op or side effect)"
-        elif node.kind() in VIEW_KINDS and any(v in mutated for v in node.outputs()):
-            reasons[node] = "aliases a tensor that is mutated in place"
+        elif has_side_effects(node):
+            reasons[node] = "mutates memory (writes an input in place, or a side effect): runs once per call"
+        elif node in storage_bound:
+            reasons[node] = storage_bound[node]
         else:
             ok, reason = can_lower(node, excluded_ops)
             if not ok:
