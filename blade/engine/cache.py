@@ -41,7 +41,7 @@ KEPT_FILES = ENTRY_FILES + ("engine.cpp",)
 CHECKSUMS = "checksums.json"        # written last into the temp dir; its mtime is the last use
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0                # temp dirs older than this belong to a crashed writer
-LOCK_DIR = "locks"                  # <cache_dir>/locks/<key>.lock; empty files, never evicted
+LOCK_DIR = "locks"                  # <cache_dir>/locks/<key>.lock; empty files, evicted with their entry
 LOCK_POLL_S = (0.02, 0.5)           # first and longest wait between tries for a held lock
 ENGINE_DIR = Path(__file__).resolve().parent
 
@@ -218,6 +218,10 @@ def evict(cache_dir, max_bytes: int, keep: Path | None = None) -> list[Path]:
         if path == keep:
             continue
         _remove(path)
+        # Its lock goes too, so lock files stay as many as entries. Should another process hold
+        # it right now, the worst is a second compile of that key, published atomically as ever.
+        with contextlib.suppress(OSError):
+            (Path(cache_dir) / LOCK_DIR / f"{path.name}.lock").unlink()
         total -= size
         removed.append(path)
     return removed

@@ -124,3 +124,14 @@ def test_a_stuck_lock_holder_delays_a_compile_only_until_the_timeout(relu_onnx, 
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_eviction_takes_the_lock_file_with_the_entry(relu_onnx, tmp_path):
+    """Lock files must not pile up over a cache's life: one per entry at most."""
+    cache_dir = tmp_path / "cache"
+    (first,) = driver.compile_many([("relu", str(relu_onnx), str(tmp_path / "a"))], timeout_s=120,
+                                   cache_dir=str(cache_dir))
+    key = cache.cache_key(relu_onnx.read_bytes(), compiler.resolve_options(None))
+    assert first.ok and (cache_dir / cache.LOCK_DIR / f"{key}.lock").exists()
+    assert cache.evict(cache_dir, 1) == [cache.entry_dir(cache_dir, key)]
+    assert list((cache_dir / cache.LOCK_DIR).iterdir()) == []
