@@ -2,7 +2,7 @@
 # build blade's C++ runtime into it, then run.
 #   make demo   compile a transformers BERT with tt_infer, compare with eager, time it, export it,
 #               and run the exported artifact in a fresh process
-#   make test   the test suite
+#   make test   the test suite (without the tests marked slow: pytest -m slow tests runs those)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +16,7 @@ demo: $(VENV)/.built
 	$(PY) examples/demo.py
 
 test: $(VENV)/.built
-	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m "not slow" tests
 
 setup: $(VENV)/.built
 

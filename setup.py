@@ -12,10 +12,13 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = Path(__file__).resolve().parent
 
-# The runtime proper: the Engine custom class, its state, the BladeRuntime table, the .so loader,
-# ISA checks. Free of pybind/Python, so the same list builds a plain shared library for C++
-# programs that load saved blade modules with libtorch alone.
+# The runtime proper: the Engine custom class, its state (and its SHA-256 content hashes, through
+# OpenSSL's libcrypto: RUNTIME_LIBRARIES), the BladeRuntime table, the .so loader, ISA checks.
+# Free of pybind/Python, so the same list builds a plain shared library for C++ programs that
+# load saved blade modules with libtorch alone.
 RUNTIME_SOURCES = [
+    "cpp/archive_check.cpp",
+    "cpp/content_digest.cpp",
     "cpp/engine.cpp",
     "cpp/engine_fallback.cpp",
     "cpp/engine_registration.cpp",
@@ -26,6 +29,7 @@ RUNTIME_SOURCES = [
     "cpp/shared_library.cpp",
     "cpp/tensor_spec.cpp",
 ]
+RUNTIME_LIBRARIES = ["crypto"]
 # What the Python extension adds on top: the pybind module, its test hooks, the per-call
 # frozen-weights check.
 PYTHON_SOURCES = ["cpp/python_module.cpp", "cpp/python_testing.cpp", "cpp/frozen_tensors.cpp"]
@@ -72,6 +76,7 @@ setup(
             include_dirs=[str(ROOT / "cpp")],
             extra_compile_args={"cxx": CXX_FLAGS},
             extra_link_args=LINK_FLAGS,
+            libraries=RUNTIME_LIBRARIES,
         )
     ],
     cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithAbiHeader},

@@ -7,7 +7,7 @@ import torch  # noqa: F401  (loads libtorch before our extension needs it)
 
 from blade import _C  # noqa: F401  (registers torch.classes.blade.Engine)
 from blade import dynamo as _dynamo  # noqa: F401  (registers the tt_infer backend)
-from blade.aot import load_precompiled, precompile
+from blade.aot import CorruptArtifact, IncompatibleArtifact, load_precompiled, precompile
 from blade.config import Config
 from blade.debug import BisectResult, bisect, set_fallback_mode
 from blade.explain import Explanation, explain
@@ -15,6 +15,7 @@ from blade.export import compile_model, export, load
 from blade.pipeline import CompiledModule, CompileReport
 from blade.profile import Profile, profile
 
-__all__ = ["Config", "CompiledModule", "CompileReport", "compile_model", "export", "load",
+__all__ = ["Config", "CompiledModule", "CompileReport", "compile_model", "export", "load", "CorruptArtifact",
+           "IncompatibleArtifact",
            "load_precompiled", "precompile", "explain", "Explanation", "bisect", "BisectResult",
            "set_fallback_mode", "profile", "Profile"]

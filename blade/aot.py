@@ -16,6 +16,15 @@ takes, the compile report, and the stamps below; loading is ``torch.jit.load``, 
 ``blade.precompile(m, (x,), path)`` is the first two lines; ``fn = blade.load_precompiled(path, m)``
 the last, with the model bound (``fn(x)``) and the outputs as one flat tuple of tensors.
 
+Integrity: the serialized bytes are ``PRECOMPILED_MAGIC``, the SHA-256 of the payload, then the
+payload (a pickle); loading checks the hash before unpickling anything, so damage anywhere in
+blade's part is a ``CorruptArtifact`` (the engines inside carry their own hashes as well, checked
+by the Engine before its .so is loaded). torch's container around it (dynamo's guards and
+bytecode, pickled) has no check of its own: ``blade.precompile`` appends ``FILE_TRAILER`` and the
+SHA-256 of the whole file, which ``blade.load_precompiled`` checks before handing the bytes to
+torch. torch's unpickler stops at the pickle's end, so ``torch.compiler.load_compiled_function``
+still reads such a file (a test holds torch to that).
+
 Stamps: an artifact records the torch version, blade's archive format, the engine ABI and the ISA
 levels its engines need. ``check_stamps`` turns a mismatch into one clear error before anything is
 loaded — except an ISA the host lacks when engines carry their TorchScript fallback (then the
@@ -24,6 +33,7 @@ Engine runs the fallback and only a warning is given here).
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import pickle
 import platform
@@ -35,12 +45,38 @@ from torch._dynamo.aot_compile_types import SerializableCallable
 import blade._C as _C
 from blade.pipeline import CompiledModule, CompileReport
 
-ARCHIVE_FORMAT = 2          # bumped when the stamps or the archive layout change
-PRECOMPILED_FORMAT = 1      # the layout of PrecompiledModule's serialized bytes
+ARCHIVE_FORMAT = 3          # bumped when the stamps or the archive layout change (3: hashed engines)
+PRECOMPILED_FORMAT = 2      # the layout of PrecompiledModule's serialized bytes (2: sealed)
+PRECOMPILED_MAGIC = b"blade-precompiled-2\n"
+FILE_TRAILER = b"\nblade-sha256:"   # + 64 hex digits: the end of a file blade.precompile wrote
+FILE_TRAILER_SIZE = len(FILE_TRAILER) + 64
 
 
 class IncompatibleArtifact(RuntimeError):
     """A saved blade artifact cannot run in this process (the message says why and what to do)."""
+
+
+class CorruptArtifact(IncompatibleArtifact):
+    """A saved blade artifact's bytes are not the bytes that were saved (damaged or modified)."""
+
+
+def seal(payload: bytes) -> bytes:
+    """payload behind a magic and its SHA-256, for unseal to check."""
+    return PRECOMPILED_MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def unseal(data: bytes, what: str) -> bytes:
+    """The payload seal wrapped, or IncompatibleArtifact / CorruptArtifact saying why not."""
+    if not data.startswith(PRECOMPILED_MAGIC):
+        raise IncompatibleArtifact(f"{what} is not of blade precompiled format {PRECOMPILED_FORMAT} (saved by an "
+                                   f"older blade, or damaged): re-run aot_compile with this blade")
+    start = len(PRECOMPILED_MAGIC) + hashlib.sha256().digest_size
+    digest, payload = data[len(PRECOMPILED_MAGIC):start], data[start:]
+    if hashlib.sha256(payload).digest() != digest:
+        raise CorruptArtifact(f"{what} is damaged: the SHA-256 of its {len(payload)} bytes differs from the one "
+                              f"saved with them; nothing of it was loaded. Restore a good copy or re-run "
+                              f"aot_compile")
+    return payload
 
 
 def torch_release(version: str) -> str:
@@ -109,13 +145,13 @@ class PrecompiledModule(CompiledModule, SerializableCallable):
     def serialize_compile_artifacts(cls, fn: "PrecompiledModule") -> bytes:
         archive = io.BytesIO()
         torch.jit.save(fn.module, archive)
-        return pickle.dumps({"format": PRECOMPILED_FORMAT, "stamps": fn.stamps,
-                             "module": archive.getvalue(), "runtime_inputs": list(fn.runtime_inputs),
-                             "report": fn.report})
+        return seal(pickle.dumps({"format": PRECOMPILED_FORMAT, "stamps": fn.stamps,
+                                  "module": archive.getvalue(), "runtime_inputs": list(fn.runtime_inputs),
+                                  "report": fn.report}))
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "PrecompiledModule":
-        state = pickle.loads(data)
+        state = pickle.loads(unseal(data, "blade precompiled function"))
         if state.get("format") != PRECOMPILED_FORMAT:
             raise IncompatibleArtifact(f"blade precompiled function of format {state.get('format')}; "
                                        f"this blade reads format {PRECOMPILED_FORMAT}: re-run aot_compile")
@@ -167,13 +203,33 @@ def precompile(model: torch.nn.Module, example_inputs: tuple, path: str, *, guar
         fn = torch.compile(served.forward, backend="tt_infer", fullgraph=True,
                            options=compile_options or None).aot_compile((tuple(example_inputs), {}))
         fn.save_compiled_function(path, external_data={"model": served})
+    with open(path, "rb+") as f:
+        f.write(_trailer(f.read()))  # reading left the position at the end: the trailer goes after
     return functools.partial(fn, served)  # a method's precompiled function takes self first
+
+
+def _trailer(data: bytes) -> bytes:
+    return FILE_TRAILER + hashlib.sha256(data).hexdigest().encode()
+
+
+def _checked_file(path: str) -> bytes:
+    """torch's bytes of a file blade.precompile wrote, after checking its trailer's SHA-256."""
+    with open(path, "rb") as f:
+        data = f.read()
+    body, trailer = data[:-FILE_TRAILER_SIZE], data[-FILE_TRAILER_SIZE:]
+    if not trailer.startswith(FILE_TRAILER):
+        raise IncompatibleArtifact(f"{path} does not end in blade's hash (not written by blade.precompile, by an "
+                                   f"older blade, or damaged); load it with torch.compiler.load_compiled_function "
+                                   f"or precompile it again")
+    if trailer != _trailer(body):
+        raise CorruptArtifact(f"{path} is damaged: the SHA-256 of its {len(body)} bytes differs from the one saved "
+                              f"with them; nothing of it was loaded. Restore a good copy or precompile again")
+    return body
 
 
 def load_precompiled(path: str, model: torch.nn.Module):
     """The function ``precompile`` saved, bound to ``model``: call it with the inputs only (under
     ``torch.no_grad()`` like at precompile time; dynamo checks its guards on every call)."""
     served = _Forward(model)
-    with open(path, "rb") as f:
-        fn = torch.compiler.load_compiled_function(f, external_data={"model": served})
+    fn = torch.compiler.load_compiled_function(io.BytesIO(_checked_file(path)), external_data={"model": served})
     return functools.partial(fn, served)

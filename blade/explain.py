@@ -61,7 +61,8 @@ def _graph_lines(index: int, report) -> list:
         lines.append(f"    inputs:  {_shape_list(c.input_shapes)}")
         lines.append(f"    outputs: {_shape_list(c.output_shapes)}")
         if c.status != "compiled":
-            lines.append(f"    error:   {c.error.splitlines()[0] if c.error else ''} (log: {c.log_path})")
+            log = f" (log: {c.log_path})" if c.log_path else ""  # kept only with dump_dir
+            lines.append(f"    error:   {c.error.splitlines()[0] if c.error else ''}{log}")
         lines += [f"    {source}" for source in _unique(c.sources)]
     if report.left_out_nodes:
         lines.append(f"  left in TorchScript ({len(report.left_out_nodes)} ops):")

@@ -10,24 +10,40 @@ linked, see examples/cpp). Its inputs are the model's tensor arguments, flattene
 outputs are the model's output tensors, flattened (pytree order). The archive carries the stamps of
 blade.aot (torch version, formats, ABI, ISA) as the extra file ``blade_metadata.json``;
 ``blade.load`` checks them first and names every mismatch.
+
+Integrity: torch.jit.load reads records without checking the zip's CRC-32s (a flipped weight
+byte loads as a wrong weight). So the archive also holds ``extra/blade_records.txt``, the SHA-256
+of every other record (cpp/archive_check.h), and ``blade.load`` checks, before loading anything:
+the zip structure and every record's CRC-32 (pure Python: no damaged header reaches torch's C++
+reader), then the records' SHA-256s (``blade._C.verify_archive``, which C++ servers call before
+``torch::jit::load``, see examples/cpp). Damage is a ``CorruptArtifact`` naming the record. Each
+Engine also carries SHA-256s of its .so, constants and fields, checked before its .so is loaded,
+so a plain ``torch.jit.load`` still never runs a damaged engine (engine_state.h).
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import os
-import tempfile
+import secrets
 import warnings
 import zipfile
 
 import torch
 import torch.fx
 
-from blade.aot import check_stamps, make_stamps
+import blade._C as _C
+from blade.aot import CorruptArtifact, check_stamps, make_stamps
 from blade.config import Config, current
 from blade.pipeline import CompiledModule, compile_fx
 
 METADATA_FILE = "blade_metadata.json"
+RECORDS_FILE = "blade_records.txt"     # "<sha256> <record>" per record but UNLISTED_RECORDS
+# Not hashed: the list itself, and torch's id of the archive, which torch derives from all records
+# (the list included) and reads back only as an id. cpp/archive_check.cpp skips the same two.
+UNLISTED_RECORDS = (f"extra/{RECORDS_FILE}", ".data/serialization_id")
 
 
 class ExportError(RuntimeError):
@@ -73,17 +89,59 @@ def compile_model(model, example_inputs: tuple, config: Config | None = None) ->
     return compile_fx(gm, flat_inputs, config or current())
 
 
-def _atomic_jit_save(module, path: str, extra_files: dict) -> None:
-    """torch.jit.save to a temp file beside path, then os.replace: readers never see half a file."""
+def _atomic_jit_save(module, path: str, extra_files: dict, check=lambda tmp: None) -> None:
+    """torch.jit.save to a temp file beside path, check(tmp), then os.replace: readers never see
+    half a file."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".blade-export-", suffix=".tmp", dir=directory)
-    os.close(fd)
+    tmp = os.path.join(directory, f".blade-export-{secrets.token_hex(8)}.tmp")
+    # Mode 0666 less the umask, like open(): tempfile.mkstemp's 0600 would hide the archive from a
+    # server running as another user.
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         torch.jit.save(module, tmp, _extra_files=extra_files)
+        check(tmp)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _read_through(record):
+    """The SHA-256 of an open zip record, read in chunks (zipfile checks its CRC-32 at the end)."""
+    digest = hashlib.sha256()
+    for chunk in iter(lambda: record.read(1 << 20), b""):
+        digest.update(chunk)
+    return digest
+
+
+def record_digests(archive) -> dict:
+    """Record name (without the archive's top dir) -> SHA-256 hex, for every record but
+    UNLISTED_RECORDS. archive: a path or a binary file object."""
+    digests = {}
+    with zipfile.ZipFile(archive) as zf:
+        for info in zf.infolist():
+            name = info.filename.split("/", 1)[1]
+            if name in UNLISTED_RECORDS:
+                continue
+            with zf.open(info) as record:
+                digests[name] = _read_through(record).hexdigest()
+    return digests
+
+
+def _save_with_record_digests(module, path: str, extra_files: dict) -> None:
+    """Saves the archive with extra/blade_records.txt listing the SHA-256 of every other record.
+    torch.jit.save writes the records in one go, so a first save into memory learns them; the
+    second (to disk) must write the same bytes, which is checked before it is published."""
+    first = io.BytesIO()
+    torch.jit.save(module, first, _extra_files=extra_files)
+    digests = record_digests(first)
+    records = "".join(f"{digest} {name}\n" for name, digest in sorted(digests.items()))
+
+    def same_records(tmp: str) -> None:
+        if record_digests(tmp) != digests:
+            raise RuntimeError("blade.export: torch.jit.save wrote different records on two saves of one module, "
+                               "so their hashes cannot be recorded")
+    _atomic_jit_save(module, path, dict(extra_files, **{RECORDS_FILE: records}), check=same_records)
 
 
 def export(model, example_inputs: tuple, path: str, config: Config | None = None) -> CompiledModule:
@@ -94,7 +152,7 @@ def export(model, example_inputs: tuple, path: str, config: Config | None = None
     if not stamps["engines"]:
         warnings.warn(f"blade.export: no cluster of the model compiled to an engine; {path} is plain "
                       f"TorchScript")
-    _atomic_jit_save(compiled.module, path, {METADATA_FILE: json.dumps(stamps)})
+    _save_with_record_digests(compiled.module, path, {METADATA_FILE: json.dumps(stamps)})
     return compiled
 
 
@@ -106,11 +164,37 @@ def read_stamps(path: str) -> dict | None:
         return json.loads(archive.read(names[0])) if names else None
 
 
+def check_zip(path: str) -> None:
+    """CorruptArtifact unless the zip structure is sound and every record matches its CRC-32.
+    Pure Python, so no damaged header reaches torch's C++ zip reader."""
+    with open(path, "rb") as file:  # a missing or unreadable file is an OSError, not damage
+        try:
+            with zipfile.ZipFile(file) as archive:
+                for info in archive.infolist():
+                    with archive.open(info) as record:
+                        _read_through(record)
+        except Exception as err:  # noqa: BLE001 - whatever zipfile trips over in damaged bytes
+            raise CorruptArtifact(f"blade archive {path} is damaged ({type(err).__name__}: {err}); nothing "
+                                  f"of it was loaded. Restore a good copy or re-export the model") from err
+
+
+def check_records(path: str) -> None:
+    """CorruptArtifact unless every record matches its SHA-256 in extra/blade_records.txt (the
+    check C++ servers run before torch::jit::load)."""
+    try:
+        _C.verify_archive(path)
+    except RuntimeError as err:
+        raise CorruptArtifact(str(err)) from err
+
+
 def load(path: str) -> torch.jit.ScriptModule:
-    """The exported module, after checking its stamps against this process (clear error if they
-    do not match; only a warning when the archive's engines carry their fallback)."""
+    """The exported module, after checking its bytes (CorruptArtifact) and its stamps against this
+    process (clear error if they do not match; only a warning when the archive's engines carry
+    their fallback)."""
+    check_zip(path)
     stamps = read_stamps(path)
     if stamps is None:
         raise ValueError(f"{path} is not a blade archive (no {METADATA_FILE}); use torch.jit.load")
     check_stamps(stamps, f"blade archive {path}")
+    check_records(path)
     return torch.jit.load(path)

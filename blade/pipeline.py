@@ -1,7 +1,8 @@
 """The tt_infer pipeline: FX graph -> typed TorchScript -> clusters -> engines -> spliced module.
 
 Each stage is a function of the previous stage's output; failures stay local: a cluster that does
-not lower or compile stays in TorchScript with a warning naming it and its log, and the model runs.
+not lower or compile stays in TorchScript with a warning naming it and the tail of its log (the
+work dir is a temp dir removed on return, unless `Config.dump_dir` keeps it), and the model runs.
 With ``Config.fallback`` on, every engine also carries its cluster's TorchScript subgraph
 (blade/subgraph.py); with ``Config.dump_dir`` set, every cluster's artifacts stay in
 ``<dump_dir>/cluster_<k>/`` (blade/dump.py).
@@ -9,8 +10,6 @@ With ``Config.fallback`` on, every engine also carries its cluster's TorchScript
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import tempfile
 import threading
 import time
@@ -200,6 +199,15 @@ class _Lowered:
 
 
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> CompiledModule:
+    """Compiles in <dump_dir>/ when set (kept on purpose), else in a temp dir removed on every path
+    (success, failed lowering or compile, timeout, exception); warnings then carry the log tails."""
+    if config.dump_dir:
+        return _compile_fx_in(Path(config.dump_dir), gm, example_inputs, config)
+    with tempfile.TemporaryDirectory(prefix="blade-", ignore_cleanup_errors=True) as work_root:
+        return _compile_fx_in(Path(work_root), gm, example_inputs, config)
+
+
+def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> CompiledModule:
     started = time.perf_counter()
     report = CompileReport(fallback=config.fallback, dump_dir=config.dump_dir)
     front = to_torchscript(gm, example_inputs, config.freeze_params)
@@ -211,7 +219,6 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
     report.aten_total = sum(1 for n in parts.ops if _is_aten(n))
     report.left_out_nodes = [LeftOutNode(n.kind(), reason, node_location(n, locations))
                              for n, reason in parts.reasons.items()]
-    work_root = Path(config.dump_dir) if config.dump_dir else Path(tempfile.mkdtemp(prefix="blade-"))
     work_root.mkdir(parents=True, exist_ok=True)
 
     lowered, jobs = {}, []
@@ -254,7 +261,9 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
     spliced, replaced = set(), {}
     for result in results:
         rep = cluster_reports[result.name]
-        rep.seconds, rep.cache_hit, rep.log_path = result.seconds, result.cache_hit, result.log_path
+        rep.seconds, rep.cache_hit = result.seconds, result.cache_hit
+        rep.log_path = result.log_path if config.dump_dir else ""  # a temp work dir is gone on return
+        log_note = f" (log: {result.log_path})" if config.dump_dir else ""
         rep.started, rep.finished = result.started, result.finished
         rep.isa = result.manifest.isa if result.manifest else ""
         if config.dump_dir:
@@ -262,7 +271,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
         if not result.ok:
             rep.status, rep.error = "compile failed", result.error or ""
             warnings.warn(f"blade: {result.name} failed to compile and stays in TorchScript: "
-                          f"{result.error} (log: {result.log_path})")
+                          f"{result.error}{log_note}")
             continue
         done = lowered[result.name]
         try:
@@ -274,7 +283,7 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
         except Exception as err:  # noqa: BLE001 - a bad .so must not take the model down
             rep.status, rep.error = "engine failed", str(err)
             warnings.warn(f"blade: the engine of {result.name} could not be loaded; the cluster "
-                          f"stays in TorchScript: {err} (log: {result.log_path})")
+                          f"stays in TorchScript: {err}{log_note}")
             continue
         splice(front.module, done.cluster, engine, result.name, replaced)
         rep.status = "compiled"
@@ -288,8 +297,6 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -
     report.engine_calls = sum(1 for n in front.module.graph.nodes()
                               if n.kind() == "prim::CallMethod" and n.s("name") == "execute")
     report.total_s = time.perf_counter() - started
-    if not config.dump_dir:
-        _remove_successful(work_root, spliced, cluster_reports)
     log.info("blade: %d/%d aten ops in %d engine(s), compiled in %.2fs (total %.2fs)",
              report.aten_in_engines, report.aten_total, len(spliced), report.compile_wall_s, report.total_s)
     return CompiledModule(front.module, front.runtime_inputs, report,
@@ -324,11 +331,3 @@ def _failed_cluster_nodes(clusters: list, parts, locations: dict) -> list:
 def _finish_graph(graph: torch.Graph) -> None:
     torch._C._jit_pass_dce(graph)
     torch._C._jit_pass_lint(graph)
-
-
-def _remove_successful(work_root: Path, spliced: set, reports: dict) -> None:
-    """Keep only what explains a failure (its log); the rest of a temp work dir goes away."""
-    for name in spliced:
-        shutil.rmtree(work_root / name, ignore_errors=True)
-    if not os.listdir(work_root):
-        shutil.rmtree(work_root, ignore_errors=True)

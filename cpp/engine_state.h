@@ -1,15 +1,22 @@
 // The two outside views of an Engine: the constructor's argument list (what the torch side calls
 // with a manifest in hand) and the pickled state torch.jit.save stores.
 //
-// State layout (format 2), a tuple:
-//   (format_version=2, name, so_bytes: uint8 Tensor, isa, abi_version,
+// State layout (format 3), a tuple:
+//   (format_version=3, name, so_bytes: uint8 Tensor, isa, abi_version,
 //    input_names, input_dtypes, input_shapes, output_names, output_dtypes, output_shapes,
 //    constants: Tensor[], scratch_bytes, info_json,
-//    fallback_module: uint8 Tensor (empty: none), fallback_mode, rtol, atol, ops_source)
-// i.e. the format version followed by the constructor's arguments. The .so bytes, constants and
-// the fallback subgraph are tensors so torch.jit.save writes them as tensor records, not pickled
-// bytes. Format 1 (the same without the five debugging fields) still loads, as an engine without
-// a fallback subgraph. from_state checks the version before reading anything else, so older
+//    fallback_module: uint8 Tensor (empty: none), fallback_mode, rtol, atol, ops_source,
+//    digests: ["<part> <sha256 hex>", ...])
+// i.e. the format version, the constructor's arguments, and SHA-256 hashes of the parts (the .so,
+// the fallback subgraph, each constant, and all the other fields together; content_digests).
+// The .so bytes, constants and the fallback subgraph are tensors so torch.jit.save writes them as
+// tensor records, not pickled bytes.
+//
+// Integrity: torch.jit.load does not check the zip's CRC-32s, so a damaged record reaches us as
+// is. from_state compares every hash before the Engine is built (before its .so is dlopen'ed) and
+// names the part that differs. Formats 1 and 2 carried no hashes; loading them unchecked would
+// bring back exactly the crashes the hashes exist to prevent, so they are rejected with a
+// message to re-export. from_state checks the version before reading anything else, so older
 // runtimes reject newer files with a clear message.
 #pragma once
 #include <ATen/core/Tensor.h>
@@ -23,7 +30,7 @@
 
 namespace blade {
 
-constexpr int64_t kEngineStateFormat = 2;
+constexpr int64_t kEngineStateFormat = 3;
 
 using EngineState = std::tuple<int64_t,                            // kEngineStateFormat
                                std::string,                        // name
@@ -43,10 +50,13 @@ using EngineState = std::tuple<int64_t,                            // kEngineSta
                                std::string,                        // fallback_mode
                                double,                             // rtol
                                double,                             // atol
-                               std::string>;                       // ops_source
+                               std::string,                        // ops_source
+                               std::vector<std::string>>;          // digests
 
-// Format 1: the first 14 fields of EngineState.
-constexpr size_t kEngineStateFormat1Fields = 14;
+// "<part> <sha256 hex>" for each part of a state: "so", "fallback_module", "fields" (every field
+// but the tensors, the format and the digests), then "constant <i>" per constant. The digests
+// field of `state` is ignored.
+std::vector<std::string> content_digests(const EngineState& state);
 
 // The constructor of torch.classes.blade.Engine.
 c10::intrusive_ptr<Engine> make_engine(std::string name, at::Tensor so_bytes, std::string isa,

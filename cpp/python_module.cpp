@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "archive_check.h"
 #include "blade_abi.h"
 #include "frozen_tensors.h"
 #include "isa.h"
@@ -18,6 +19,9 @@ PYBIND11_MODULE(_C, m) {
         "Whether code compiled with -march=<isa> runs on this CPU (False for unknown names).");
   m.def("known_isas", &blade::known_isas, "The ISA levels blade knows, lowest first.");
   blade::bind_frozen_tensors(m);
+  m.def("verify_archive", &blade::verify_archive, pybind11::arg("path"),
+        "Checks an exported archive's records against the SHA-256s in extra/blade_records.txt; "
+        "RuntimeError naming the first record that differs.");
 
   auto testing = m.def_submodule("_testing", "Hooks into the runtime for blade's own tests.");
   blade::bind_testing(testing);

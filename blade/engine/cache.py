@@ -11,9 +11,18 @@ concurrent eviction or repair can never pull a file from under a reader. An entr
 checksum is removed with a warning and counts as a miss (the caller recompiles and stores it again).
 The cache is bounded: after each store, least-recently-used entries (mtime of checksums.json, touched
 on every hit) are evicted until the total size is within ``max_bytes``.
+
+A cache dir that cannot be written (read-only volume, container image, a file in its place) is a
+read-only cache: hits are used (their last-use mark is skipped), ``store`` raises OSError and the
+driver keeps the engine it compiled without storing it. ``compile_lock`` makes concurrent compiles
+of one key (threads of one process, or processes sharing the dir) wait for a single compile: an
+exclusive ``flock`` on ``<cache_dir>/locks/<key>.lock`` (flock locks belong to an open file, so
+threads of one process exclude each other too), given up after a timeout.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -32,6 +41,8 @@ KEPT_FILES = ENTRY_FILES + ("engine.cpp",)
 CHECKSUMS = "checksums.json"        # written last into the temp dir; its mtime is the last use
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0                # temp dirs older than this belong to a crashed writer
+LOCK_DIR = "locks"                  # <cache_dir>/locks/<key>.lock; empty files, evicted with their entry
+LOCK_POLL_S = (0.02, 0.5)           # first and longest wait between tries for a held lock
 ENGINE_DIR = Path(__file__).resolve().parent
 
 
@@ -113,9 +124,10 @@ def fetch(cache_dir, key: str, work_dir):
         for name in ENTRY_FILES + (CHECKSUMS,):
             shutil.copyfile(entry / name, work_dir / name)
         manifest = _verify(work_dir)  # the copy is what the caller loads: check it, not the entry
-        os.utime(entry / CHECKSUMS)   # LRU: an entry's last use is the mtime of its checksums.json
     except (OSError, ValueError):
         return None  # evicted or replaced while copying: a miss
+    with contextlib.suppress(OSError):  # a read-only cache keeps no LRU order, and still hits
+        os.utime(entry / CHECKSUMS)     # LRU: an entry's last use is the mtime of its checksums.json
     return work_dir / "engine.so", manifest
 
 
@@ -143,11 +155,45 @@ def store(cache_dir, key: str, work_dir, max_bytes: int = 0) -> Path:
     return entry
 
 
+@contextlib.contextmanager
+def compile_lock(cache_dir, key: str, timeout_s: float):
+    """Holds the key's lock file while the block compiles; yields whether it got the lock (False
+    after timeout_s, or when the lock file cannot be made: a read-only cache). Either way the
+    block runs: a stuck or absent lock holder costs a duplicate compile, never a lost engine."""
+    path = Path(cache_dir) / LOCK_DIR / f"{key}.lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        fd = None
+    if fd is None:
+        yield False
+        return
+    try:
+        yield _acquire(fd, time.monotonic() + timeout_s)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _acquire(fd: int, deadline: float) -> bool:
+    """flock(fd) exclusively, polling until the deadline (flock itself cannot time out)."""
+    wait = LOCK_POLL_S[0]
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+            wait = min(wait * 2, LOCK_POLL_S[1])
+
+
 def _entries(cache_dir: Path):
     """(last_used, bytes, path) of every published entry; stale temp dirs are removed on the way."""
     now = time.time()
     for shard in cache_dir.iterdir():
-        if not shard.is_dir():
+        if not shard.is_dir() or shard.name == LOCK_DIR:
             continue
         for path in shard.iterdir():
             try:
@@ -172,6 +218,10 @@ def evict(cache_dir, max_bytes: int, keep: Path | None = None) -> list[Path]:
         if path == keep:
             continue
         _remove(path)
+        # Its lock goes too, so lock files stay as many as entries. Should another process hold
+        # it right now, the worst is a second compile of that key, published atomically as ever.
+        with contextlib.suppress(OSError):
+            (Path(cache_dir) / LOCK_DIR / f"{path.name}.lock").unlink()
         total -= size
         removed.append(path)
     return removed

@@ -1,7 +1,9 @@
 """Compile many clusters: one subprocess per uncached job, a bounded number at once, per-job timeout.
 
 A job's failure (error, crash, timeout, unusable artifacts) is its own ``CompileResult(ok=False)``
-naming the job and its log; compile_many itself never raises for it. The subprocess never imports
+naming the job and its log; compile_many itself never raises for it. With a cache, jobs of one key
+wait for each other (cache.compile_lock), and a cache that cannot be written is used read-only
+(one warning per cache dir): a fresh engine is used from the job's own work dir without being stored. The subprocess never imports
 ``blade/__init__.py`` (which imports torch): it registers ``blade`` as a bare namespace package and
 runs ``blade.engine.compile_main``.
 """
@@ -12,7 +14,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +86,20 @@ def _run_subprocess(onnx_path: str, work_dir: Path, options: dict, timeout_s: fl
             return None, log_path
 
 
+_read_only_warned: set = set()          # cache dirs already warned about, once per process
+_read_only_lock = threading.Lock()
+
+
+def _warn_read_only(cache_dir, err: OSError) -> None:
+    with _read_only_lock:
+        if str(cache_dir) in _read_only_warned:
+            return
+        _read_only_warned.add(str(cache_dir))
+    warnings.warn(f"blade: the engine cache {cache_dir} cannot be written ({type(err).__name__}: {err}); "
+                  f"using it read-only: cached engines are used, new ones are compiled into temporary "
+                  f"dirs and not stored (warned once per cache dir)")
+
+
 def _compile_one(job, options: dict, timeout_s: float, cache_dir, cache_max_bytes: int = 0) -> CompileResult:
     name, onnx_path, work_dir = job
     work_dir = Path(work_dir)
@@ -93,28 +111,49 @@ def _compile_one(job, options: dict, timeout_s: float, cache_dir, cache_max_byte
         return CompileResult(name, ok, str(so_path) if so_path else None, manifest, str(work_dir),
                              str(log_path), error, now - started, cache_hit, started, now)
 
+    def from_cache(key):
+        hit = cache.fetch(cache_dir, key, work_dir)
+        return hit and result(True, hit[0], hit[1], cache_hit=True, log_path=cache.entry_dir(cache_dir, key))
+
     key = None
     if cache_dir:
         try:
             key = cache.cache_key(Path(onnx_path).read_bytes(), options)
         except Exception:  # e.g. no compiler: compile uncached, and let the job report why it fails
             key = None
-        hit = key and cache.fetch(cache_dir, key, work_dir)
+    if not key:
+        return result(*_compile_fresh(name, onnx_path, work_dir, options, timeout_s))
+    hit = from_cache(key)
+    if hit:
+        return hit
+    # A cold model hit by several threads or processes: one compiles, the others wait and hit.
+    with cache.compile_lock(cache_dir, key, timeout_s):
+        hit = from_cache(key)
         if hit:
-            return result(True, hit[0], hit[1], cache_hit=True, log_path=cache.entry_dir(cache_dir, key))
+            return hit
+        compiled = _compile_fresh(name, onnx_path, work_dir, options, timeout_s)
+        if compiled[0]:
+            try:
+                cache.store(cache_dir, key, work_dir, cache_max_bytes)
+            except OSError as err:  # read-only or full: the engine is good, only sharing is lost
+                _warn_read_only(cache_dir, err)
+    return result(*compiled)
+
+
+def _compile_fresh(name: str, onnx_path, work_dir: Path, options: dict, timeout_s: float) -> tuple:
+    """(ok, so_path, manifest, error) of one compile subprocess in work_dir. Every error carries the
+    tail of the log: the work dir (and the log with it) is gone after the compile unless dumped."""
     code, log_path = _run_subprocess(onnx_path, work_dir, options, timeout_s)
+    where = f"log: {log_path}\n{_tail(log_path)}"
     if code is None:
-        return result(False, error=f"engine compile of {name!r} timed out after {timeout_s} s; log: {log_path}")
+        return False, None, None, f"engine compile of {name!r} timed out after {timeout_s} s; {where}"
     if code != 0:
-        return result(False, error=f"engine compile of {name!r} failed (exit {code}); log: {log_path}\n"
-                                   f"{_tail(log_path)}")
+        return False, None, None, f"engine compile of {name!r} failed (exit {code}); {where}"
     try:
         so_path, manifest = _read_artifacts(work_dir)
     except ValueError as err:
-        return result(False, error=f"engine compile of {name!r} produced unusable artifacts: {err}; log: {log_path}")
-    if key:
-        cache.store(cache_dir, key, work_dir, cache_max_bytes)
-    return result(True, so_path, manifest)
+        return False, None, None, f"engine compile of {name!r} produced unusable artifacts: {err}; {where}"
+    return True, so_path, manifest, None
 
 
 def compile_many(jobs, *, parallelism: int = 1, timeout_s: float = 300.0, options: dict | None = None,

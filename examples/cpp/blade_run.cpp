@@ -5,6 +5,9 @@
 // inputs.pt holds the inputs as a list of tensors, saved from Python with torch.save([x, ...], path).
 // Prints every output's dtype, shape and first values; with outputs.pt, also saves the outputs
 // (torch.load(path) in Python reads them back as a tuple of tensors).
+//
+// Before torch::jit::load it checks the archive's record hashes (blade::verify_archive): libtorch
+// itself does not check the zip's CRC-32s, so damaged code or weights would load as a wrong model.
 #include <torch/script.h>
 #include <torch/serialize.h>
 
@@ -12,6 +15,8 @@
 #include <iostream>
 #include <iterator>
 #include <vector>
+
+#include "archive_check.h"
 
 namespace {
 
@@ -46,6 +51,7 @@ int main(int argc, char** argv) {
   }
   try {
     torch::NoGradGuard no_grad;
+    blade::verify_archive(argv[1]);
     torch::jit::Module model = torch::jit::load(argv[1]);
     model.eval();
     std::vector<at::Tensor> outputs = flatten(model.forward(load_inputs(argv[2])));

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import blade
-from blade.aot import IncompatibleArtifact, PrecompiledModule
+from blade.aot import IncompatibleArtifact, PrecompiledModule, seal, unseal
 from aot_testing import make_model_and_inputs, run_python, save_reference, tripwire_compiler_env
 
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
@@ -85,10 +85,10 @@ def test_one_line_helpers_round_trip(tmp_path):
 def test_incompatible_stamps_are_refused_at_load(precompiled):
     _, fn = precompiled
     data = PrecompiledModule.serialize_compile_artifacts(fn._artifacts.compiled_fn)
-    state = pickle.loads(data)
+    state = pickle.loads(unseal(data, "test"))
     state["stamps"]["isa"] = ["x86-64-v9"]
     with pytest.raises(IncompatibleArtifact, match="engines need ISA x86-64-v9"):
-        PrecompiledModule.deserialize_compile_artifacts(pickle.dumps(state))
+        PrecompiledModule.deserialize_compile_artifacts(seal(pickle.dumps(state)))
     state["format"] = 99
     with pytest.raises(IncompatibleArtifact, match="format 99"):
-        PrecompiledModule.deserialize_compile_artifacts(pickle.dumps(state))
+        PrecompiledModule.deserialize_compile_artifacts(seal(pickle.dumps(state)))

@@ -1,6 +1,7 @@
 """blade.export / blade.load: one archive, loaded in a fresh process that cannot compile; stamps."""
 from __future__ import annotations
 
+import hashlib
 import json
 import zipfile
 
@@ -9,7 +10,7 @@ import torch
 
 import blade
 from blade.aot import IncompatibleArtifact
-from blade.export import METADATA_FILE, ExportError, read_stamps
+from blade.export import METADATA_FILE, RECORDS_FILE, ExportError, read_stamps
 from aot_testing import make_model_and_inputs, run_python, save_reference, tripwire_compiler_env
 
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
@@ -56,13 +57,19 @@ def test_load_in_fresh_process_is_bit_exact_and_never_compiles(exported, tmp_pat
 
 
 def _restamp(src, dst, **changes):
-    """A copy of the archive at src whose blade_metadata.json has these fields changed."""
-    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
-        for item in zin.infolist():
-            data = zin.read(item)
-            if item.filename.endswith(f"/extra/{METADATA_FILE}"):
-                data = json.dumps({**json.loads(data), **changes}).encode()
-            zout.writestr(item, data)
+    """A copy of the archive at src whose blade_metadata.json has these fields changed, with its
+    hash in blade_records.txt changed to match (as an archive stamped so at export would be)."""
+    with zipfile.ZipFile(src) as zin:
+        items = [(item, zin.read(item)) for item in zin.infolist()]
+    (old,) = [data for item, data in items if item.filename.endswith(f"/extra/{METADATA_FILE}")]
+    stamps = json.dumps({**json.loads(old), **changes}).encode()
+    replaced = {f"/extra/{METADATA_FILE}": lambda data: stamps,
+                f"/extra/{RECORDS_FILE}": lambda data: data.replace(hashlib.sha256(old).hexdigest().encode(),
+                                                                    hashlib.sha256(stamps).hexdigest().encode())}
+    with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for item, data in items:
+            change = next((f for suffix, f in replaced.items() if item.filename.endswith(suffix)), None)
+            zout.writestr(item, change(data) if change else data)
     return str(dst)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,22 @@ def test_cpp_example_loads_archive_and_matches_python(blade_run, tmp_path):
     for i, (g, want) in enumerate(zip(got, expected)):
         assert torch.equal(g, want), f"output {i}: max diff {(g - want).abs().max()}"
         assert f"output {i}: float [{', '.join(map(str, want.shape))}]" in stdout, stdout
+
+
+def test_cpp_example_refuses_a_damaged_archive(blade_run, tmp_path):
+    """libtorch checks no CRC-32: a flipped byte in the archive's TorchScript code must stop
+    blade_run (blade::verify_archive) instead of running a different program."""
+    model, inputs = make_model_and_inputs()
+    path = tmp_path / "block.blade.pt"
+    blade.export(model, inputs, str(path))
+    torch.save(list(inputs), tmp_path / "inputs.pt")
+    with zipfile.ZipFile(path) as zf:
+        (code,) = [i for i in zf.infolist() if i.filename.endswith(".py") and "graph_module" in i.filename]
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[code.header_offset + 26:code.header_offset + 30])
+    raw[code.header_offset + 30 + name_len + extra_len + code.file_size // 2] ^= 0x01
+    path.write_bytes(raw)
+    result = subprocess.run([blade_run, path, tmp_path / "inputs.pt"], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin"}, timeout=300)
+    assert result.returncode == 1, result
+    assert f"blade archive {path} is damaged: the SHA-256 of record code/" in result.stderr, result.stderr

@@ -35,8 +35,8 @@ def test_state_layout(add_engine, add_bias):
     state = engine_state(add_engine)
     (version, name, so_bytes, isa, abi_version, input_names, input_dtypes, input_shapes,
      output_names, output_dtypes, output_shapes, constants, scratch_bytes, info_json,
-     fallback_module, fallback_mode, rtol, atol, ops_source) = state
-    assert version == 2
+     fallback_module, fallback_mode, rtol, atol, ops_source, digests) = state
+    assert version == 3
     assert name == "cluster_add"
     assert so_bytes.dtype == torch.uint8 and so_bytes.dim() == 1 and bytes(so_bytes[:4].tolist()) == b"\x7fELF"
     assert (isa, abi_version) == (blade._C.host_isa(), blade._C.abi_version())
@@ -48,30 +48,31 @@ def test_state_layout(add_engine, add_bias):
     # compiled without fallback: no subgraph, mode off
     assert fallback_module.dtype == torch.uint8 and fallback_module.numel() == 0
     assert (fallback_mode, rtol, atol, ops_source) == ("off", 1e-4, 1e-5, "")
+    assert [d.rsplit(" ", 1)[0] for d in digests] == ["so", "fallback_module", "fields", "constant 0"]
+    assert all(len(d.rsplit(" ", 1)[1]) == 64 for d in digests)  # SHA-256 in hex
 
 
-def test_format_1_state_loads_without_fallback(add_engine):
-    """States saved before fallback subgraphs existed (format 1: 14 fields) still load."""
-    old_state = (1,) + tuple(engine_state(add_engine)[1:14])
-    copy = torch.classes.blade.Engine(*engine_state(add_engine)[1:])
-    copy._get_method("__setstate__")(old_state)
-    assert not copy.has_fallback() and copy.fallback_mode() == "off"
-    x, y = torch.randn(64, 128), torch.randn(64, 128)
-    torch.testing.assert_close(copy.execute([x, y])[1], x * y)
+@pytest.mark.parametrize("old_format, fields", [(1, 14), (2, 19)])
+def test_states_without_content_hashes_are_rejected(add_engine, old_format, fields):
+    """Formats 1 and 2 carry no hashes: loading them unchecked could dlopen a damaged .so."""
+    old_state = (old_format,) + tuple(engine_state(add_engine)[1:fields])
+    with pytest.raises(RuntimeError, match=f"blade engine 'cluster_add'.*state format {old_format}, which "
+                                           f"carries no content hashes.*re-export"):
+        add_engine._get_method("__setstate__")(old_state)
 
 
 def test_state_of_another_format_is_rejected(add_engine):
-    future_state = (3,) + tuple(engine_state(add_engine)[1:]) + ("something new",)
-    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state format 3, this blade reads formats 1 and 2"):
+    future_state = (4,) + tuple(engine_state(add_engine)[1:]) + ("something new",)
+    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state format 4, this blade reads format 3"):
         add_engine._get_method("__setstate__")(future_state)
-    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state has 15 fields, format 2 has 19"):
+    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state has 15 fields, format 3 has 20"):
         add_engine._get_method("__setstate__")(tuple(engine_state(add_engine)[:15]))
     with pytest.raises(RuntimeError, match="not a blade Engine state"):
         add_engine._get_method("__setstate__")("cluster_add")
 
 
 def test_state_round_trips_in_process(add_engine, add_bias):
-    copy = torch.classes.blade.Engine(*engine_state(add_engine)[1:])
+    copy = torch.classes.blade.Engine(*engine_state(add_engine)[1:-1])  # without the digests
     x, y = torch.randn(64, 128), torch.randn(64, 128)
     for got, want in zip(copy.execute([x, y]), add_engine.execute([x, y])):
         torch.testing.assert_close(got, want)
