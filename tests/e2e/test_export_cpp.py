@@ -73,4 +73,6 @@ def test_cpp_example_refuses_a_damaged_archive(blade_run, tmp_path):
     result = subprocess.run([blade_run, path, tmp_path / "inputs.pt"], capture_output=True, text=True,
                             env={"PATH": "/usr/bin:/bin"}, timeout=300)
     assert result.returncode == 1, result
-    assert f"blade archive {path} is damaged: the SHA-256 of record code/" in result.stderr, result.stderr
+    # a stored record fails its SHA-256; a compressed one may already fail to inflate
+    assert f"blade archive {path} is damaged: " in result.stderr, result.stderr
+    assert "nothing of it was loaded" in result.stderr, result.stderr
