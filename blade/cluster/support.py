@@ -164,17 +164,18 @@ class Rule:
 
 
 def binary(onnx_op: str, reverse: bool = False):
-    """out = a <op> b*alpha (alpha when the schema has one), computed in the output dtype."""
+    """out = a <op> b*alpha (alpha when the schema has one), computed in the output dtype;
+    reversed (rsub): out = b <op> a*alpha, alpha scaling self as torch's rsub does."""
     def lower(ctx: LowerCtx, node):
         args = _args(node)
         dtype = _out_dtype(node)
         a, b = ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)
+        if reverse:
+            a, b = b, a
         if len(args) > 2:  # alpha
             alpha = ctx.const(args[2])
             if alpha != 1:
                 b = ctx.b.op("Mul", [b, ctx.scalar(alpha, dtype)])
-        if reverse:
-            a, b = b, a
         return [ctx.b.op(onnx_op, [a, b])]
     return lower
 
@@ -221,19 +222,35 @@ def _div(ctx: LowerCtx, node):
     args = _args(node)
     mode = ctx.const(args[2]) if len(args) > 2 else None
     dtype = _out_dtype(node)
+    a, b = ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)
     if mode is None:
-        return [ctx.b.op("Div", [ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)])]
-    if np.issubdtype(dtype, np.integer):
-        # integer floor/trunc division: exact through float64 for |values| < 2**53
-        q = ctx.b.op("Div", [ctx.as_dtype(args[0], np.float64), ctx.as_dtype(args[1], np.float64)])
-    else:
-        q = ctx.b.op("Div", [ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)])
+        return [ctx.b.op("Div", [a, b])]
+    rounding = _integer_division if np.issubdtype(dtype, np.integer) else _float_division
+    return [rounding(ctx, a, b, mode, dtype)]
+
+
+def _integer_division(ctx: LowerCtx, a: str, b: str, mode: str, dtype) -> str:
+    """Exact integer trunc/floor division: the engine's integer Div truncates (and fails the call
+    on a zero divisor, where eager raises ZeroDivisionError); floor steps down by one where the
+    remainder is nonzero and its sign differs from the divisor's."""
+    quotient = ctx.b.op("Div", [a, b])
+    if mode == "trunc":
+        return quotient
+    zero = ctx.scalar(0, dtype)
+    remainder = ctx.b.op("Sub", [a, ctx.b.op("Mul", [quotient, b])])
+    signs_differ = ctx.b.op("Not", [ctx.b.op("Equal", [ctx.b.op("Less", [remainder, zero]),
+                                                       ctx.b.op("Less", [b, zero])])])
+    inexact = ctx.b.op("Not", [ctx.b.op("Equal", [remainder, zero])])
+    step_down = ctx.b.op("And", [inexact, signs_differ])
+    return ctx.b.op("Where", [step_down, ctx.b.op("Sub", [quotient, ctx.scalar(1, dtype)]), quotient])
+
+
+def _float_division(ctx: LowerCtx, a: str, b: str, mode: str, dtype) -> str:
+    q = ctx.b.op("Div", [a, b])
     if mode == "floor":
-        q = ctx.b.op("Floor", [q])
-    else:  # trunc: floor for positives, ceil for negatives
-        zero = ctx.scalar(0, np.float64 if np.issubdtype(dtype, np.integer) else dtype)
-        q = ctx.b.op("Where", [ctx.b.op("Less", [q, zero]), ctx.b.op("Ceil", [q]), ctx.b.op("Floor", [q])])
-    return [ctx.cast(q, np.float64 if np.issubdtype(dtype, np.integer) else dtype, dtype)]
+        return ctx.b.op("Floor", [q])
+    # trunc: floor for positives, ceil for negatives
+    return ctx.b.op("Where", [ctx.b.op("Less", [q, ctx.scalar(0, dtype)]), ctx.b.op("Ceil", [q]), ctx.b.op("Floor", [q])])
 
 
 def _pow(ctx: LowerCtx, node):

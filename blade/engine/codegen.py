@@ -97,14 +97,21 @@ def _call(fn):
     return lambda t, a: f"{fn}({a})"
 
 
+def _integer_div(t: CType, a: str, b: str) -> str:
+    """ONNX integer division truncates, as C++ does. Neither x / 0 nor INT_MIN / -1 may trap the
+    process: a zero divisor fails the call (eager raises ZeroDivisionError), and x / -1 is a
+    wrapping negation (torch's result for INT_MIN)."""
+    unsigned = f"u{t}"
+    return (f"({b} == 0 ? (status.store(BLADE_ERR_DIVISION_BY_ZERO, std::memory_order_relaxed), {t}(0)) : "
+            f"{b} == {t}(-1) ? {t}({unsigned}(0) - {unsigned}({a})) : {t}({a} / {b}))")
+
+
 CODE_FOR_OP = {
     "Add": lambda t, a, b: f"{a} + {b}",
     "Sub": lambda t, a, b: f"{a} - {b}",
     "Mul": lambda t, a, b: f"{a} * {b}",
-    # ONNX integer division truncates (as C++ does); x / 0 must not trap the process.
-    "Div": lambda t, a, b: f"{a} / {b}" if t.is_float else f"({b} == 0 ? {t}(0) : {t}({a} / {b}))",
-    "Pow": lambda t, a, b: (f"std::pow({a}, {b})" if t.is_float
-                            else f"static_cast<{t}>(std::pow(double({a}), double({b})))"),
+    "Div": lambda t, a, b: f"{a} / {b}" if t.is_float else _integer_div(t, a, b),
+    "Pow": lambda t, a, b: f"std::pow({a}, {b})" if t.is_float else f"blade_ipow({a}, {b})",
     "Neg": lambda t, a: f"-{a}",
     "Abs": _call("std::abs"),
     "Relu": lambda t, a: f"({a} < {t}(0) ? {t}(0) : {a})",   # NaN passes through, like torch
@@ -1132,7 +1139,7 @@ class Emitter:
         return [TensorSpec(n.name, n.dtype, list(n.shape)) for n in nodes]
 
     def _render(self) -> str:
-        lines = [HEADER, PROFILE_MACROS, *_profile_table([comment for comment, _ in self.kernels_code]),
+        lines = [HEADER, INTEGER_HELPERS, PROFILE_MACROS, *_profile_table([comment for comment, _ in self.kernels_code]),
                  "namespace {"]
         for buf in self.inline_consts:
             if not buf.referenced:
@@ -1276,6 +1283,28 @@ inline float blade_erff(float x) {
   p = std::fma(p, t, -1.4429383736569434e-4f);
   const float large = 1.0f - blade_exp_inrange(p);  // p in [-16.8, -0.25]
   return ax < 0.875f ? small : std::copysign(large, x);
+}
+}  // namespace
+"""
+
+INTEGER_HELPERS = """
+#include <type_traits>
+namespace {
+// Integer base ** exponent as torch computes it: square-and-multiply wrapping modulo 2^bits (in
+// unsigned arithmetic, where wrapping is defined); a negative exponent truncates 1 / base^-e.
+template <class T>
+inline T blade_ipow(T base, T exponent) {
+  if (exponent < 0) {
+    if (base == 1) return T(1);
+    return base == -1 ? ((exponent & 1) ? T(-1) : T(1)) : T(0);
+  }
+  using U = typename std::make_unsigned<T>::type;
+  U result = 1, factor = static_cast<U>(base);
+  for (U e = static_cast<U>(exponent); e != 0; e >>= 1) {
+    if (e & 1) result *= factor;
+    factor *= factor;
+  }
+  return static_cast<T>(result);
 }
 }  // namespace
 """
