@@ -572,7 +572,17 @@ def _sdpa(ctx: LowerCtx, node):
         else:
             scores = ctx.b.op("Add", [scores, ctx.as_dtype(mask, dtype)])
     probs = ctx.b.op("Softmax", [scores], axis=-1)
+    if is_tensor(mask) and not ctx.const(is_causal):
+        probs = _zero_fully_masked_rows(ctx, scores, probs, len(ctx.shape(node.output())), dtype)
     return [ctx.b.op("MatMul", [probs, ctx.tensor(v)])]
+
+
+def _zero_fully_masked_rows(ctx: LowerCtx, scores: str, probs: str, rank: int, dtype) -> str:
+    """A query row whose scores are all -inf (every key masked) attends to nothing: eager's safe
+    softmax gives 0 there, a plain softmax NaN."""
+    peak = ctx.b.op("ReduceMax", [scores, ctx.b.ints([rank - 1])], keepdims=1)
+    nothing_kept = ctx.b.op("Equal", [peak, ctx.scalar(-np.inf, dtype)])
+    return ctx.b.op("Where", [nothing_kept, ctx.scalar(0, dtype), probs])
 
 
 def _spatial_list(value, spatial: int) -> list:
