@@ -1287,27 +1287,24 @@ inline float blade_erff(float x) {
 }  // namespace
 """
 
-INTEGER_HELPERS = """
-#include <type_traits>
-namespace {
-// Integer base ** exponent as torch computes it: square-and-multiply wrapping modulo 2^bits (in
-// unsigned arithmetic, where wrapping is defined); a negative exponent truncates 1 / base^-e.
-template <class T>
-inline T blade_ipow(T base, T exponent) {
-  if (exponent < 0) {
-    if (base == 1) return T(1);
-    return base == -1 ? ((exponent & 1) ? T(-1) : T(1)) : T(0);
-  }
-  using U = typename std::make_unsigned<T>::type;
-  U result = 1, factor = static_cast<U>(base);
-  for (U e = static_cast<U>(exponent); e != 0; e >>= 1) {
+# Integer base ** exponent as torch computes it: square-and-multiply wrapping modulo 2^bits (in
+# unsigned arithmetic, where wrapping is defined); a negative exponent truncates 1 / base^-e.
+_INTEGER_POW = """
+inline {t} blade_ipow({t} base, {t} exponent) {{
+  if (exponent < 0) {{
+    if (base == 1) return 1;
+    return base == -1 ? ((exponent & 1) ? -1 : 1) : 0;
+  }}
+  {u} result = 1, factor = static_cast<{u}>(base);
+  for ({u} e = static_cast<{u}>(exponent); e != 0; e >>= 1) {{
     if (e & 1) result *= factor;
     factor *= factor;
-  }
-  return static_cast<T>(result);
-}
-}  // namespace
+  }}
+  return static_cast<{t}>(result);
+}}
 """
+INTEGER_HELPERS = "namespace {" + "".join(_INTEGER_POW.format(t=t, u=f"u{t}") for t in ("int32_t", "int64_t")) + \
+    "}  // namespace\n"
 
 # Compiled with -DBLADE_PROFILE (Config.profile), every kernel adds its wall time to a counter and
 # the .so exports blade_engine_profile() (optional: the Engine looks it up, the ABI does not need it).
