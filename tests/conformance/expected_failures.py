@@ -6,7 +6,17 @@ Reasons name the class of the failure (and who owns it, when another branch does
 """
 from __future__ import annotations
 
+_RUNNING_STATS = ("mutation: a training-mode norm updates its running_mean/running_var inputs in place, and "
+                  "the frontend's measuring run on the example inputs updates them once more (state branch)")
+
 EXPECTED_FAILURES: dict = {
+    # mutation: in-place updates of graph inputs (frontend state/mutation branch)
+    ("nn.functional.batch_norm", "f32"): _RUNNING_STATS,
+    ("native_batch_norm", "f32"): _RUNNING_STATS,
+    ("_native_batch_norm_legit", "f32"): _RUNNING_STATS,
+    ("_batch_norm_with_update", "f32"): _RUNNING_STATS,
+    ("nn.functional.instance_norm", "f32"): _RUNNING_STATS,
+    ("nn.functional.instance_norm", "f64"): _RUNNING_STATS,
 }
 
 
