@@ -248,9 +248,27 @@ def _integer_division(ctx: LowerCtx, a: str, b: str, mode: str, dtype) -> str:
 def _float_division(ctx: LowerCtx, a: str, b: str, mode: str, dtype) -> str:
     q = ctx.b.op("Div", [a, b])
     if mode == "floor":
-        return ctx.b.op("Floor", [q])
+        return _float_floor_division(ctx, a, b, q, dtype)
     # trunc: floor for positives, ceil for negatives
     return ctx.b.op("Where", [ctx.b.op("Less", [q, ctx.scalar(0, dtype)]), ctx.b.op("Ceil", [q]), ctx.b.op("Floor", [q])])
+
+
+def _float_floor_division(ctx: LowerCtx, a: str, b: str, q: str, dtype) -> str:
+    """torch's float floor division (div_floor_floating), not floor(a / b), which rounds a/b first
+    and is one off for some quotients: (a - fmod(a, b)) / b, one less where the remainder's sign
+    differs from the divisor's, rounded to the nearest integer; 0 keeps the sign of a / b and a
+    zero divisor gives a / b."""
+    op, zero = ctx.b.op, ctx.scalar(0, dtype)
+    mod = op("Mod", [a, b], fmod=1)
+    div = op("Div", [op("Sub", [a, mod]), b])
+    signs_differ = op("Not", [op("Equal", [op("Less", [b, zero]), op("Less", [mod, zero])])])
+    step_down = op("And", [op("Not", [op("Equal", [mod, zero])]), signs_differ])
+    div = op("Where", [step_down, op("Sub", [div, ctx.scalar(1, dtype)]), div])
+    floored = op("Floor", [div])
+    rounds_up = op("Greater", [op("Sub", [div, floored]), ctx.scalar(0.5, dtype)])
+    floored = op("Where", [rounds_up, op("Add", [floored, ctx.scalar(1, dtype)]), floored])
+    floored = op("Where", [op("Equal", [div, zero]), op("Mul", [q, zero]), floored])
+    return op("Where", [op("Equal", [b, zero]), q, floored])
 
 
 def _pow(ctx: LowerCtx, node):

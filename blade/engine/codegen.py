@@ -112,6 +112,7 @@ CODE_FOR_OP = {
     "Mul": lambda t, a, b: f"{a} * {b}",
     "Div": lambda t, a, b: f"{a} / {b}" if t.is_float else _integer_div(t, a, b),
     "Pow": lambda t, a, b: f"std::pow({a}, {b})" if t.is_float else f"blade_ipow({a}, {b})",
+    "Mod": lambda t, a, b: f"std::fmod({a}, {b})",   # floats only (ir._fmod)
     "Neg": lambda t, a: f"-{a}",
     "Abs": _call("std::abs"),
     "Relu": lambda t, a: f"({a} < {t}(0) ? {t}(0) : {a})",   # NaN passes through, like torch

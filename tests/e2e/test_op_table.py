@@ -63,6 +63,10 @@ CASES = {
     "div_int_true": (lambda x: x / 4, [i64(4, 8)]),
     "div_floor": (lambda x, y: torch.div(x, y, rounding_mode="floor"), [f32(4, 8), pos(4, 8)]),
     "div_trunc_int": (lambda x: torch.div(x, 3, rounding_mode="trunc"), [i64(4, 8)]),
+    # floor(a / b) is one off for these (a / b rounds up to an integer); torch's floor division is not
+    "div_floor_float_rounding": (lambda x, y: torch.div(x, y, rounding_mode="floor"),
+                                 [lambda: torch.tensor([-187.94923, 137.22330, 7.0, -7.0, 0.0, 5.0, -0.0, 1.5]),
+                                  lambda: torch.tensor([0.023212206, -0.13156596, -2.0, 4.0, -3.0, float("inf"), 2.0, 1.0])]),
     "div_floor_int_negative_large": (lambda x, y: torch.div(x, y, rounding_mode="floor"), [ints(I64_BIG), ints(I64_DIVISORS)]),
     "div_trunc_int_negative_large": (lambda x, y: torch.div(x, y, rounding_mode="trunc"), [ints(I64_BIG[:-1]), ints(I64_DIVISORS[:-1])]),
     "div_floor_int_scalar_negative": (lambda x: torch.div(x, -3, rounding_mode="floor"), [ints(I64_BIG)]),

@@ -47,6 +47,7 @@ CASES = [
             values={"x0": arr([-7, 7, -2**63, 2**62 + 1, 5, -5], i64), "x1": arr([2, -2, -1, 3, -1, 7], i64)}),
     op_case("Div", [(3,), (3,)], dtype="int64", name="Div-int64-by-zero",
             values={"x0": arr([5, -5, 7], i64), "x1": arr([2, 0, -2], i64)}),
+    op_case("Mod", [(3, 17), (17,)], fmod=1, name="Mod-fmod-float"),
     op_case("Pow", [(8,), (8,)], dtype="int64", name="Pow-int64-wraps",
             values={"x0": arr([3, -3, 7, 2, 5, 1, -1, 4], i64), "x1": arr([41, 39, 2, 63, 30, 5, 3, 0], i64)}),
     op_case("Add", [(), (3,)], name="Add-scalar-broadcast"),
