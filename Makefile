@@ -8,8 +8,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Pinned so that a fresh machine gets exactly what CI tested.
 DEPS := torch==2.13.0 onnx==1.23.2 numpy==2.4.6 pybind11==3.1.0 ninja==1.13.2 setuptools wheel
-# expecttest: torch's OpInfo database (tests/conformance) imports it
-TEST_DEPS := pytest==9.2.0 pytest-xdist==3.8.0 transformers==5.23.0 expecttest==0.3.0
+# torch's OpInfo database (tests/conformance) imports expecttest
+CONFORMANCE_DEPS := expecttest==0.3.0
+TEST_DEPS := pytest==9.2.0 pytest-xdist==3.8.0 transformers==5.23.0 $(CONFORMANCE_DEPS)
 export MAX_JOBS ?= 2
 
 .PHONY: demo test setup clean bench conformance
@@ -17,6 +18,7 @@ demo: $(VENV)/.built
 	$(PY) examples/demo.py
 
 test: $(VENV)/.built
+	$(PY) -m pip install -q $(CONFORMANCE_DEPS)   # a .venv made before tests/conformance lacks it
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider tests
 
 setup: $(VENV)/.built
@@ -44,5 +46,5 @@ bench: $(VENV)/.built
 # summary table to bench/CONFORMANCE.md (per-case results in bench/CONFORMANCE.jsonl). Exits
 # non-zero on a FAIL or XPASS group.
 conformance: $(VENV)/.built
-	$(PY) -m pip install -q expecttest==0.3.0
+	$(PY) -m pip install -q $(CONFORMANCE_DEPS)
 	COMPILE_PARALLELISM=1 $(PY) -m tests.conformance.opinfo_sweep --samples 2 --out bench/CONFORMANCE.md
