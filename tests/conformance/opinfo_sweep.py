@@ -18,6 +18,7 @@ dies or hangs, its current case is recorded as a crash and a new worker continue
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -74,14 +75,27 @@ def op_db() -> list:
     return list(database)
 
 
-def samples_of(op, dtype: torch.dtype, limit: int) -> list:
+def _extra_reference_inputs(op, dtype: torch.dtype):
+    """The samples reference_inputs adds after sample_inputs: extremal, large and edge values."""
+    regular = sum(1 for _ in op.sample_inputs("cpu", dtype, requires_grad=False))
+    torch.manual_seed(0)
+    return itertools.islice(op.reference_inputs("cpu", dtype, requires_grad=False), regular, None)
+
+
+SAMPLE_SOURCES = {
+    "sample": lambda op, dtype: op.sample_inputs("cpu", dtype, requires_grad=False),
+    "reference": _extra_reference_inputs,
+}
+
+
+def samples_of(op, dtype: torch.dtype, limit: int, source: str = "sample") -> list:
     """The first `limit` CPU samples of op for dtype (seeded: the same tensors on every run)."""
     if dtype not in op.supported_dtypes("cpu"):
         return []
     torch.manual_seed(0)
     try:
         found = []
-        for sample in op.sample_inputs("cpu", dtype, requires_grad=False):
+        for sample in SAMPLE_SOURCES[source](op, dtype):
             found.append(sample)
             if len(found) == limit:
                 break
@@ -209,11 +223,11 @@ def _differential(op, sample) -> tuple[str, str, bool]:
 # Enumeration and classification
 # ---------------------------------------------------------------------------------------------
 
-def cases(ops: list, dtypes: list, limit: int):
+def cases(ops: list, dtypes: list, limit: int, source: str = "sample"):
     """(op, dtype name, sample index, sample) for every op, dtype and sample (up to limit)."""
     for op in ops:
         for dtype_name in dtypes:
-            for index, sample in enumerate(samples_of(op, DTYPES[dtype_name], limit)):
+            for index, sample in enumerate(samples_of(op, DTYPES[dtype_name], limit, source)):
                 yield op, dtype_name, index, sample
 
 
@@ -244,7 +258,7 @@ def _case_key(op: str, dtype: str, index: int) -> str:
     return f"{op}|{dtype}|{index}"
 
 
-def worker(ops_filter: list, dtypes: list, limit: int, done_file: Path) -> None:
+def worker(ops_filter: list, dtypes: list, limit: int, source: str, done_file: Path) -> None:
     """Run every case not yet in done_file, appending a 'start' line before and a result after."""
     import blade  # noqa: F401  (registers tt_infer)
     done = set()
@@ -255,7 +269,7 @@ def worker(ops_filter: list, dtypes: list, limit: int, done_file: Path) -> None:
                 done.add(_case_key(record["op"], record["dtype"], record["sample"]))
     selected = [op for op in op_db() if not ops_filter or op_name(op) in ops_filter or op.name in ops_filter]
     with open(done_file, "a") as out:
-        for op, dtype, index, sample in cases(selected, dtypes, limit):
+        for op, dtype, index, sample in cases(selected, dtypes, limit, source):
             key = _case_key(op_name(op), dtype, index)
             if key in done:
                 continue
@@ -267,22 +281,23 @@ def worker(ops_filter: list, dtypes: list, limit: int, done_file: Path) -> None:
     print("worker done", flush=True)
 
 
-def run_plan(ops_filter: list, dtypes: list, limit: int, results_file: Path, exhaustive: bool) -> list:
+def run_plan(ops_filter: list, dtypes: list, limit: int, source: str, results_file: Path, exhaustive: bool) -> list:
     """The named ops (or, exhaustive, all of op_db) over every dtype and `limit` samples; by default
     two phases that fit a small machine: every op on its first float32 sample, then every dtype and
     `limit` samples of the ops where that first case ran an engine (the others never reach one)."""
     if ops_filter or exhaustive:
-        return run_sweep(ops_filter, dtypes, limit, results_file)
-    probed = run_sweep([], ["f32"], 1, results_file)
+        return run_sweep(ops_filter, dtypes, limit, source, results_file)
+    probed = run_sweep([], ["f32"], 1, source, results_file)
     engine_ops = sorted({r.op for r in probed if r.engine})
-    return run_sweep(engine_ops, dtypes, limit, results_file)
+    return run_sweep(engine_ops, dtypes, limit, source, results_file)
 
 
-def run_sweep(ops_filter: list, dtypes: list, limit: int, results_file: Path) -> list:
+def run_sweep(ops_filter: list, dtypes: list, limit: int, source: str, results_file: Path) -> list:
     """Workers until every case has a result; a dead or silent worker's case becomes a crash."""
     while True:
         command = [sys.executable, "-m", "tests.conformance.opinfo_sweep", "--worker",
-                   "--results", str(results_file), "--samples", str(limit), "--dtypes", ",".join(dtypes)]
+                   "--results", str(results_file), "--samples", str(limit), "--dtypes", ",".join(dtypes),
+                   "--inputs", source]
         if ops_filter:
             command += ["--ops", ",".join(ops_filter)]
         proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -413,6 +428,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", default="", help="comma-separated op names (default: all of op_db)")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--samples", type=int, default=2, help="samples per op and dtype")
+    parser.add_argument("--inputs", choices=sorted(SAMPLE_SOURCES), default="sample",
+                        help="OpInfo's sample_inputs, or the edge-value samples reference_inputs adds to them")
     parser.add_argument("--exhaustive", action="store_true",
                         help="every op over every dtype (default: dtypes only for ops that reach an engine)")
     parser.add_argument("--resume", action="store_true", help="keep the results of an interrupted run")
@@ -424,7 +441,7 @@ def main(argv=None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     results_file = Path(args.results or Path(args.out).with_suffix(".jsonl"))
     if args.worker:
-        worker(ops_filter, dtypes, args.samples, results_file)
+        worker(ops_filter, dtypes, args.samples, args.inputs, results_file)
         return 0
     command = "python -m tests.conformance.opinfo_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.report_only:
@@ -433,7 +450,7 @@ def main(argv=None) -> int:
         if not args.resume:
             results_file.unlink(missing_ok=True)
         started = time.monotonic()
-        results = run_plan(ops_filter, dtypes, args.samples, results_file, args.exhaustive)
+        results = run_plan(ops_filter, dtypes, args.samples, args.inputs, results_file, args.exhaustive)
         seconds = time.monotonic() - started
     Path(args.out).write_text(summary(results, seconds, command))
     verdicts = classify(results)
