@@ -802,7 +802,7 @@ def _upsample(ctx: LowerCtx, node):
     factors = ctx.const(named["scale_factors"]) if "scale_factors" in named else None
     spatial = len(shape) - 2
     name = ctx.tensor(x)
-    for k in range(spatial):
+    for k in reversed(range(spatial)):   # the last axis first, as torch's kernel nests its sums
         axis, n_in, n_out = 2 + k, shape[2 + k], out_shape[2 + k]
         scale = 1.0 / factors[k] if factors else n_in / n_out
         dst = np.arange(n_out, dtype=np.float64)
@@ -810,17 +810,29 @@ def _upsample(ctx: LowerCtx, node):
             index = np.minimum(np.floor(dst * np.float32(scale)).astype(np.int64), n_in - 1)
             name = ctx.b.op("Gather", [name, ctx.b.constant(index, "index")], axis=axis)
             continue
-        if align:
-            src = dst * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
-        else:
-            src = np.maximum((dst + 0.5) * scale - 0.5, 0.0)
-        low = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
-        high = np.minimum(low + 1, n_in - 1)
-        weight = (src - low).astype(dtype).reshape([n_out] + [1] * (spatial - 1 - k))
+        low, high, weight = _linear_taps(n_in, n_out, factors[k] if factors else None, align, dtype)
+        weight = weight.reshape([n_out] + [1] * (spatial - 1 - k))
         gathered = [ctx.b.op("Gather", [name, ctx.b.constant(i, "index")], axis=axis) for i in (low, high)]
         name = ctx.b.op("Add", [ctx.b.op("Mul", [gathered[0], ctx.b.constant(1 - weight, "w")]),
                                 ctx.b.op("Mul", [gathered[1], ctx.b.constant(weight, "w")])])
     return [name]
+
+
+def _linear_taps(n_in: int, n_out: int, factor, align: bool, dtype):
+    """(low, high, weight of high) per output position of a linear resize, in the arithmetic of
+    torch's CPU kernel: positions and weights in the input's float type (float32 positions of a
+    large resize differ from exact ones by more than the tolerance of the result)."""
+    real = np.dtype(dtype).type
+    dst = np.arange(n_out).astype(real)
+    if align:
+        src = dst * (real(n_in - 1) / real(n_out - 1) if n_out > 1 else real(0))
+    else:
+        scale = real(1.0 / factor) if factor else real(n_in) / real(n_out)
+        # one rounding of the exact scale * (dst + 0.5) - 0.5: the fused multiply-add torch's build does
+        src = np.maximum((np.float64(scale) * (dst + real(0.5)).astype(np.float64) - 0.5).astype(real), real(0))
+    low = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
+    weight = np.clip(src - low.astype(real), real(0), real(1))
+    return low, np.minimum(low + 1, n_in - 1), weight
 
 
 # ---- tensor creation: the output's measured shape/dtype plus constant arguments ----
