@@ -7,7 +7,8 @@ Reasons name the class of the failure (and who owns it, when another branch does
 from __future__ import annotations
 
 _RUNNING_STATS = ("mutation: a training-mode norm updates its running_mean/running_var inputs in place, and "
-                  "the frontend's measuring run on the example inputs updates them once more (state branch)")
+                  "the frontend's runs of the graph on the example inputs while compiling update them again "
+                  "(state branch)")
 
 EXPECTED_FAILURES: dict = {
     # mutation: in-place updates of graph inputs (frontend state/mutation branch)
