@@ -8,14 +8,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Pinned so that a fresh machine gets exactly what CI tested.
 DEPS := torch==2.13.0 onnx==1.23.2 numpy==2.4.6 pybind11==3.1.0 ninja==1.13.2 setuptools wheel
-TEST_DEPS := pytest==9.2.0 pytest-xdist==3.8.0 transformers==5.23.0
+# torch's OpInfo database (tests/conformance) imports expecttest
+CONFORMANCE_DEPS := expecttest==0.3.0
+TEST_DEPS := pytest==9.2.0 pytest-xdist==3.8.0 transformers==5.23.0 $(CONFORMANCE_DEPS)
 export MAX_JOBS ?= 2
 
-.PHONY: demo test setup clean bench
+.PHONY: demo test setup clean bench conformance
 demo: $(VENV)/.built
 	$(PY) examples/demo.py
 
 test: $(VENV)/.built
+	$(PY) -m pip install -q $(CONFORMANCE_DEPS)   # a .venv made before tests/conformance lacks it
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m "not slow" tests
 
 setup: $(VENV)/.built
@@ -37,3 +40,11 @@ clean:
 bench: $(VENV)/.built
 	$(PY) -m pip install -q onnxruntime==1.31.1 onnxscript==0.7.2
 	$(PY) bench/run.py
+
+# The whole OpInfo differential sweep (tests/conformance): every op of torch's OpInfo database,
+# 2 samples per op and dtype, through tt_infer with engines forced on, vs eager. Writes the
+# summary table to bench/CONFORMANCE.md (per-case results in bench/CONFORMANCE.jsonl). Exits
+# non-zero on a FAIL or XPASS group.
+conformance: $(VENV)/.built
+	$(PY) -m pip install -q $(CONFORMANCE_DEPS)
+	COMPILE_PARALLELISM=1 $(PY) -m tests.conformance.opinfo_sweep --samples 2 --out bench/CONFORMANCE.md

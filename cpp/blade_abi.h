@@ -72,6 +72,7 @@ int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void
 
 #define BLADE_OK 0
 #define BLADE_ERR_INDEX_OUT_OF_RANGE 1  // a gather/embedding index outside its dimension
+#define BLADE_ERR_DIVISION_BY_ZERO 2    // an integer division by zero (eager raises ZeroDivisionError)
 
 #ifdef __cplusplus
 namespace blade {

@@ -76,6 +76,8 @@ std::string describe_error_code(int32_t code) {
   switch (code) {
     case BLADE_ERR_INDEX_OUT_OF_RANGE:
       return "index out of range in a gather/embedding";
+    case BLADE_ERR_DIVISION_BY_ZERO:
+      return "ZeroDivisionError: integer division by zero";
     default:
       return "unknown error code " + std::to_string(code);
   }

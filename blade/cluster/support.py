@@ -164,17 +164,18 @@ class Rule:
 
 
 def binary(onnx_op: str, reverse: bool = False):
-    """out = a <op> b*alpha (alpha when the schema has one), computed in the output dtype."""
+    """out = a <op> b*alpha (alpha when the schema has one), computed in the output dtype;
+    reversed (rsub): out = b <op> a*alpha, alpha scaling self as torch's rsub does."""
     def lower(ctx: LowerCtx, node):
         args = _args(node)
         dtype = _out_dtype(node)
         a, b = ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)
+        if reverse:
+            a, b = b, a
         if len(args) > 2:  # alpha
             alpha = ctx.const(args[2])
             if alpha != 1:
                 b = ctx.b.op("Mul", [b, ctx.scalar(alpha, dtype)])
-        if reverse:
-            a, b = b, a
         return [ctx.b.op(onnx_op, [a, b])]
     return lower
 
@@ -230,38 +231,53 @@ def _div(ctx: LowerCtx, node):
     args = _args(node)
     mode = ctx.const(args[2]) if len(args) > 2 else None
     dtype = _out_dtype(node)
+    a, b = ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)
     if mode is None:
-        return [ctx.b.op("Div", [ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)])]
-    if mode == "floor" and not np.issubdtype(dtype, np.integer):
-        return [_float_floor_div(ctx, ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype), dtype)]
-    if np.issubdtype(dtype, np.integer):
-        # integer floor/trunc division: exact through float64 for |values| < 2**53
-        q = ctx.b.op("Div", [ctx.as_dtype(args[0], np.float64), ctx.as_dtype(args[1], np.float64)])
-    else:
-        q = ctx.b.op("Div", [ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)])
+        return [ctx.b.op("Div", [a, b])]
+    rounding = _integer_division if np.issubdtype(dtype, np.integer) else _float_division
+    return [rounding(ctx, a, b, mode, dtype)]
+
+
+def _integer_division(ctx: LowerCtx, a: str, b: str, mode: str, dtype) -> str:
+    """Exact integer trunc/floor division: the engine's integer Div truncates (and fails the call
+    on a zero divisor, where eager raises ZeroDivisionError); floor steps down by one where the
+    remainder is nonzero and its sign differs from the divisor's."""
+    quotient = ctx.b.op("Div", [a, b])
+    if mode == "trunc":
+        return quotient
+    zero = ctx.scalar(0, dtype)
+    remainder = ctx.b.op("Sub", [a, ctx.b.op("Mul", [quotient, b])])
+    signs_differ = ctx.b.op("Not", [ctx.b.op("Equal", [ctx.b.op("Less", [remainder, zero]),
+                                                       ctx.b.op("Less", [b, zero])])])
+    inexact = ctx.b.op("Not", [ctx.b.op("Equal", [remainder, zero])])
+    step_down = ctx.b.op("And", [inexact, signs_differ])
+    return ctx.b.op("Where", [step_down, ctx.b.op("Sub", [quotient, ctx.scalar(1, dtype)]), quotient])
+
+
+def _float_division(ctx: LowerCtx, a: str, b: str, mode: str, dtype) -> str:
+    q = ctx.b.op("Div", [a, b])
     if mode == "floor":
-        q = ctx.b.op("Floor", [q])
-    else:  # trunc: floor for positives, ceil for negatives
-        zero = ctx.scalar(0, np.float64 if np.issubdtype(dtype, np.integer) else dtype)
-        q = ctx.b.op("Where", [ctx.b.op("Less", [q, zero]), ctx.b.op("Ceil", [q]), ctx.b.op("Floor", [q])])
-    return [ctx.cast(q, np.float64 if np.issubdtype(dtype, np.integer) else dtype, dtype)]
+        return _float_floor_division(ctx, a, b, q, dtype)
+    # trunc: floor for positives, ceil for negatives
+    return ctx.b.op("Where", [ctx.b.op("Less", [q, ctx.scalar(0, dtype)]), ctx.b.op("Ceil", [q]), ctx.b.op("Floor", [q])])
 
 
-def _float_floor_div(ctx: LowerCtx, a: str, b: str, dtype) -> str:
-    """torch's floor division of floats, which rounds through fmod: the floor of the quotient (taken
-    in float64, so a float32 quotient rounding up to an integer does not floor one too high), but
-    inf // finite is NaN (fmod(inf, b) is NaN) and a nonzero a over a b so large that the quotient
-    underflows to zero gives -1 when the signs differ (a // inf is -1 for a < 0)."""
-    f64 = np.dtype("float64")
-    a, b = ctx.cast(a, dtype, f64), ctx.cast(b, dtype, f64)
-    op, zero, inf = ctx.b.op, ctx.scalar(0, f64), ctx.scalar(np.inf, f64)
-    q = op("Div", [a, b])
-    opposite_signs = op("Not", [op("Equal", [op("Less", [a, zero]), op("Less", [b, zero])])])
-    underflow = op("And", [op("And", [op("Equal", [q, zero]), op("Not", [op("Equal", [a, zero])])]), opposite_signs])
-    inf_by_finite = op("And", [op("Equal", [op("Abs", [a]), inf]),
-                               op("And", [op("Less", [op("Abs", [b]), inf]), op("Not", [op("Equal", [b, zero])])])])
-    floor = op("Where", [underflow, ctx.scalar(-1, f64), op("Floor", [q])])
-    return ctx.cast(op("Where", [inf_by_finite, ctx.scalar(np.nan, f64), floor]), f64, dtype)
+def _float_floor_division(ctx: LowerCtx, a: str, b: str, q: str, dtype) -> str:
+    """torch's float floor division (div_floor_floating), not floor(a / b), which rounds a/b first
+    and is one off for some quotients: (a - fmod(a, b)) / b, one less where the remainder's sign
+    differs from the divisor's, rounded to the nearest integer; 0 keeps the sign of a / b and a
+    zero divisor gives a / b."""
+    op, zero = ctx.b.op, ctx.scalar(0, dtype)
+    mod = op("Mod", [a, b], fmod=1)
+    div = op("Div", [op("Sub", [a, mod]), b])
+    signs_differ = op("Not", [op("Equal", [op("Less", [b, zero]), op("Less", [mod, zero])])])
+    step_down = op("And", [op("Not", [op("Equal", [mod, zero])]), signs_differ])
+    div = op("Where", [step_down, op("Sub", [div, ctx.scalar(1, dtype)]), div])
+    floored = op("Floor", [div])
+    rounds_up = op("Greater", [op("Sub", [div, floored]), ctx.scalar(0.5, dtype)])
+    floored = op("Where", [rounds_up, op("Add", [floored, ctx.scalar(1, dtype)]), floored])
+    floored = op("Where", [op("Equal", [div, zero]), op("Mul", [q, zero]), floored])
+    return op("Where", [op("Equal", [b, zero]), q, floored])
 
 
 def _pow(ctx: LowerCtx, node):
@@ -604,7 +620,17 @@ def _sdpa(ctx: LowerCtx, node):
         else:
             scores = ctx.b.op("Add", [scores, ctx.as_dtype(mask, dtype)])
     probs = ctx.b.op("Softmax", [scores], axis=-1)
+    if is_tensor(mask) and not ctx.const(is_causal):
+        probs = _zero_fully_masked_rows(ctx, scores, probs, len(ctx.shape(node.output())), dtype)
     return [ctx.b.op("MatMul", [probs, ctx.tensor(v)])]
+
+
+def _zero_fully_masked_rows(ctx: LowerCtx, scores: str, probs: str, rank: int, dtype) -> str:
+    """A query row whose scores are all -inf (every key masked) attends to nothing: eager's safe
+    softmax gives 0 there, a plain softmax NaN."""
+    peak = ctx.b.op("ReduceMax", [scores, ctx.b.ints([rank - 1])], keepdims=1)
+    nothing_kept = ctx.b.op("Equal", [peak, ctx.scalar(-np.inf, dtype)])
+    return ctx.b.op("Where", [nothing_kept, ctx.scalar(0, dtype), probs])
 
 
 def _spatial_list(value, spatial: int) -> list:
@@ -806,7 +832,7 @@ def _upsample(ctx: LowerCtx, node):
     factors = ctx.const(named["scale_factors"]) if "scale_factors" in named else None
     spatial = len(shape) - 2
     name = ctx.tensor(x)
-    for k in range(spatial):
+    for k in reversed(range(spatial)):   # the last axis first, as torch's kernel nests its sums
         axis, n_in, n_out = 2 + k, shape[2 + k], out_shape[2 + k]
         scale = 1.0 / factors[k] if factors else n_in / n_out
         dst = np.arange(n_out, dtype=np.float64)
@@ -814,17 +840,29 @@ def _upsample(ctx: LowerCtx, node):
             index = np.minimum(np.floor(dst * np.float32(scale)).astype(np.int64), n_in - 1)
             name = ctx.b.op("Gather", [name, ctx.b.constant(index, "index")], axis=axis)
             continue
-        if align:
-            src = dst * ((n_in - 1) / (n_out - 1) if n_out > 1 else 0.0)
-        else:
-            src = np.maximum((dst + 0.5) * scale - 0.5, 0.0)
-        low = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
-        high = np.minimum(low + 1, n_in - 1)
-        weight = (src - low).astype(dtype).reshape([n_out] + [1] * (spatial - 1 - k))
+        low, high, weight = _linear_taps(n_in, n_out, factors[k] if factors else None, align, dtype)
+        weight = weight.reshape([n_out] + [1] * (spatial - 1 - k))
         gathered = [ctx.b.op("Gather", [name, ctx.b.constant(i, "index")], axis=axis) for i in (low, high)]
         name = ctx.b.op("Add", [ctx.b.op("Mul", [gathered[0], ctx.b.constant(1 - weight, "w")]),
                                 ctx.b.op("Mul", [gathered[1], ctx.b.constant(weight, "w")])])
     return [name]
+
+
+def _linear_taps(n_in: int, n_out: int, factor, align: bool, dtype):
+    """(low, high, weight of high) per output position of a linear resize, in the arithmetic of
+    torch's CPU kernel: positions and weights in the input's float type (float32 positions of a
+    large resize differ from exact ones by more than the tolerance of the result)."""
+    real = np.dtype(dtype).type
+    dst = np.arange(n_out).astype(real)
+    if align:
+        src = dst * (real(n_in - 1) / real(n_out - 1) if n_out > 1 else real(0))
+    else:
+        scale = real(1.0 / factor) if factor else real(n_in) / real(n_out)
+        # one rounding of the exact scale * (dst + 0.5) - 0.5: the fused multiply-add torch's build does
+        src = np.maximum((np.float64(scale) * (dst + real(0.5)).astype(np.float64) - 0.5).astype(real), real(0))
+    low = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
+    weight = np.clip(src - low.astype(real), real(0), real(1))
+    return low, np.minimum(low + 1, n_in - 1), weight
 
 
 # ---- tensor creation: the output's measured shape/dtype plus constant arguments ----
@@ -1168,9 +1206,6 @@ def _div_check(node):
     args = _args(node)
     if len(args) > 2 and constant_value(args[2]) not in (None, "floor", "trunc"):
         return "aten::div with an unknown rounding_mode"
-    if len(args) > 2 and constant_value(args[2]) == "floor" and node.output().type().dtype() == torch.float64:
-        # (float32 takes the quotient in float64, see _float_floor_div; float64 has no wider type)
-        return "aten::div floor of float64: torch rounds through fmod (1.0 // 0.1 is 9), exact only in a wider type"
     return None
 
 

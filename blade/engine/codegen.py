@@ -102,14 +102,23 @@ def _float32_or_std(name):
     return lambda t, a: f"blade_{name}f({a})" if t.dtype == "float32" else f"std::{name}({a})"
 
 
+def _integer_div(t: CType, a: str, b: str) -> str:
+    """ONNX integer division truncates, as C++ does. Neither x / 0 nor INT_MIN / -1 may trap the
+    process: a zero divisor fails the call (eager raises ZeroDivisionError), and x / -1 is a
+    wrapping negation (torch's result for INT_MIN)."""
+    unsigned = f"u{t}"
+    return (f"({b} == 0 ? (status.store(BLADE_ERR_DIVISION_BY_ZERO, std::memory_order_relaxed), {t}(0)) : "
+            f"{b} == {t}(-1) ? {t}({unsigned}(0) - {unsigned}({a})) : {t}({a} / {b}))")
+
+
 CODE_FOR_OP = {
     "Add": lambda t, a, b: f"{a} + {b}",
     "Sub": lambda t, a, b: f"{a} - {b}",
     "Mul": lambda t, a, b: f"{a} * {b}",
-    # ONNX integer division truncates (as C++ does); x / 0 must not trap the process.
-    "Div": lambda t, a, b: f"{a} / {b}" if t.is_float else f"({b} == 0 ? {t}(0) : {t}({a} / {b}))",
+    "Div": lambda t, a, b: f"{a} / {b}" if t.is_float else _integer_div(t, a, b),
     "Pow": lambda t, a, b: (f"blade_powf({a}, {b})" if t.dtype == "float32" else f"std::pow({a}, {b})" if t.is_float
-                            else f"static_cast<{t}>(std::pow(double({a}), double({b})))"),
+                            else f"blade_ipow({a}, {b})"),
+    "Mod": lambda t, a, b: f"std::fmod({a}, {b})",   # floats only (ir._fmod)
     "Neg": lambda t, a: f"-{a}",
     "Abs": _call("std::abs"),
     "Relu": lambda t, a: f"({a} < {t}(0) ? {t}(0) : {a})",   # NaN passes through, like torch
@@ -1141,7 +1150,7 @@ class Emitter:
         return [TensorSpec(n.name, n.dtype, list(n.shape)) for n in nodes]
 
     def _render(self) -> str:
-        lines = [HEADER, PROFILE_MACROS, *_profile_table([comment for comment, _ in self.kernels_code]),
+        lines = [HEADER, INTEGER_HELPERS, PROFILE_MACROS, *_profile_table([comment for comment, _ in self.kernels_code]),
                  "namespace {"]
         for buf in self.inline_consts:
             if not buf.referenced:
@@ -1490,6 +1499,25 @@ inline float blade_powf(float x, float y) {
 }
 }  // namespace
 """
+
+# Integer base ** exponent as torch computes it: square-and-multiply wrapping modulo 2^bits (in
+# unsigned arithmetic, where wrapping is defined); a negative exponent truncates 1 / base^-e.
+_INTEGER_POW = """
+inline {t} blade_ipow({t} base, {t} exponent) {{
+  if (exponent < 0) {{
+    if (base == 1) return 1;
+    return base == -1 ? ((exponent & 1) ? -1 : 1) : 0;
+  }}
+  {u} result = 1, factor = static_cast<{u}>(base);
+  for ({u} e = static_cast<{u}>(exponent); e != 0; e >>= 1) {{
+    if (e & 1) result *= factor;
+    factor *= factor;
+  }}
+  return static_cast<{t}>(result);
+}}
+"""
+INTEGER_HELPERS = "namespace {" + "".join(_INTEGER_POW.format(t=t, u=f"u{t}") for t in ("int32_t", "int64_t")) + \
+    "}  // namespace\n"
 
 # Compiled with -DBLADE_PROFILE (Config.profile), every kernel adds its wall time to a counter and
 # the .so exports blade_engine_profile() (optional: the Engine looks it up, the ABI does not need it).

@@ -65,7 +65,7 @@ class Graph:
 ELEMENTWISE = {
     **{op: "same" for op in (
         "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Log",
-        "Sqrt", "Reciprocal", "Erf", "Floor", "Ceil", "Sin", "Cos", "Max", "Min", "Not", "And", "Or")},
+        "Sqrt", "Reciprocal", "Erf", "Floor", "Ceil", "Sin", "Cos", "Max", "Min", "Not", "And", "Or", "Mod")},
     **{op: "bool" for op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
     "Where": "second",
     "Cast": "cast",
@@ -245,6 +245,13 @@ class Builder:
 
 def _elementwise(op):
     return lambda b, attrs, *args: [b.ew(op, *args)]
+
+
+def _fmod(b, attrs, x, y):
+    """Mod with fmod=1 on floats: C's fmod (the remainder with the dividend's sign, exact)."""
+    if attrs.get("fmod", 0) != 1 or x.dtype not in ("float32", "float64"):
+        raise UnsupportedOnnxOp("Mod other than fmod=1 on floats")
+    return [b.ew("Mod", x, y)]
 
 
 def _variadic(op):
@@ -505,7 +512,8 @@ def _pad(b, attrs, x, pads_node, value=None, axes_node=None):
 
 
 ONNX_RULES = {
-    **{op: _elementwise(op) for op in ELEMENTWISE if op not in ("Max", "Min", "Cast", "Pow")},
+    **{op: _elementwise(op) for op in ELEMENTWISE if op not in ("Max", "Min", "Cast", "Pow", "Mod")},
+    "Mod": _fmod,
     "Max": _variadic("Max"),
     "Min": _variadic("Min"),
     "Cast": _cast,

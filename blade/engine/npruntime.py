@@ -31,10 +31,13 @@ class BladeRuntime(ctypes.Structure):
                 ("conv", CONV_FN)]
 
 
+ERROR_NAMES = {1: "BLADE_ERR_INDEX_OUT_OF_RANGE", 2: "BLADE_ERR_DIVISION_BY_ZERO"}   # blade_abi.h
+
+
 class EngineRunError(RuntimeError):
     def __init__(self, code: int):
-        super().__init__(f"engine returned error code {code}" +
-                         (" (BLADE_ERR_INDEX_OUT_OF_RANGE)" if code == 1 else ""))
+        name = ERROR_NAMES.get(code)
+        super().__init__(f"engine returned error code {code}" + (f" ({name})" if name else ""))
         self.code = code
 
 

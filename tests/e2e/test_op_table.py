@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blade_testing import compile_and_check
+from blade_testing import Capture, compile_and_check
 
 
 def f32(*shape):
@@ -28,6 +28,27 @@ K = torch.randn(8, 4, 3, 3)   # conv kernels
 K1 = torch.randn(6, 4, 5)
 BN = [torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)]   # mean, var, weight, bias
 
+# integer division and powers: negative operands, values past 2**53, wrapping like eager
+I64_BIG = [-7, 7, -8, 8, 5, -5, 2**40 + 1, -(2**40) + 1, 2**62 + 1, -(2**62) - 3, -(2**63), -(2**63)]
+I64_DIVISORS = [2, -2, 3, -3, -7, 7, 3, 7, 3, 2, 1, -1]
+I32_EDGES = [-7, 7, 2**31 - 1, -(2**31), -(2**31), 5]
+I32_DIVISORS = [2, -3, -2, -1, 3, -7]
+
+
+def ints(values, dtype=torch.int64):
+    return lambda: torch.tensor(values, dtype=dtype)
+
+
+def sdpa_mask(keep_row: int, dtype=torch.bool):
+    """A [4, 6] attention mask whose row `keep_row` masks every key (all False / all -inf)."""
+    def make():
+        keep = torch.rand(4, 6) > 0.4
+        keep[:, 0] = True
+        keep[keep_row] = False
+        return keep if dtype == torch.bool else torch.zeros(4, 6).masked_fill(~keep, float("-inf"))
+    return make
+
+
 CASES = {
     # arithmetic: tensor/scalar, broadcasting, alpha, type promotion
     "add": (lambda x, y: x + y, [f32(4, 8), f32(8)]),
@@ -42,6 +63,17 @@ CASES = {
     "div_int_true": (lambda x: x / 4, [i64(4, 8)]),
     "div_floor": (lambda x, y: torch.div(x, y, rounding_mode="floor"), [f32(4, 8), pos(4, 8)]),
     "div_trunc_int": (lambda x: torch.div(x, 3, rounding_mode="trunc"), [i64(4, 8)]),
+    # floor(a / b) is one off for these (a / b rounds up to an integer); torch's floor division is not
+    "div_floor_float_rounding": (lambda x, y: torch.div(x, y, rounding_mode="floor"),
+                                 [lambda: torch.tensor([-187.94923, 137.22330, 7.0, -7.0, 0.0, 5.0, -0.0, 1.5]),
+                                  lambda: torch.tensor([0.023212206, -0.13156596, -2.0, 4.0, -3.0, float("inf"), 2.0, 1.0])]),
+    "div_floor_int_negative_large": (lambda x, y: torch.div(x, y, rounding_mode="floor"), [ints(I64_BIG), ints(I64_DIVISORS)]),
+    "div_trunc_int_negative_large": (lambda x, y: torch.div(x, y, rounding_mode="trunc"), [ints(I64_BIG[:-1]), ints(I64_DIVISORS[:-1])]),
+    "div_floor_int_scalar_negative": (lambda x: torch.div(x, -3, rounding_mode="floor"), [ints(I64_BIG)]),
+    "div_floor_int32_edges": (lambda x, y: torch.div(x, y, rounding_mode="floor"), [ints(I32_EDGES, torch.int32), ints(I32_DIVISORS, torch.int32)]),
+    "rsub_scalar_alpha_int": (lambda x: torch.rsub(x, 5, alpha=3), [i64(4, 8)]),
+    "rsub_alpha": (lambda x, y: torch.rsub(x, y, alpha=2.5), [f32(4, 8), f32(4, 8)]),
+    "add_mul_int_overflow_wraps": (lambda x, y: (x + 2**62) * y * 7, [ints(I64_BIG), ints(I64_DIVISORS)]),
     "neg": (lambda x: -x, [f32(3, 5)]),
     "abs": (lambda x: x.abs(), [f32(3, 5)]),
     "relu": (F.relu, [f32(3, 5)]),
@@ -56,6 +88,9 @@ CASES = {
     "pow_scalar": (lambda x: x ** 3, [f32(4, 9)]),
     "pow_square": (lambda x: x.pow(2), [f32(4, 9)]),
     "pow_tensor": (lambda x, y: torch.pow(x, y), [pos(4, 9), f32(9)]),
+    "pow_int_overflow_wraps": (lambda x: x ** 40, [ints([3, -3, 7, 2, 5, 1, -1, 0])]),
+    "pow_int_tensor_exponents": (lambda x, y: x ** y, [ints([3, -3, 7, 2, 5, 1, -1, -1, 4]), ints([41, 39, 2, 63, 30, -5, -3, -2, -1])]),
+    "pow_int32_scalar_base": (lambda x: 3 ** x, [ints([1, 40, 3, 0, 25], torch.int32)]),
     "erf": (torch.erf, [f32(4, 33)]),
     "silu": (F.silu, [f32(4, 33)]),
     "clamp": (lambda x: x.clamp(-0.5, 0.7), [f32(4, 9)]),
@@ -139,6 +174,10 @@ CASES = {
                     [f32(1, 2, 8, 16), f32(1, 2, 8, 16), f32(1, 2, 8, 16)]),
     "sdpa_bool_mask": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
                        [f32(1, 2, 8, 16), f32(1, 2, 8, 16), f32(1, 2, 8, 16), lambda: torch.tril(torch.ones(8, 8, dtype=torch.bool))]),
+    "sdpa_bool_mask_row_all_false": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                                     [f32(1, 2, 4, 8), f32(1, 2, 6, 8), f32(1, 2, 6, 8), sdpa_mask(1)]),
+    "sdpa_float_mask_row_all_neg_inf": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                                        [f32(1, 2, 4, 8), f32(1, 2, 6, 8), f32(1, 2, 6, 8), sdpa_mask(3, torch.float32)]),
     # shapes and data movement
     "view": (lambda x: (x * 2).view(4, -1), [f32(4, 3, 5)]),
     "reshape_transposed": (lambda x: x.transpose(0, 1).reshape(-1) + 1, [f32(4, 3)]),
@@ -162,6 +201,13 @@ CASES = {
     "index_tensor": (lambda x, i: x[:, i] + 1, [f32(3, 7, 2), lambda: torch.tensor([[1, -1], [0, 3]])]),
     "index_two_tensors": (lambda x, i, j: x[i, j] * 2, [f32(4, 5, 3), i64(6, high=4), lambda: torch.tensor([4, 0, 1, 2, 3, -5])]),
     "index_const_mask_axes": (lambda m: m[:, None, None, :].to(torch.float32) * 2, [boolean(2, 9)]),
+    # index_put stays in TorchScript (no rule): accumulation over duplicate, 2-D and partial indices is eager's
+    "index_put_accumulate_duplicates": (lambda x, i, v: torch.index_put(x * 2, (i,), v, accumulate=True) + 1,
+                                        [f32(5, 3), lambda: torch.tensor([0, 2, 0, 4, 0]), f32(5, 3)]),
+    "index_put_accumulate_2d_index": (lambda x, i, v: torch.index_put(x * 2, (i,), v, accumulate=True) + 1,
+                                      [f32(5, 3), lambda: torch.tensor([[0, 2], [2, 4]]), f32(2, 2, 3)]),
+    "index_put_accumulate_none_dim": (lambda x, i, v: torch.ops.aten.index_put(x * 2, [None, i], v, True) + 1,
+                                      [f32(5, 3), lambda: torch.tensor([1, 1, 0]), f32(5, 3)]),
     "gather": (lambda x, i: torch.gather(x, 1, i) * 2, [f32(3, 5), lambda: torch.tensor([[0, 4], [1, 3], [2, 2]])]),
     "gather_dim0": (lambda x, i: torch.gather(x, 0, i) + 1, [f32(4, 3), lambda: torch.tensor([[3, 0, 1]])]),
     "tril": (lambda x: torch.tril(x * 2), [f32(2, 5, 6)]),
@@ -205,3 +251,30 @@ def test_op(name):
     fn, makers = CASES[name]
     torch.manual_seed(0)
     compile_and_check(fn, [make() for make in makers], min_cluster_size=1)
+
+
+@pytest.mark.parametrize("mode", ["floor", "trunc"])
+def test_integer_division_by_zero_raises_like_eager(mode):
+    """Eager raises ZeroDivisionError for an integer floor/trunc division by zero; so does the engine."""
+    def divide(x, y):
+        return torch.div(x, y, rounding_mode=mode)
+    x, y, zero_inside = torch.tensor([5, -5, 7]), torch.tensor([2, 3, -2]), torch.tensor([2, 0, -2])
+    compile_and_check(divide, [x, y], min_cluster_size=1)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        divide(x, zero_inside)
+    compiled = torch.compile(divide, backend=Capture(min_cluster_size=1))
+    assert torch.equal(compiled(x, y), divide(x, y))
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        compiled(x, zero_inside)
+
+
+@pytest.mark.parametrize("resize", [
+    lambda x: F.interpolate(x, size=(540, 486), mode="bilinear", align_corners=True),
+    lambda x: F.interpolate(x, scale_factor=1.7, mode="bilinear"),
+    lambda x: F.interpolate(x[0], size=(301,), mode="linear"),
+], ids=["align_corners", "scale_factor", "linear1d"])
+def test_large_linear_resize_positions_are_float32_like_torch(resize):
+    """Source positions of a large resize, computed exactly, are off torch's float32 ones by up to
+    1e-3 of the values (found by the OpInfo sweep's reference inputs): tighter than the table."""
+    torch.manual_seed(0)
+    compile_and_check(resize, [torch.randn(1, 2, 270, 243) * 9], min_cluster_size=1, rtol=1e-5)

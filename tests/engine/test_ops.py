@@ -43,6 +43,13 @@ CASES = [
     op_case("Mul", [(5,), (4, 5)]),
     op_case("Div", [(2, 3, 4), (2, 1, 4)]),
     op_case("Div", [(2, 4), (1, 4)], dtype="int64", values=ints_nonzero),
+    op_case("Div", [(6,), (6,)], dtype="int64", name="Div-int64-truncates-wraps",
+            values={"x0": arr([-7, 7, -2**63, 2**62 + 1, 5, -5], i64), "x1": arr([2, -2, -1, 3, -1, 7], i64)}),
+    op_case("Div", [(3,), (3,)], dtype="int64", name="Div-int64-by-zero",
+            values={"x0": arr([5, -5, 7], i64), "x1": arr([2, 0, -2], i64)}),
+    op_case("Mod", [(3, 17), (17,)], fmod=1, name="Mod-fmod-float"),
+    op_case("Pow", [(8,), (8,)], dtype="int64", name="Pow-int64-wraps",
+            values={"x0": arr([3, -3, 7, 2, 5, 1, -1, 4], i64), "x1": arr([41, 39, 2, 63, 30, 5, 3, 0], i64)}),
     op_case("Add", [(), (3,)], name="Add-scalar-broadcast"),
     op_case("Mul", [(), ()], name="Mul-0d"),
     op_case("Add", [(0, 3), (3,)], name="Add-empty"),
@@ -240,7 +247,8 @@ CASES = [
                                   node("Transpose", ["m"], ["mt"], perm=[1, 0]), node("Add", ["x", "mt"], ["y"])],
                {"x": ((9, 9), "float32")}, ["y"], {"ax": arr([1], i64)}),
 ]
-ERRORS = {"Gather-out-of-range": "BLADE_ERR_INDEX_OUT_OF_RANGE"}   # expected run-time errors
+ERRORS = {"Gather-out-of-range": "BLADE_ERR_INDEX_OUT_OF_RANGE",   # expected run-time errors
+          "Div-int64-by-zero": "BLADE_ERR_DIVISION_BY_ZERO"}
 assert len({c.name for c in CASES}) == len(CASES), "case names must be unique"
 
 

@@ -28,18 +28,21 @@ SIGNATURES = {
     **{op: (1, NUMERIC) for op in ("Neg", "Abs", "Relu")},
     **{op: (1, FLOATS) for op in ("Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Floor", "Ceil",
                                   "Sin", "Cos")},
+    "Mod": (2, FLOATS),    # fmod=1 (ir._fmod); floats only
     "Not": (1, ("bool",)),
     **{op: (2, ("bool",)) for op in ("And", "Or")},
     "Where": (3, ALL),     # a bool condition, both branches of the dtype
     "Cast": (1, ALL),      # from the dtype to every dtype
 }
+ATTRIBUTES = {"Mod": {"fmod": 1}}   # what the lowering emits (ONNX's integer Mod is not an engine op)
 LIBM = "float64 calls libm (the prelude's branch-free versions are float32)"
 # (op, dtype) -> why its loop stays scalar. Checked both ways: an entry whose loop vectorizes fails too.
 SCALAR = {
-    ("Div", "int64"): "integer div: sweep branch (and x86 has no vector integer divide)",
-    ("Div", "int32"): "integer div: sweep branch (and x86 has no vector integer divide)",
-    ("Pow", "int64"): "integer pow: sweep branch",
-    ("Pow", "int32"): "integer pow: sweep branch",
+    ("Div", "int64"): "x86 has no vector integer divide (and a zero divisor must fail the call)",
+    ("Div", "int32"): "x86 has no vector integer divide (and a zero divisor must fail the call)",
+    ("Pow", "int64"): "integer pow: a square-and-multiply loop per element (blade_ipow)",
+    ("Pow", "int32"): "integer pow: a square-and-multiply loop per element (blade_ipow)",
+    **{("Mod", dtype): "fmod (exact remainder, only in float floor division): std::fmod" for dtype in FLOATS},
     **{(op, "float64"): LIBM for op in ("Pow", "Sigmoid", "Tanh", "Exp", "Log", "Erf", "Sin", "Cos")},
 }
 SHAPE = (2, 1027)     # two rows (the parallel loop), each a vector body and a scalar tail
@@ -58,7 +61,7 @@ def _nodes():
                         "Cast", [f"a_{dtype}"], [f"Cast-{dtype}-{to}"], to=helper.np_dtype_to_tensor_dtype(np.dtype(to)))
                 continue
             names = ["c", f"a_{dtype}", f"b_{dtype}"] if op == "Where" else [f"a_{dtype}", f"b_{dtype}"][:arity]
-            yield f"{op}-{dtype}", helper.make_node(op, names, [f"{op}-{dtype}"])
+            yield f"{op}-{dtype}", helper.make_node(op, names, [f"{op}-{dtype}"], **ATTRIBUTES.get(op, {}))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,465 @@
+"""Differential sweep: PyTorch's OpInfo samples through tt_infer (engines forced on) vs eager.
+
+Each case is one (op, dtype, sample) from ``torch.testing._internal.common_methods_invocations.op_db``:
+``fn(*tensors)`` calls the op on the sample with every tensor as a graph input, compiled with
+``tt_infer`` and ``min_cluster_size=1`` so even one-op graphs get an engine. A case compares the
+outputs and the inputs after the call (mutation) with eager, and records whether an engine ran.
+Expected failures live in ``expected_failures.py``; a case of a listed group that passes is an
+XPASS, a failure of that table.
+
+    python -m tests.conformance.opinfo_sweep --out bench/CONFORMANCE.md [--ops add,div] [--samples 2] [--resume]
+
+By default every op runs its first float32 sample, and the ops where that case reached an engine
+run every dtype and --samples samples (--exhaustive: every op that way; hours on 2 cores).
+
+The CLI runs the cases in a worker subprocess that streams one JSON line per case; when a worker
+dies or hangs, its current case is recorded as a crash and a new worker continues after it.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo
+from torch.utils import _pytree as pytree
+
+from .expected_failures import expected_failure
+
+DTYPES = {"f32": torch.float32, "f64": torch.float64, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+# rtol, atol per dtype; integers and bool compare exactly
+TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-7, 1e-7)}
+OPTIONS = {"min_cluster_size": 1, "compile_parallelism": 1, "compile_timeout_s": 120.0, "progress": False}
+# Outputs that are uninitialized memory or random draws: eager is no reference for them.
+UNDEFINED_OUTPUT_OPS = ("empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+                        "empty_permuted", "bernoulli", "normal", "multinomial", "rand_like", "randn_like",
+                        "randint_like", "randint", "uniform", "nn.functional.dropout", "nn.functional.dropout2d",
+                        "nn.functional.dropout3d", "nn.functional.alpha_dropout",
+                        "nn.functional.feature_alpha_dropout", "nn.functional.rrelu", "cauchy", "exponential",
+                        "geometric", "log_normal", "nn.functional.fractional_max_pool2d",
+                        "nn.functional.fractional_max_pool3d", "torch.ops.aten._efficientzerotensor")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORKER_SILENCE_S = 300   # a worker that reports nothing for this long is hung: kill it
+
+
+@dataclass
+class CaseResult:
+    op: str
+    dtype: str
+    sample: int
+    status: str          # pass | mismatch | mutation | error | crash | skip
+    engine: bool = False  # an engine call was in the compiled graph(s) that ran
+    detail: str = ""
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("mismatch", "mutation", "error", "crash")
+
+
+def op_name(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def op_db() -> list:
+    from torch.testing._internal.common_methods_invocations import op_db as database
+    return list(database)
+
+
+def _extra_reference_inputs(op, dtype: torch.dtype):
+    """The samples reference_inputs adds after sample_inputs: extremal, large and edge values."""
+    regular = sum(1 for _ in op.sample_inputs("cpu", dtype, requires_grad=False))
+    torch.manual_seed(0)
+    return itertools.islice(op.reference_inputs("cpu", dtype, requires_grad=False), regular, None)
+
+
+SAMPLE_SOURCES = {
+    "sample": lambda op, dtype: op.sample_inputs("cpu", dtype, requires_grad=False),
+    "reference": _extra_reference_inputs,
+}
+
+
+def samples_of(op, dtype: torch.dtype, limit: int, source: str = "sample") -> list:
+    """The first `limit` CPU samples of op for dtype (seeded: the same tensors on every run)."""
+    if dtype not in op.supported_dtypes("cpu"):
+        return []
+    torch.manual_seed(0)
+    try:
+        found = []
+        for sample in SAMPLE_SOURCES[source](op, dtype):
+            found.append(sample)
+            if len(found) == limit:
+                break
+        return found
+    except Exception:  # noqa: BLE001 - an op whose generator fails on CPU has no cases
+        return []
+
+
+# ---------------------------------------------------------------------------------------------
+# One case
+# ---------------------------------------------------------------------------------------------
+
+class Recorder:
+    """A tt_infer backend that remembers whether the graphs it compiled hold engine calls."""
+
+    def __init__(self):
+        self.engine_calls = 0
+        self.fallbacks: list = []
+
+    def __call__(self, gm, example_inputs):
+        from blade.dynamo import tt_infer
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = tt_infer(gm, example_inputs, options=OPTIONS)
+        report = getattr(result, "report", None)
+        if report is None:
+            self.fallbacks += [str(w.message) for w in caught if "tt_infer could not compile" in str(w.message)]
+        else:
+            self.engine_calls += report.engine_calls
+        return result
+
+
+def as_graph_function(op, sample):
+    """(fn, tensors): fn(*tensors) calls the op on the sample, every tensor a graph input."""
+    leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def fn(*tensors):
+        filled = list(leaves)
+        for position, tensor in zip(positions, tensors):
+            filled[position] = tensor
+        inp, args, kwargs = pytree.tree_unflatten(filled, spec)
+        return op.op(inp, *args, **kwargs)
+    return fn, [leaves[i] for i in positions]
+
+
+def _clones(tensors: list) -> list:
+    return [t.clone() for t in tensors]
+
+
+def _leaves(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    if isinstance(value, dict):
+        return _leaves(list(value.values()))
+    return [value]
+
+
+def compare(actual, expected, what: str):
+    """None when equal within the dtype's tolerance (NaN positions equal), else the difference."""
+    got, want = _leaves(actual), _leaves(expected)
+    if len(got) != len(want):
+        return f"{what}: {len(got)} values, eager has {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not isinstance(w, torch.Tensor):
+            if g != w and not (g != g and w != w):
+                return f"{what} {i}: {g!r} vs eager {w!r}"
+            continue
+        if not isinstance(g, torch.Tensor):
+            return f"{what} {i}: {type(g).__name__}, eager has a tensor"
+        rtol, atol = TOLERANCES.get(w.dtype, (0.0, 0.0))
+        try:
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True, check_stride=False)
+        except AssertionError as err:
+            return f"{what} {i}: " + " ".join(str(err).split("\n")[:4])[:300]
+    return None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().split("\n")[0]
+    return f"{type(err).__name__}: {text}"[:300]
+
+
+def run_case(op, dtype_name: str, index: int, sample) -> CaseResult:
+    """Compile op on one sample with engines forced on; compare outputs and inputs with eager."""
+    result = CaseResult(op_name(op), dtype_name, index, "skip")
+    started = time.perf_counter()
+    torch._dynamo.reset()
+    try:
+        result.status, result.detail, result.engine = _differential(op, sample)
+    finally:
+        torch._dynamo.reset()
+        result.seconds = round(time.perf_counter() - started, 3)
+    return result
+
+
+def _differential(op, sample) -> tuple[str, str, bool]:
+    if op.name in UNDEFINED_OUTPUT_OPS:
+        return "skip", "outputs are random or uninitialized", False
+    fn, tensors = as_graph_function(op, sample)
+    eager_inputs, compiled_inputs = _clones(tensors), _clones(tensors)
+    with torch.no_grad():
+        try:
+            expected = fn(*eager_inputs)
+        except Exception as err:  # noqa: BLE001 - eager itself rejects the sample
+            return "skip", "eager raises " + _first_line(err), False
+        recorder = Recorder()
+        try:
+            actual = torch.compile(fn, backend=recorder, dynamic=False)(*compiled_inputs)
+        except Exception as err:  # noqa: BLE001 - recorded, the sweep goes on
+            return "error", _first_line(err), recorder.engine_calls > 0
+    engine = recorder.engine_calls > 0
+    difference = compare(actual, expected, "output")
+    if difference:
+        return "mismatch", difference, engine
+    difference = compare(compiled_inputs, eager_inputs, "input after the call")
+    if difference:
+        return "mutation", difference, engine
+    return "pass", "; ".join(recorder.fallbacks)[:300], engine
+
+
+# ---------------------------------------------------------------------------------------------
+# Enumeration and classification
+# ---------------------------------------------------------------------------------------------
+
+def cases(ops: list, dtypes: list, limit: int, source: str = "sample"):
+    """(op, dtype name, sample index, sample) for every op, dtype and sample (up to limit)."""
+    for op in ops:
+        for dtype_name in dtypes:
+            for index, sample in enumerate(samples_of(op, DTYPES[dtype_name], limit, source)):
+                yield op, dtype_name, index, sample
+
+
+def classify(results: list) -> dict:
+    """Per (op, dtype) group: PASS, FAIL (unlisted failure), XFAIL (listed, fails), XPASS (listed, passes)."""
+    groups = defaultdict(list)
+    for r in results:
+        groups[(r.op, r.dtype)].append(r)
+    verdicts = {}
+    for (op, dtype), members in groups.items():
+        failed = any(r.failed for r in members)
+        listed = expected_failure(op, dtype) is not None
+        ran = any(r.status != "skip" for r in members)
+        if not ran:
+            verdicts[(op, dtype)] = "SKIP"
+        elif listed:
+            verdicts[(op, dtype)] = "XFAIL" if failed else "XPASS"
+        else:
+            verdicts[(op, dtype)] = "FAIL" if failed else "PASS"
+    return verdicts
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole sweep: worker subprocesses streaming JSON lines, a parent that survives their crashes
+# ---------------------------------------------------------------------------------------------
+
+def _case_key(op: str, dtype: str, index: int) -> str:
+    return f"{op}|{dtype}|{index}"
+
+
+def worker(ops_filter: list, dtypes: list, limit: int, source: str, done_file: Path) -> None:
+    """Run every case not yet in done_file, appending a 'start' line before and a result after."""
+    import blade  # noqa: F401  (registers tt_infer)
+    done = set()
+    if done_file.exists():
+        for line in done_file.read_text().splitlines():
+            record = json.loads(line)
+            if record["status"] != "start":
+                done.add(_case_key(record["op"], record["dtype"], record["sample"]))
+    selected = [op for op in op_db() if not ops_filter or op_name(op) in ops_filter or op.name in ops_filter]
+    with open(done_file, "a") as out:
+        for op, dtype, index, sample in cases(selected, dtypes, limit, source):
+            key = _case_key(op_name(op), dtype, index)
+            if key in done:
+                continue
+            out.write(json.dumps({"op": op_name(op), "dtype": dtype, "sample": index, "status": "start"}) + "\n")
+            out.flush()
+            result = run_case(op, dtype, index, sample)
+            out.write(json.dumps(asdict(result)) + "\n")
+            out.flush()
+    print("worker done", flush=True)
+
+
+def run_plan(ops_filter: list, dtypes: list, limit: int, source: str, results_file: Path, exhaustive: bool) -> list:
+    """The named ops (or, exhaustive, all of op_db) over every dtype and `limit` samples; by default
+    two phases that fit a small machine: every op on its first float32 sample, then every dtype and
+    `limit` samples of the ops where that first case ran an engine (the others never reach one)."""
+    if ops_filter or exhaustive:
+        return run_sweep(ops_filter, dtypes, limit, source, results_file)
+    probed = run_sweep([], ["f32"], 1, source, results_file)
+    engine_ops = sorted({r.op for r in probed if r.engine})
+    return run_sweep(engine_ops, dtypes, limit, source, results_file)
+
+
+def run_sweep(ops_filter: list, dtypes: list, limit: int, source: str, results_file: Path) -> list:
+    """Workers until every case has a result; a dead or silent worker's case becomes a crash."""
+    while True:
+        command = [sys.executable, "-m", "tests.conformance.opinfo_sweep", "--worker",
+                   "--results", str(results_file), "--samples", str(limit), "--dtypes", ",".join(dtypes),
+                   "--inputs", source]
+        if ops_filter:
+            command += ["--ops", ",".join(ops_filter)]
+        worker_log = results_file.with_name(results_file.name + ".worker.log")  # what a dead worker said
+        with open(worker_log, "w") as log:
+            proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+            finished = _watch(proc, results_file)
+        if finished:
+            return load_results(results_file)
+        _record_crash(results_file, "worker died" if proc.returncode else "worker hung", worker_log)
+
+
+def _watch(proc: subprocess.Popen, results_file: Path) -> bool:
+    """Wait for the worker; kill it when it stays silent too long. True when it finished cleanly."""
+    last_size, last_change = -1, time.monotonic()
+    while proc.poll() is None:
+        size = results_file.stat().st_size if results_file.exists() else 0
+        if size != last_size:
+            last_size, last_change = size, time.monotonic()
+        elif time.monotonic() - last_change > WORKER_SILENCE_S:
+            proc.kill()
+            proc.wait()
+            return False
+        time.sleep(2)
+    return proc.returncode == 0 and "worker done" in (proc.stdout.read() if proc.stdout else "")
+
+
+def _record_crash(results_file: Path, why: str, worker_log: Path) -> None:
+    """The last case that started without a result gets a crash result, so the next worker skips it."""
+    lines = results_file.read_text().splitlines() if results_file.exists() else []
+    if not lines:
+        tail = "\n".join(worker_log.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"the sweep worker failed before its first case ({why}); {worker_log} ends:\n{tail}")
+    last = json.loads(lines[-1])
+    if last["status"] != "start":
+        return
+    crash = CaseResult(last["op"], last["dtype"], last["sample"], "crash", detail=why)
+    with open(results_file, "a") as out:
+        out.write(json.dumps(asdict(crash)) + "\n")
+
+
+def load_results(results_file: Path) -> list:
+    results = {}
+    for line in results_file.read_text().splitlines():
+        record = json.loads(line)
+        if record["status"] != "start":
+            results[_case_key(record["op"], record["dtype"], record["sample"])] = CaseResult(**record)
+    return list(results.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary table
+# ---------------------------------------------------------------------------------------------
+
+def failure_class(result: CaseResult) -> str:
+    """A short bucket for a failure: status plus the exception type or the first words."""
+    if result.status in ("mismatch", "mutation", "crash"):
+        return result.status
+    return "error: " + result.detail.split(":")[0]
+
+
+def summary(results: list, seconds: float, command: str) -> str:
+    verdicts = classify(results)
+    ran = [r for r in results if r.status != "skip"]
+    passed = [r for r in ran if r.status == "pass"]
+    with_engine = [r for r in ran if r.engine]
+    ops = {r.op for r in results}
+    groups = Counter(verdicts.values())
+    lines = [
+        "# OpInfo conformance sweep (tt_infer, min_cluster_size=1, vs eager)",
+        "",
+        f"Generated by `{command}`{_duration(seconds, results)}. Dtypes "
+        f"{', '.join(d for d in DTYPES if any(r.dtype == d for r in results))}, up to "
+        f"{1 + max((r.sample for r in results), default=0)} samples per op and dtype. The default plan "
+        "runs every op's first float32 sample, then every dtype of the ops where that case reached an engine.",
+        "",
+        "| ops | ops reaching an engine | cases | ran | passed | engine ran | skipped (eager raises / undefined) |",
+        "|---|---|---|---|---|---|---|",
+        f"| {len(ops)} | {len({r.op for r in with_engine})} | {len(results)} | {len(ran)} | "
+        f"{len(passed)} ({_share(passed, ran)}) | {len(with_engine)} ({_share(with_engine, ran)}) | "
+        f"{len(results) - len(ran)} |",
+        "",
+        "Per (op, dtype) group: " + ", ".join(f"{v} {groups[v]}" for v in ("PASS", "XFAIL", "FAIL", "XPASS", "SKIP")),
+        "",
+        "## Failed cases by class",
+        "",
+        "| class | cases | cases with an engine | listed (xfail) | ops |",
+        "|---|---|---|---|---|",
+    ]
+    by_class = defaultdict(list)
+    for r in ran:
+        if r.failed:
+            by_class[failure_class(r)].append(r)
+    for name, members in sorted(by_class.items(), key=lambda kv: -len(kv[1])):
+        listed = [r for r in members if expected_failure(r.op, r.dtype) is not None]
+        names = sorted({r.op for r in members})
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} ops)" if len(names) > 12 else "")
+        lines.append(f"| {name} | {len(members)} | {sum(r.engine for r in members)} | {len(listed)} | {shown} |")
+    lines += ["", "## Expected failures (expected_failures.py)", ""]
+    lines += [f"- `{op}` {dtype}: {expected_failure(op, dtype)}"
+              for (op, dtype), verdict in sorted(verdicts.items()) if verdict == "XFAIL"]
+    lines += _verdict_section(results, verdicts, "FAIL", "Unexpected failures (not in expected_failures.py)")
+    lines += _verdict_section(results, verdicts, "XPASS", "Unexpected passes (remove from expected_failures.py)")
+    return "\n".join(lines) + "\n"
+
+
+def _duration(seconds, results: list) -> str:
+    case_time = f"the cases took {sum(r.seconds for r in results) / 60:.1f} min"
+    if seconds is not None:
+        return f" in {seconds / 60:.1f} min ({case_time})"
+    return f" from stored results ({case_time}; the sweep's wall time adds sample generation and workers)"
+
+
+def _share(part: list, whole: list) -> str:
+    return f"{100 * len(part) / len(whole):.1f}%" if whole else "-"
+
+
+def _verdict_section(results: list, verdicts: dict, verdict: str, title: str) -> list:
+    keys = sorted(k for k, v in verdicts.items() if v == verdict)
+    lines = ["", f"## {title}: {len(keys)}", ""]
+    for op, dtype in keys:
+        bad = [r for r in results if r.op == op and r.dtype == dtype and r.failed]
+        first = bad[0] if bad else None
+        detail = f" sample {first.sample}: {first.status}: {first.detail}" if first else ""
+        lines.append(f"- `{op}` {dtype}{detail.replace('|', '/')}")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="bench/CONFORMANCE.md")
+    parser.add_argument("--results", default=None, help="JSON lines of case results (resumable)")
+    parser.add_argument("--ops", default="", help="comma-separated op names (default: all of op_db)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--samples", type=int, default=2, help="samples per op and dtype")
+    parser.add_argument("--inputs", choices=sorted(SAMPLE_SOURCES), default="sample",
+                        help="OpInfo's sample_inputs, or the edge-value samples reference_inputs adds to them")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="every op over every dtype (default: dtypes only for ops that reach an engine)")
+    parser.add_argument("--resume", action="store_true", help="keep the results of an interrupted run")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite --out from the stored results (after editing expected_failures.py)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    ops_filter = [o for o in args.ops.split(",") if o]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    results_file = Path(args.results or Path(args.out).with_suffix(".jsonl"))
+    if args.worker:
+        worker(ops_filter, dtypes, args.samples, args.inputs, results_file)
+        return 0
+    command = "python -m tests.conformance.opinfo_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.report_only:
+        results, seconds = load_results(results_file), None
+    else:
+        if not args.resume:
+            results_file.unlink(missing_ok=True)
+        started = time.monotonic()
+        results = run_plan(ops_filter, dtypes, args.samples, args.inputs, results_file, args.exhaustive)
+        seconds = time.monotonic() - started
+    Path(args.out).write_text(summary(results, seconds, command))
+    verdicts = classify(results)
+    print(f"{Path(args.out)}: {Counter(verdicts.values())}")
+    return 1 if any(v in ("FAIL", "XPASS") for v in verdicts.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
