@@ -78,12 +78,32 @@ def has_side_effects(node: torch.Node) -> bool:
     return node.kind() in SIDE_EFFECT_KINDS or bool(written_inputs(node))
 
 
+# Conversions whose schema says "may return self" (Tensor(a) -> Tensor(a)): they do only when
+# nothing changes. With the static dtypes the frontend measured, a dtype change (or copy=True)
+# means a fresh tensor.
+CONVERSION_KINDS = {"aten::to", "aten::type_as"}
+
+
+def _makes_fresh_tensor(node: torch.Node) -> bool:
+    """A conversion that provably returns a new tensor: its dtype changes, or it was asked to copy."""
+    source, result = node.inputsAt(0).type(), node.output().type()
+    if isinstance(source, torch.TensorType) and isinstance(result, torch.TensorType) and \
+            None not in (source.dtype(), result.dtype()) and source.dtype() != result.dtype():
+        return True
+    schema = _schema(node)
+    return schema is not None and any(
+        arg.name == "copy" and value.node().kind() == "prim::Constant" and value.toIValue() is True
+        for arg, value in zip(schema.arguments, node.inputs()))
+
+
 def aliased_inputs(node: torch.Node) -> list:
     """The inputs the node's outputs may share storage with (a view, an in-place op's result, an
     element taken out of a list)."""
     inputs = list(node.inputs())
     if node.kind() in UNPACKING_KINDS:
         return inputs
+    if node.kind() in CONVERSION_KINDS and _makes_fresh_tensor(node):
+        return []
     if list(node.blocks()):  # control flow returns whatever its blocks return: assume any of it
         return inputs + [v for block in node.blocks() for v in block.returnNode().inputs()]
     schema = _schema(node)
