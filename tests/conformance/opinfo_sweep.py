@@ -25,7 +25,7 @@ import sys
 import time
 import warnings
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,6 +59,7 @@ class CaseResult:
     engine: bool = False  # an engine call was in the compiled graph(s) that ran
     detail: str = ""
     seconds: float = 0.0
+    engine_ops: list = field(default_factory=list)  # the op kinds those engines computed
 
     @property
     def failed(self) -> bool:
@@ -112,6 +113,7 @@ class Recorder:
 
     def __init__(self):
         self.engine_calls = 0
+        self.engine_ops: set = set()
         self.fallbacks: list = []
 
     def __call__(self, gm, example_inputs):
@@ -124,6 +126,7 @@ class Recorder:
             self.fallbacks += [str(w.message) for w in caught if "tt_infer could not compile" in str(w.message)]
         else:
             self.engine_calls += report.engine_calls
+            self.engine_ops |= {kind for c in report.clusters if c.status == "compiled" for kind in c.op_kinds}
         return result
 
 
@@ -185,37 +188,37 @@ def run_case(op, dtype_name: str, index: int, sample) -> CaseResult:
     result = CaseResult(op_name(op), dtype_name, index, "skip")
     started = time.perf_counter()
     torch._dynamo.reset()
+    recorder = Recorder()
     try:
-        result.status, result.detail, result.engine = _differential(op, sample)
+        result.status, result.detail = _differential(op, sample, recorder)
+        result.engine, result.engine_ops = recorder.engine_calls > 0, sorted(recorder.engine_ops)
     finally:
         torch._dynamo.reset()
         result.seconds = round(time.perf_counter() - started, 3)
     return result
 
 
-def _differential(op, sample) -> tuple[str, str, bool]:
+def _differential(op, sample, recorder: Recorder) -> tuple[str, str]:
     if op.name in UNDEFINED_OUTPUT_OPS:
-        return "skip", "outputs are random or uninitialized", False
+        return "skip", "outputs are random or uninitialized"
     fn, tensors = as_graph_function(op, sample)
     eager_inputs, compiled_inputs = _clones(tensors), _clones(tensors)
     with torch.no_grad():
         try:
             expected = fn(*eager_inputs)
         except Exception as err:  # noqa: BLE001 - eager itself rejects the sample
-            return "skip", "eager raises " + _first_line(err), False
-        recorder = Recorder()
+            return "skip", "eager raises " + _first_line(err)
         try:
             actual = torch.compile(fn, backend=recorder, dynamic=False)(*compiled_inputs)
         except Exception as err:  # noqa: BLE001 - recorded, the sweep goes on
-            return "error", _first_line(err), recorder.engine_calls > 0
-    engine = recorder.engine_calls > 0
+            return "error", _first_line(err)
     difference = compare(actual, expected, "output")
     if difference:
-        return "mismatch", difference, engine
+        return "mismatch", difference
     difference = compare(compiled_inputs, eager_inputs, "input after the call")
     if difference:
-        return "mutation", difference, engine
-    return "pass", "; ".join(recorder.fallbacks)[:300], engine
+        return "mutation", difference
+    return "pass", "; ".join(recorder.fallbacks)[:300]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,9 +400,21 @@ def summary(results: list, seconds: float, command: str) -> str:
     lines += ["", "## Expected failures (expected_failures.py)", ""]
     lines += [f"- `{op}` {dtype}: {expected_failure(op, dtype)}"
               for (op, dtype), verdict in sorted(verdicts.items()) if verdict == "XFAIL"]
+    lines += _unreached_kinds(results)
     lines += _verdict_section(results, verdicts, "FAIL", "Unexpected failures (not in expected_failures.py)")
     lines += _verdict_section(results, verdicts, "XPASS", "Unexpected passes (remove from expected_failures.py)")
     return "\n".join(lines) + "\n"
+
+
+def _unreached_kinds(results: list) -> list:
+    """The aten kinds of the lowering table that no passing case computed in an engine."""
+    from blade.cluster.partition import GLUE_KINDS
+    from blade.cluster.support import LOWERING
+    reached = {kind for r in results if r.status == "pass" for kind in r.engine_ops}
+    table = {kind for kind in LOWERING if kind.startswith("aten::") and kind not in GLUE_KINDS}
+    missing = sorted(table - reached)
+    return ["", f"## Lowering-table kinds no passing case computed in an engine: {len(missing)} of {len(table)}",
+            "", ", ".join(f"`{k}`" for k in missing) or "none"]
 
 
 def _duration(seconds, results: list) -> str:
