@@ -100,9 +100,9 @@ void bind_testing(pybind11::module_& m) {
         py::arg("layout"), py::arg("pack"), py::arg("sum") = py::none(), py::arg("activation") = 0);
   m.def("set_winograd_enabled", &set_winograd_enabled,
         "Lets the runtime's conv use Winograd where it applies (default), or never.", py::arg("enabled"));
-  m.def("set_gemm_column_split", &set_gemm_column_split,
-        "Lets the runtime split GEMMs with few rows into column blocks across threads (default), or never.",
-        py::arg("enabled"));
+  m.def("set_gemm_column_split_rows", &set_gemm_column_split_rows,
+        "GEMMs with at most max_rows rows run in column blocks across threads (0: never, -1: the default).",
+        py::arg("max_rows"));
   m.def("parallel_for_chunks", &parallel_for_chunks,
         "The [begin, end) chunks the runtime's parallel_for hands out, sorted.", py::arg("begin"),
         py::arg("end"), py::arg("grain"));

@@ -149,7 +149,6 @@ const float* packed_gemm_weight(PackedWeights* weights, const float* b, int32_t 
   return packed.const_data_ptr<float>();  // the engine's PackedWeights keeps it alive
 }
 
-std::atomic<bool> column_split_enabled{true};
 
 // MKL runs a GEMM with few rows (a Linear on a handful of tokens) on about one core: on the MLP
 // block's [8, 256] x [256, 1024] it took 47 us with two threads, as long as one core's FMAs
@@ -157,13 +156,13 @@ std::atomic<bool> column_split_enabled{true};
 // serial MKL call on its own packed slice of the weight. Few rows only: with many, MKL
 // threads well itself. Columns per block stay a multiple of 16 floats (whole cache lines of C).
 constexpr int64_t kSplitMaxRows = 32;
+std::atomic<int64_t> split_max_rows{kSplitMaxRows};  // settable for tests and A/B measurements
 constexpr int64_t kSplitMinColumns = 128;  // per block: narrower slices are not worth a wake-up
 constexpr int64_t kSplitAlign = 16;
 
 // The number of column blocks for one GEMM of m rows and n columns (1: no split).
 int64_t column_blocks(int64_t batch, int64_t m, int64_t n) {
-  if (batch != 1 || m > kSplitMaxRows || !column_split_enabled.load(std::memory_order_relaxed) ||
-      at::in_parallel_region()) {
+  if (batch != 1 || m > split_max_rows.load(std::memory_order_relaxed) || at::in_parallel_region()) {
     return 1;
   }
   return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / kSplitMinColumns));
@@ -419,7 +418,9 @@ const BladeRuntime* runtime() { return &kRuntime; }
 
 void set_winograd_enabled(bool enabled) { winograd_enabled.store(enabled, std::memory_order_relaxed); }
 
-void set_gemm_column_split(bool enabled) { column_split_enabled.store(enabled, std::memory_order_relaxed); }
+void set_gemm_column_split_rows(int64_t max_rows) {
+  split_max_rows.store(max_rows < 0 ? kSplitMaxRows : max_rows, std::memory_order_relaxed);
+}
 
 // ---- PackedWeights ----
 

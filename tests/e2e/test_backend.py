@@ -189,7 +189,7 @@ def test_few_row_linears_in_column_blocks_match_eager(threads, split):
     x = torch.randn(8, 256)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    _testing.set_gemm_column_split(split)
+    _testing.set_gemm_column_split_rows(-1 if split else 0)
     try:
         with torch.no_grad():
             expected = model(x)
@@ -200,4 +200,4 @@ def test_few_row_linears_in_column_blocks_match_eager(threads, split):
         assert backend.engine_calls() >= 1
     finally:
         torch.set_num_threads(before)
-        _testing.set_gemm_column_split(True)
+        _testing.set_gemm_column_split_rows(-1)

@@ -80,7 +80,7 @@ def two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
-    _testing.set_gemm_column_split(True)
+    _testing.set_gemm_column_split_rows(-1)
 
 
 # Rows at and past the column-split limit (32), widths that divide into cache lines and ones that
@@ -91,7 +91,7 @@ def two_threads():
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("split", [True, False])
 def test_sgemm_few_rows_in_column_blocks(two_threads, m, n, trans_b, pack, split):
-    _testing.set_gemm_column_split(split)
+    _testing.set_gemm_column_split_rows(-1 if split else 0)
     run_sgemm(1, m, n, 24, 1.0, 0.0, False, trans_b, pack=pack)
     run_sgemm(1, m, n, 24, -2.5, 0.5, False, trans_b, pack=pack, seed=1)
 
