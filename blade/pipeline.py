@@ -9,9 +9,8 @@ With ``Config.fallback`` on, every engine also carries its cluster's TorchScript
 """
 from __future__ import annotations
 
-import operator
-
 import logging
+import operator
 import tempfile
 import threading
 import time
