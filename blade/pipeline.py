@@ -10,6 +10,7 @@ With ``Config.fallback`` on, every engine also carries its cluster's TorchScript
 from __future__ import annotations
 
 import logging
+import operator
 import tempfile
 import threading
 import time
@@ -114,13 +115,21 @@ class CompiledModule:
 
     def __init__(self, module: torch.jit.ScriptModule, runtime_inputs: list, report: CompileReport,
                  source: GraphSource | None = None):
-        self.module = module
-        self.runtime_inputs = runtime_inputs
+        self._bind(module, runtime_inputs)
         self.report = report
         self.source = source
         self._warned_eager = False
         self._recompiling = threading.Lock()
         self._recompiles = 0
+
+    def _bind(self, module: torch.jit.ScriptModule, runtime_inputs: list) -> None:
+        """The module and which of dynamo's arguments it takes, ready for __call__: its forward
+        method called directly skips nn.Module.__call__'s hook machinery (ScriptModules run no
+        Python hooks), and an itemgetter picks the inputs without a Python loop (together about
+        1 us of the 4.6 us this class and its engine cost per call on a one-engine graph)."""
+        self.module, self.runtime_inputs = module, runtime_inputs
+        self._forward = module.forward
+        self._pick = _picker(runtime_inputs)
 
     def __call__(self, *args):
         if torch.is_grad_enabled():  # the only cost under no_grad / inference_mode
@@ -132,7 +141,7 @@ class CompiledModule:
             if stale is not None and not self._recompiled(args, stale):
                 return self.source.gm(*args)
         try:
-            return self.module(*[args[i] for i in self.runtime_inputs])
+            return self._forward(*self._pick(args))
         except RuntimeError as err:
             translated = translate_engine_error(err, self.report)
             if translated is None:
@@ -173,13 +182,22 @@ class CompiledModule:
                           f"(freeze_params=False keeps weights out of the engines)")
             with self.source.config:
                 fresh = compile_fx(self.source.gm, list(args), self.source.config)
-            self.module, self.runtime_inputs, self.report = fresh.module, fresh.runtime_inputs, fresh.report
+            self._bind(fresh.module, fresh.runtime_inputs)
+            self.report = fresh.report
             self.source = fresh.source
             return True
 
     def engines(self) -> dict:
         """cluster name -> its torch.classes.blade.Engine, for the clusters that got one."""
         return {c.name: getattr(self.module, c.name) for c in self.report.clusters if c.status == "compiled"}
+
+
+def _picker(positions: list):
+    """args -> the tuple of args at `positions` (itemgetter returns a bare item for one position)."""
+    if len(positions) == 1:
+        position = positions[0]
+        return lambda args: (args[position],)
+    return operator.itemgetter(*positions) if positions else (lambda args: ())
 
 
 def _is_aten(node: torch.Node) -> bool:

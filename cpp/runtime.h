@@ -21,6 +21,11 @@ const BladeRuntime* runtime();
 // Process-wide: for tests and A/B measurements against oneDNN's direct convolution.
 void set_winograd_enabled(bool enabled);
 
+// GEMMs with at most `max_rows` rows are split into column blocks across ATen's threads
+// (runtime.cpp); 0 never splits, a negative value restores the default (32). Process-wide: for
+// tests and A/B measurements against MKL's own threading.
+void set_gemm_column_split_rows(int64_t max_rows);
+
 // Weights the runtime re-laid out once for a faster kernel (e.g. oneDNN's blocked convolution
 // weights), owned by one Engine and keyed by the constant's address and the call's arguments. The
 // runtime only packs operands that lie inside the engine's constants: those never change, while

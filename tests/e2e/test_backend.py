@@ -145,3 +145,59 @@ def test_concurrent_calls_winograd_convolutions():
         compiled = blade.compile_model(model, (inputs[0],))
     assert compiled.report.clusters and all(c.status == "compiled" for c in compiled.report.clusters)
     assert_concurrent_calls_match(lambda x: compiled(x)[0], inputs, expected, calls=20)
+
+
+class _ThreeInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, a, b, c):
+        return self.fc(a) * 2 + torch.tanh(c) - b
+
+
+def test_compiled_module_passes_each_runtime_input_in_place():
+    """CompiledModule picks the ScriptModule's inputs out of dynamo's arguments (parameters
+    interleaved) by position: three inputs of one shape must not trade places."""
+    torch.manual_seed(0)
+    model, args = _ThreeInputs().eval(), [torch.randn(4, 16) for _ in range(3)]
+    with torch.no_grad():
+        expected = model(*args)
+        backend = Capture()
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        for _ in range(2):
+            assert_close(compiled(*args), expected)
+    assert backend.engine_calls() >= 1 and len(backend.compiled[0].runtime_inputs) == 3
+
+
+@pytest.mark.parametrize("positions", [[], [3], [0, 2, 5]])
+def test_picker_returns_a_tuple_of_the_positions(positions):
+    from blade.pipeline import _picker
+    args = tuple(range(10, 16))
+    assert _picker(positions)(args) == tuple(args[p] for p in positions)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("split", [True, False])
+def test_few_row_linears_in_column_blocks_match_eager(threads, split):
+    """An [8, 256] MLP block: its GEMMs (8 rows) run in column blocks across threads, each on its
+    own packed slice of the weight (cpp/runtime.cpp); the same numbers as eager either way."""
+    from blade._C import _testing
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                                torch.nn.Linear(1024, 256)).eval()
+    x = torch.randn(8, 256)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    _testing.set_gemm_column_split_rows(-1 if split else 0)
+    try:
+        with torch.no_grad():
+            expected = model(x)
+            backend = Capture()
+            compiled = torch.compile(model, backend=backend, dynamic=False)
+            for _ in range(3):  # the first call packs the slices, later ones reuse them
+                assert_close(compiled(x), expected)
+        assert backend.engine_calls() >= 1
+    finally:
+        torch.set_num_threads(before)
+        _testing.set_gemm_column_split_rows(-1)

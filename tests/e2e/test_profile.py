@@ -31,6 +31,7 @@ def test_profile_reports_every_kernel():
     assert {k.category for k in profile.kernels} >= {"GEMM", "loops"}
     assert all(k.ms_per_run >= 0 for k in profile.kernels)
     assert profile.kernel_ms <= profile.engine_ms * 1.05 + 1e-3  # kernels run inside run_engine
+    assert profile.engine_ms <= profile.model_ms * 1.05 + 1e-3  # engines run inside the model call
     assert "= matmul" in text and "ms in kernels" in text
 
 

@@ -25,7 +25,8 @@ def operand(rng, batch, batch_stride, rows, cols, ld, transposed):
     return flat, dense
 
 
-def run_sgemm(batch, m, n, k, alpha, beta, trans_a, trans_b, shared_a=False, shared_b=False, pad=3, seed=0):
+def run_sgemm(batch, m, n, k, alpha, beta, trans_a, trans_b, shared_a=False, shared_b=False, pad=3, seed=0,
+              pack=False):
     rng = np.random.default_rng(seed)
     lda = max(1, (m if trans_a else k) + pad)  # BLAS wants ld >= 1 even for an empty dimension
     ldb = max(1, (k if trans_b else n) + pad)
@@ -42,7 +43,7 @@ def run_sgemm(batch, m, n, k, alpha, beta, trans_a, trans_b, shared_a=False, sha
 
     c_tensor = torch.from_numpy(c_flat)
     _testing.sgemm(batch, m, n, k, alpha, torch.from_numpy(a_flat), lda, stride_a, trans_a,
-                   torch.from_numpy(b_flat), ldb, stride_b, trans_b, beta, c_tensor, ldc, stride_c)
+                   torch.from_numpy(b_flat), ldb, stride_b, trans_b, beta, c_tensor, ldc, stride_c, pack=pack)
     got = np.stack([[c_flat[bi * stride_c + i * ldc: bi * stride_c + i * ldc + n] for i in range(m)]
                     for bi in range(batch)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -70,6 +71,29 @@ def test_sgemm_batch_stride_zero(shared_a, shared_b, trans_a, trans_b):
 def test_sgemm_sizes(batch, m, n, k):
     run_sgemm(batch, m, n, k, 1.0, 0.0, False, True, pad=0)
     run_sgemm(batch, m, n, k, 0.5, 1.0, True, False, pad=1)
+
+
+@pytest.fixture
+def two_threads():
+    """GEMMs with few rows are split into column blocks only when the pool has threads to run them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+    _testing.set_gemm_column_split_rows(-1)
+
+
+# Rows at and past the column-split limit (32), widths that divide into cache lines and ones that
+# do not, a packed constant weight and a plain one, and B stored both ways (a Linear's weight is
+# stored transposed): every block must land in its own columns of C, padding untouched.
+@pytest.mark.parametrize("m, n", [(1, 256), (8, 1000), (32, 300), (33, 512)])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("split", [True, False])
+def test_sgemm_few_rows_in_column_blocks(two_threads, m, n, trans_b, pack, split):
+    _testing.set_gemm_column_split_rows(-1 if split else 0)
+    run_sgemm(1, m, n, 24, 1.0, 0.0, False, trans_b, pack=pack)
+    run_sgemm(1, m, n, 24, -2.5, 0.5, False, trans_b, pack=pack, seed=1)
 
 
 def test_parallel_for_covers_range_in_grain_sized_chunks():
