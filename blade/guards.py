@@ -107,6 +107,10 @@ class FrozenWeights:
         frozen += [(f"graph attribute {name}", None, t) for name, t in module_tensors(gm).items()]
         return cls(*(list(column) for column in zip(*frozen))) if frozen else cls([], [], [])
 
+    def same_objects(self, args: tuple) -> bool:
+        """Whether args pass the very tensors of compile time (a change is then an in-place write)."""
+        return self._check.same_objects(args)
+
     def changed(self, args: tuple) -> str | None:
         """The name of the first frozen tensor replaced or written since compile time, else None."""
         index = self._check.changed(args)

@@ -96,6 +96,7 @@ class CompileReport:
 
 
 MAX_RECOMPILES = 4   # frozen weights changed more often than this: the graph runs eagerly
+MAX_VARIANTS = 8     # compiles kept per graph for different frozen tensors (instances of one module)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class CompiledModule:
         self._warned_eager = False
         self._recompiling = threading.Lock()
         self._recompiles = 0
+        self._variants: list = []   # CompiledModules of this graph for other frozen tensors
 
     def _bind(self, module: torch.jit.ScriptModule, runtime_inputs: list) -> None:
         """The module and which of dynamo's arguments it takes, ready for __call__: its forward
@@ -162,13 +164,22 @@ class CompiledModule:
         return self.source.gm(*args)
 
     def _recompiled(self, args, stale: str) -> bool:
-        """Compile the graph again on the frozen tensors' current values (one thread at a time;
-        the others wait and find it done). False past MAX_RECOMPILES: weights that keep changing
-        are better read eagerly (the caller runs the FX graph, always current)."""
+        """Switch to, or compile, the variant of this graph for the frozen tensors passed now (one
+        thread at a time; the others wait and find it done). dynamo hands one graph the tensors of
+        every instance of a module class, so up to MAX_VARIANTS compiles are kept, one per set of
+        tensors. Tensors written in place since their compile are compiled again, MAX_RECOMPILES
+        times at most: False then, as weights that keep changing are better read eagerly (the
+        caller runs the FX graph, always current)."""
         with self._recompiling:
             if self.source.frozen.changed(args) is None:
                 return True
-            if self._recompiles >= MAX_RECOMPILES:
+            fitting = next((v for v in self._variants if v.source.frozen.changed(args) is None), None)
+            if fitting is not None:
+                self._variants.remove(fitting)
+                self._switch_to(fitting)
+                return True
+            written_in_place = self.source.frozen.same_objects(args)
+            if written_in_place and self._recompiles >= MAX_RECOMPILES:
                 if self._recompiles == MAX_RECOMPILES:
                     self._recompiles += 1
                     warnings.warn(f"blade: {stale} changed after this graph was compiled, which "
@@ -176,16 +187,28 @@ class CompiledModule:
                                   f"it runs eagerly from now on (freeze_params=False keeps weights "
                                   f"out of the engines)")
                 return False
-            self._recompiles += 1
-            warnings.warn(f"blade: {stale} changed after this graph was compiled (written in place "
-                          f"or replaced) and its engines hold the old value: compiling it again "
-                          f"(freeze_params=False keeps weights out of the engines)")
+            if written_in_place:
+                self._recompiles += 1
+                warnings.warn(f"blade: {stale} changed after this graph was compiled (written in place) "
+                              f"and its engines hold the old value: compiling it again "
+                              f"(freeze_params=False keeps weights out of the engines)")
+            else:
+                warnings.warn(f"blade: {stale} changed after this graph was compiled (another tensor is "
+                              f"passed: a replaced parameter, or another instance of the module): "
+                              f"compiling a variant for it (up to {MAX_VARIANTS} are kept)")
             with self.source.config:
                 fresh = compile_fx(self.source.gm, list(args), self.source.config)
-            self._bind(fresh.module, fresh.runtime_inputs)
-            self.report = fresh.report
-            self.source = fresh.source
+            self._switch_to(fresh, keep_current=not written_in_place)
             return True
+
+    def _switch_to(self, variant: "CompiledModule", keep_current: bool = True) -> None:
+        """Make variant's engines current; the current ones join the kept variants (newest first)."""
+        if keep_current:
+            current = CompiledModule(self.module, self.runtime_inputs, self.report, self.source)
+            self._variants = [current, *self._variants][:MAX_VARIANTS - 1]
+        self._bind(variant.module, variant.runtime_inputs)
+        self.report = variant.report
+        self.source = variant.source
 
     def engines(self) -> dict:
         """cluster name -> its torch.classes.blade.Engine, for the clusters that got one."""

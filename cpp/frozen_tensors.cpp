@@ -31,13 +31,25 @@ int64_t FrozenTensors::changed(const pybind11::tuple& args) const {
   return -1;
 }
 
+bool FrozenTensors::same_objects(const pybind11::tuple& args) const {
+  const auto n_args = static_cast<int64_t>(args.size());
+  for (const Entry& e : entries_) {
+    if (e.position >= 0 && (e.position >= n_args || args[e.position].ptr() != e.object.ptr())) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void bind_frozen_tensors(pybind11::module_& m) {
   pybind11::class_<FrozenTensors>(m, "FrozenTensors",
                                   "Identity, version counter and storage of frozen tensors, checked per call.")
       .def(pybind11::init<const std::vector<int64_t>&, const std::vector<pybind11::object>&>(),
            pybind11::arg("positions"), pybind11::arg("tensors"))
       .def("changed", &FrozenTensors::changed, pybind11::arg("args"),
-           "Index of the first tensor replaced or written since construction, else -1.");
+           "Index of the first tensor replaced or written since construction, else -1.")
+      .def("same_objects", &FrozenTensors::same_objects, pybind11::arg("args"),
+           "Whether args hold the very tensor objects of construction at their positions.");
 }
 
 }  // namespace blade

@@ -22,6 +22,11 @@ class __attribute__((visibility("hidden"))) FrozenTensors {
   // version counter (every in-place write) or data pointer (`p.data = t`) moved; -1 if none did.
   int64_t changed(const pybind11::tuple& args) const;
 
+  // Whether the caller passes the very tensor objects of compile time at their positions (then a
+  // change is an in-place write; else other tensors are passed: another instance of the module,
+  // or a replaced parameter).
+  bool same_objects(const pybind11::tuple& args) const;
+
  private:
   struct Entry {
     int64_t position;

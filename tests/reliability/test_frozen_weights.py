@@ -151,3 +151,25 @@ def test_buffers_the_graph_writes_are_not_watched():
         out, changed = _changed_warnings(lambda: compiled(x))
         assert len(changed) == 1 and "fc.weight" in changed[0]
         torch.testing.assert_close(out, net(x))
+
+
+def test_instances_of_one_module_class_keep_one_compile_each():
+    """dynamo gives every instance of a class one graph, with that instance's weights as inputs:
+    alternating calls must switch between compiled variants, not recompile (or give up) each time."""
+    torch.manual_seed(0)
+    nets, x = [Net() for _ in range(3)], torch.randn(3, 8)
+    capture = Capture()
+    compiled = [torch.compile(net, backend=capture, dynamic=False) for net in nets]
+    with torch.no_grad():
+        first_round = []
+        for net, fn in zip(nets, compiled):
+            out, changed = _changed_warnings(lambda: fn(x))
+            torch.testing.assert_close(out, net(x))
+            first_round += changed
+        for _ in range(blade.pipeline.MAX_RECOMPILES + 2):  # round robin: no new compile, no eager
+            for net, fn in zip(nets, compiled):
+                out, changed = _changed_warnings(lambda: fn(x))
+                torch.testing.assert_close(out, net(x))
+                assert not changed, changed
+    assert len(first_round) <= len(nets) - 1  # at most one variant compiled per further instance
+    assert all(ENGINE_CALL in str(r.module.graph) for r in capture.results)
