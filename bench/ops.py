@@ -253,10 +253,9 @@ def main() -> int:
     with torch.no_grad():
         for kind in (k for k in kinds if k in CALLS):
             rows += bench_op(kind)
-    table = markdown(rows, skipped)
-    print(table)
-    if not args.no_write:
-        Path(args.out).write_text(table)
+            if not args.no_write:  # after every op: a run cut short still leaves its table
+                Path(args.out).write_text(markdown(rows, skipped))
+    print(markdown(rows, skipped))
     return 0
 
 
