@@ -6,10 +6,11 @@ on the models of bench/models.py, in one process, interleaved rounds, medians an
     python bench/run.py --quick              # 3 rounds instead of 7
 
 The machine is shared and noisy: rounds run every backend back to back (in a rotating order), each
-measurement is preceded by a few warm-up calls of that backend and followed by a pause (ONNX
-Runtime's and ATen's worker threads keep spinning for a while after a run and would slow whichever
-backend is timed next), a round whose eager median is more than 1.5x the best eager round is
-dropped as contended, and the ratios are what to read (absolute times drift).
+measurement is preceded by a few warm-up calls of that backend and by a pause (ONNX Runtime's and
+ATen's worker threads keep spinning for a while after a run and would slow whichever backend is
+timed next) that is stretched while other processes hold cores (read from /proc/stat). Each
+measurement records how many cores other processes used during it; per backend the best clean
+round counts. The ratios are what to read (absolute times drift).
 """
 from __future__ import annotations
 
@@ -28,13 +29,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backends import BACKENDS, ORT_CHOSEN, TT_INFER_REPORTS  # noqa: E402
 from models import MODELS  # noqa: E402
 
-CONTENDED = 1.5
 MEASURE_S = 0.05   # target duration of one measurement (calls of one backend in one round)
 MIN_CALLS, MAX_CALLS = 5, 400
 WARMUP_CALLS = 3   # right before each measurement: caches and thread pools back to this backend
 PAUSE_S = 0.2      # after each measurement: spinning worker threads go idle before the next one
 WRONG_REL_ERR = 1e-3  # above this vs eager, a backend's result is flagged as wrong
 PEERS = [b for b in BACKENDS if b not in ("eager", "tt_infer")]
+QUIET_CORES = 0.25   # other processes' CPU use (in cores) below which a measurement counts as clean
+MAX_WAIT_S = 2.0     # how long to wait for a quiet machine before measuring anyway
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process) so far."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
+    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return busy / TICK, (int(own[11]) + int(own[12])) / TICK  # utime + stime, all threads
+
+
+def foreign_cores(since: tuple[float, float], seconds: float) -> float:
+    """Cores other processes used since `since` (the machine is shared: the bench measures its
+    neighbours instead of trusting that they are idle)."""
+    busy, own = cpu_seconds()
+    return max(0.0, (busy - since[0]) - (own - since[1])) / max(seconds, 1e-3)
+
+
+def wait_for_quiet() -> None:
+    """The pause after a measurement, stretched (up to MAX_WAIT_S) while other jobs hold cores."""
+    waited = 0.0
+    while True:
+        start, t0 = cpu_seconds(), time.perf_counter()
+        time.sleep(PAUSE_S)
+        waited += time.perf_counter() - t0
+        if foreign_cores(start, time.perf_counter() - t0) < QUIET_CORES or waited >= MAX_WAIT_S:
+            return
 
 
 def first_tensor(out) -> torch.Tensor:
@@ -91,20 +120,22 @@ def prepare_all(model, inputs, expected, row) -> dict:
     return runners
 
 
-def measure(runners, inputs, rounds, calls, loads: list) -> dict:
-    """Per backend, one median per round; the order rotates so no backend always goes first.
-    Appends the load average after each round to `loads`."""
-    per_round = {b: [] for b in runners}
+def measure(runners, inputs, rounds, calls, loads: list) -> tuple[dict, dict]:
+    """Per backend, one median per round and the other processes' CPU use (cores) while it ran;
+    the order rotates so no backend always goes first. Appends the load average to `loads`."""
+    per_round, foreign = {b: [] for b in runners}, {b: [] for b in runners}
     order = list(runners)
     for r in range(rounds):
         for backend in order[r % len(order):] + order[:r % len(order)]:
             fn = runners[backend]
+            wait_for_quiet()
             for _ in range(WARMUP_CALLS):
                 fn(*inputs)
+            start, t0 = cpu_seconds(), time.perf_counter()
             per_round[backend].append(median_call_s(fn, inputs, calls))
-            time.sleep(PAUSE_S)
+            foreign[backend].append(foreign_cores(start, time.perf_counter() - t0))
         loads.append(os.getloadavg()[0])
-    return per_round
+    return per_round, foreign
 
 
 def bench_model(name, build, rounds) -> dict:
@@ -120,14 +151,15 @@ def bench_model(name, build, rounds) -> dict:
         eager_s = median_call_s(model, inputs, 3)
         row["calls"] = calls = max(MIN_CALLS, min(MAX_CALLS, int(MEASURE_S / max(eager_s, 1e-6))))
         loads = [row["load"]]
-        per_round = measure(runners, inputs, rounds, calls, loads)
-    best = min(per_round["eager"])
-    kept = [i for i, t in enumerate(per_round["eager"]) if t <= CONTENDED * best]
-    row["dropped_rounds"] = rounds - len(kept)
+        per_round, foreign = measure(runners, inputs, rounds, calls, loads)
+    row["clean"], row["rounds"] = 0, 0
     for backend, times in per_round.items():
-        # the best kept round: other engineers' jobs come and go, and a round they hit says
-        # how busy the machine was, not how fast the backend is
-        row["ms"][backend] = 1e3 * min(times[i] for i in kept)
+        # the best clean round (no other job holding a core while it ran), else the best round:
+        # other engineers' jobs come and go, and a round they hit measures them, not the backend
+        clean = [t for t, f in zip(times, foreign[backend]) if f < QUIET_CORES] or times
+        row["ms"][backend] = 1e3 * min(clean)
+        row["clean"] += sum(f < QUIET_CORES for f in foreign[backend])
+        row["rounds"] += len(times)
     row["load"] = max(loads)
     return row
 
@@ -175,7 +207,7 @@ def cell(value, fmt):
 
 
 def main_table(rows) -> list[str]:
-    head = ["model", "load", "eager ms", *(f"{b} x" for b in PEERS), "tt_infer x", "best peer",
+    head = ["model", "load", "clean", "eager ms", *(f"{b} x" for b in PEERS), "tt_infer x", "best peer",
             "tt_infer / best peer", "ORT exporter", "aten ops in engines", "tt_infer notes"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for row in rows:
@@ -183,12 +215,12 @@ def main_table(rows) -> list[str]:
         tt_x = ratio(row, "tt_infer")
         vs_peer = tt_x / peer_x if tt_x and peer_x else None
         eager = row["ms"].get("eager")
-        cells = [row["model"], f"{row['load']:.1f}", cell(eager, ".2f"), *(cell(ratio(row, b), ".2f") for b in PEERS),
+        cells = [row["model"], f"{row['load']:.1f}", f"{row['clean']}/{row['rounds']}", cell(eager, ".2f"), *(cell(ratio(row, b), ".2f") for b in PEERS),
                  cell(tt_x, ".2f"), f"{peer} {peer_x:.2f}" if peer else "-", cell(vs_peer, ".2f"),
                  row.get("ort_exporter", "-"), f"{100 * row.get('coverage', 0.0):.0f}%",
                  tt_infer_notes(row)]
         lines.append("| " + " | ".join(cells) + " |")
-    geo = ["**geomean**", "", "", *(f"{geomean(ratio(r, b) for r in rows):.2f}" for b in PEERS),
+    geo = ["**geomean**", "", "", "", *(f"{geomean(ratio(r, b) for r in rows):.2f}" for b in PEERS),
            f"{geomean(ratio(r, 'tt_infer') for r in rows):.2f}",
            f"{geomean(best_peer(r)[1] for r in rows):.2f}", "", "", "", ""]
     lines.append("| " + " | ".join(geo) + " |")
@@ -234,8 +266,10 @@ def markdown(rows, rounds) -> str:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32. "
         f"{rounds} interleaved rounds; per backend per round {WARMUP_CALLS} warm-up calls, then "
         f"{MIN_CALLS}-{MAX_CALLS} timed calls (about {1e3 * MEASURE_S:.0f} ms), then a "
-        f"{1e3 * PAUSE_S:.0f} ms pause; per round the median call, per backend the best round; "
-        f"rounds whose eager time is over {CONTENDED}x the best eager round dropped. "
+        f"{1e3 * PAUSE_S:.0f} ms pause, stretched up to {MAX_WAIT_S:.0f} s while other processes use "
+        f"over {QUIET_CORES} cores; per round the median call; per backend the best clean round (other "
+        f"processes under {QUIET_CORES} cores during it; column \"clean\" counts them over all "
+        f"backends), else the best round. "
         f"1-minute load average during the run: {min(loads):.2f}-{max(loads):.2f} (shared machine; "
         f"column \"load\" is the highest seen while that model ran; above ~2 other jobs took cores, "
         f"and ATen's OpenMP threads (eager, TorchScript, Inductor, tt_infer's runtime) suffer from a "
@@ -250,9 +284,6 @@ def markdown(rows, rounds) -> str:
     failures = [(row["model"], b, e) for row in rows for b, e in row["errors"].items()]
     if failures:
         lines += ["", "Failures:", ""] + [f"- {m} / {b}: {e}" for m, b, e in failures]
-    dropped = [(row["model"], row["dropped_rounds"]) for row in rows if row["dropped_rounds"]]
-    if dropped:
-        lines += ["", "Contended rounds dropped: " + ", ".join(f"{m}: {n}" for m, n in dropped)]
     return "\n".join(lines) + "\n"
 
 
