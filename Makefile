@@ -36,10 +36,12 @@ $(VENV)/.built: $(VENV)/.deps setup.py $(wildcard cpp/*.h cpp/*.cpp)
 clean:
 	rm -rf $(VENV) build blade/*.so blade.egg-info
 
-# Speed lives here, not in tests: eager / TorchScript / Inductor / ONNX Runtime / tt_infer.
+# Speed lives here, not in tests: eager / TorchScript / Inductor (default, frozen) / ONNX Runtime /
+# tt_infer on the models (bench/RESULTS.md), then every elementwise/reduction op (bench/OPS.md).
 bench: $(VENV)/.built
 	$(PY) -m pip install -q onnxruntime==1.31.1 onnxscript==0.7.2
 	$(PY) bench/run.py
+	$(PY) bench/ops.py
 
 # The whole OpInfo differential sweep (tests/conformance): every op of torch's OpInfo database,
 # 2 samples per op and dtype, through tt_infer with engines forced on, vs eager. Writes the

@@ -1,16 +1,21 @@
-"""Benchmark: eager / frozen TorchScript / Inductor / ONNX Runtime / tt_infer on the models of
-bench/models.py, in one process, interleaved rounds, medians and ratios vs eager.
+"""Benchmark: eager / frozen TorchScript / Inductor (default and frozen) / ONNX Runtime / tt_infer
+on the models of bench/models.py, in one process, interleaved rounds, medians and ratios vs eager.
 
-    python bench/run.py                    # all models; writes bench/RESULTS.md
+    python bench/run.py                      # all models; writes bench/RESULTS.md
     python bench/run.py --models BERT --no-write
+    python bench/run.py --quick              # 3 rounds instead of 7
 
-The machine is shared and noisy: rounds run every backend back to back (in a rotating order), a
-round whose eager median is more than 1.5x the best eager round is dropped as contended, and the
-ratios are what to read (absolute times drift).
+The machine is shared and noisy: rounds run every backend back to back (in a rotating order), each
+measurement is preceded by a few warm-up calls of that backend and by a pause (ONNX Runtime's and
+ATen's worker threads keep spinning for a while after a run and would slow whichever backend is
+timed next) that is stretched while other processes hold cores (read from /proc/stat). Each
+measurement records how many cores other processes used during it; per backend the best clean
+round counts. The ratios are what to read (absolute times drift).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -21,12 +26,44 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backends import BACKENDS, TT_INFER_REPORTS  # noqa: E402
+from backends import BACKENDS, ORT_CHOSEN, TT_INFER_REPORTS  # noqa: E402
 from models import MODELS  # noqa: E402
 
-CONTENDED = 1.5
-MEASURE_S = 0.03   # target duration of one measurement (calls of one backend in one round)
-MAX_CALLS = 400
+MEASURE_S = 0.05   # target duration of one measurement (calls of one backend in one round)
+MIN_CALLS, MAX_CALLS = 5, 400
+WARMUP_CALLS = 3   # right before each measurement: caches and thread pools back to this backend
+PAUSE_S = 0.2      # after each measurement: spinning worker threads go idle before the next one
+WRONG_REL_ERR = 1e-3  # above this vs eager, a backend's result is flagged as wrong
+PEERS = [b for b in BACKENDS if b not in ("eager", "tt_infer")]
+QUIET_CORES = 0.25   # other processes' CPU use (in cores) below which a measurement counts as clean
+MAX_WAIT_S = 2.0     # how long to wait for a quiet machine before measuring anyway
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process) so far."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
+    own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return busy / TICK, (int(own[11]) + int(own[12])) / TICK  # utime + stime, all threads
+
+
+def foreign_cores(since: tuple[float, float], seconds: float) -> float:
+    """Cores other processes used since `since` (the machine is shared: the bench measures its
+    neighbours instead of trusting that they are idle)."""
+    busy, own = cpu_seconds()
+    return max(0.0, (busy - since[0]) - (own - since[1])) / max(seconds, 1e-3)
+
+
+def wait_for_quiet() -> None:
+    """The pause after a measurement, stretched (up to MAX_WAIT_S) while other jobs hold cores."""
+    waited = 0.0
+    while True:
+        start, t0 = cpu_seconds(), time.perf_counter()
+        time.sleep(PAUSE_S)
+        waited += time.perf_counter() - t0
+        if foreign_cores(start, time.perf_counter() - t0) < QUIET_CORES or waited >= MAX_WAIT_S:
+            return
 
 
 def first_tensor(out) -> torch.Tensor:
@@ -48,108 +85,229 @@ def median_call_s(fn, inputs, calls: int) -> float:
     return statistics.median(times)
 
 
-def bench_model(name, build, rounds, calls) -> dict:
+def rel_err(got, expected) -> float:
+    return ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def short_error(err: Exception) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first[:160]}"
+
+
+def prepare_all(model, inputs, expected, row) -> dict:
+    """Every backend prepared and checked once; the callables of those that ran."""
+    runners = {}
+    TT_INFER_REPORTS.clear()
+    for backend, prepare in BACKENDS.items():
+        torch._dynamo.reset()
+        ORT_CHOSEN.pop("last", None)
+        start = time.perf_counter()
+        try:
+            fn = prepare(model, inputs)
+            got = first_tensor(fn(*inputs))
+        except Exception as err:  # a backend that cannot take the model is reported, not fatal
+            row["errors"][backend] = short_error(err)
+            continue
+        row["compile_s"][backend] = time.perf_counter() - start
+        row["rel_err"][backend] = rel_err(got, expected)
+        if "last" in ORT_CHOSEN:
+            row["ort_exporter"] = ORT_CHOSEN["last"]
+        runners[backend] = fn
+    reports = [r for r in TT_INFER_REPORTS if r is not None]
+    total = sum(r.aten_total for r in reports)
+    row["coverage"] = sum(r.aten_in_engines for r in reports) / total if total else 0.0
+    row["graphs"] = (len(reports), len(TT_INFER_REPORTS))
+    return runners
+
+
+def measure(runners, inputs, rounds, calls, loads: list) -> tuple[dict, dict]:
+    """Per backend, one median per round and the other processes' CPU use (cores) while it ran;
+    the order rotates so no backend always goes first. Appends the load average to `loads`."""
+    per_round, foreign = {b: [] for b in runners}, {b: [] for b in runners}
+    order = list(runners)
+    for r in range(rounds):
+        for backend in order[r % len(order):] + order[:r % len(order)]:
+            fn = runners[backend]
+            wait_for_quiet()
+            for _ in range(WARMUP_CALLS):
+                fn(*inputs)
+            start, t0 = cpu_seconds(), time.perf_counter()
+            per_round[backend].append(median_call_s(fn, inputs, calls))
+            foreign[backend].append(foreign_cores(start, time.perf_counter() - t0))
+        loads.append(os.getloadavg()[0])
+    return per_round, foreign
+
+
+def bench_model(name, build, rounds) -> dict:
     torch.manual_seed(0)
     model, inputs = build()
-    row = {"model": name, "ms": {}, "compile_s": {}, "rel_err": {}, "errors": {}}
+    row = {"model": name, "ms": {}, "compile_s": {}, "rel_err": {}, "errors": {},
+           "load": os.getloadavg()[0]}
     with torch.no_grad():
         expected = first_tensor(model(*inputs))
-        runners = {}
-        TT_INFER_REPORTS.clear()
-        for backend, prepare in BACKENDS.items():
-            torch._dynamo.reset()
-            start = time.perf_counter()
-            try:
-                fn = prepare(model, inputs)
-                got = first_tensor(fn(*inputs))
-            except Exception as err:  # a backend that cannot take the model is reported, not fatal
-                row["errors"][backend] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-                continue
-            row["compile_s"][backend] = time.perf_counter() - start
-            row["rel_err"][backend] = ((got - expected).abs().max() / expected.abs().max()).item()
-            for _ in range(3):
-                fn(*inputs)
-            runners[backend] = fn
-        reports = [r for r in TT_INFER_REPORTS if r is not None]
-        total = sum(r.aten_total for r in TT_INFER_REPORTS if r) or 1
-        row["coverage"] = sum(r.aten_in_engines for r in reports) / total if reports else 0.0
+        runners = prepare_all(model, inputs, expected, row)
         # Enough calls per measurement that one lasts ~MEASURE_S even for tiny models (20 calls of
         # a 0.1 ms MLP are over in 2 ms, and one scheduler hiccup decides the median).
-        calls = max(calls, min(MAX_CALLS, int(MEASURE_S / max(median_call_s(model, inputs, 5), 1e-6))))
-        row["calls"] = calls
-        per_round = {b: [] for b in runners}
-        order = list(runners)
-        for r in range(rounds):
-            for backend in order[r % len(order):] + order[:r % len(order)]:
-                per_round[backend].append(median_call_s(runners[backend], inputs, calls))
-                time.sleep(0.05)  # let other runtimes' worker threads go idle
-        eager_rounds = per_round["eager"]
-        best = min(eager_rounds)
-        kept = [i for i, t in enumerate(eager_rounds) if t <= CONTENDED * best]
-        row["dropped_rounds"] = rounds - len(kept)
-        for backend, times in per_round.items():
-            row["ms"][backend] = 1e3 * statistics.median(times[i] for i in kept)
+        eager_s = median_call_s(model, inputs, 3)
+        row["calls"] = calls = max(MIN_CALLS, min(MAX_CALLS, int(MEASURE_S / max(eager_s, 1e-6))))
+        loads = [row["load"]]
+        per_round, foreign = measure(runners, inputs, rounds, calls, loads)
+    row["clean"], row["rounds"] = 0, 0
+    for backend, times in per_round.items():
+        # the best clean round (no other job holding a core while it ran), else the best round:
+        # other engineers' jobs come and go, and a round they hit measures them, not the backend
+        clean = [t for t, f in zip(times, foreign[backend]) if f < QUIET_CORES] or times
+        row["ms"][backend] = 1e3 * min(clean)
+        row["clean"] += sum(f < QUIET_CORES for f in foreign[backend])
+        row["rounds"] += len(times)
+    row["load"] = max(loads)
     return row
 
 
-def markdown(rows, rounds, calls) -> str:
-    backends = list(BACKENDS)
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
+def ratio(row, backend):
+    ms, eager = row["ms"].get(backend), row["ms"].get("eager")
+    return eager / ms if ms and eager else None
+
+
+def best_peer(row):
+    """(name, ratio) of the fastest peer on this model, or (None, None)."""
+    ratios = {b: ratio(row, b) for b in PEERS if ratio(row, b)}
+    if not ratios:
+        return None, None
+    name = max(ratios, key=ratios.get)
+    return name, ratios[name]
+
+
+def geomean(values):
+    values = [v for v in values if v]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def tt_infer_notes(row) -> str:
+    """What went wrong for tt_infer on this model, if anything (a finding, not noise)."""
+    notes = []
+    if "tt_infer" in row["errors"]:
+        notes.append("error")
+    elif row["rel_err"].get("tt_infer", 0) > WRONG_REL_ERR:
+        notes.append("WRONG RESULT")
+    if "tt_infer" not in row["errors"] and row.get("coverage", 0) == 0:
+        notes.append("all fallback")
+    compiled, total = row.get("graphs", (0, 0))
+    if total > 1:
+        notes.append(f"{total} graphs ({compiled} with engines)")
+    return ", ".join(notes)
+
+
+def cell(value, fmt):
+    return format(value, fmt) if value is not None else "failed"
+
+
+def main_table(rows) -> list[str]:
+    head = ["model", "load", "clean", "eager ms", *(f"{b} x" for b in PEERS), "tt_infer x", "best peer",
+            "tt_infer / best peer", "ORT exporter", "aten ops in engines", "tt_infer notes"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for row in rows:
+        peer, peer_x = best_peer(row)
+        tt_x = ratio(row, "tt_infer")
+        vs_peer = tt_x / peer_x if tt_x and peer_x else None
+        eager = row["ms"].get("eager")
+        cells = [row["model"], f"{row['load']:.1f}", f"{row['clean']}/{row['rounds']}", cell(eager, ".2f"), *(cell(ratio(row, b), ".2f") for b in PEERS),
+                 cell(tt_x, ".2f"), f"{peer} {peer_x:.2f}" if peer else "-", cell(vs_peer, ".2f"),
+                 row.get("ort_exporter", "-"), f"{100 * row.get('coverage', 0.0):.0f}%",
+                 tt_infer_notes(row)]
+        lines.append("| " + " | ".join(cells) + " |")
+    geo = ["**geomean**", "", "", "", *(f"{geomean(ratio(r, b) for r in rows):.2f}" for b in PEERS),
+           f"{geomean(ratio(r, 'tt_infer') for r in rows):.2f}",
+           f"{geomean(best_peer(r)[1] for r in rows):.2f}", "", "", "", ""]
+    lines.append("| " + " | ".join(geo) + " |")
+    return lines
+
+
+def per_backend_table(rows, key, fmt) -> list[str]:
+    backends = list(BACKENDS) if key == "rel_err" else list(BACKENDS)[1:]
+    lines = ["| model | " + " | ".join(backends) + " |", "|---" * (len(backends) + 1) + "|"]
+    for row in rows:
+        lines.append(f"| {row['model']} | " + " | ".join(
+            format(row[key][b], fmt) if b in row[key] else "-" for b in backends) + " |")
+    return lines
+
+
+SETUP = """How each backend was set up (peers at their users' defaults):
+
+- **eager**: the model in `eval()` under `torch.no_grad()`.
+- **TorchScript frozen**: `torch.jit.trace` -> `torch.jit.freeze` -> `torch.jit.optimize_for_inference`.
+- **Inductor**: `torch.compile(model)` (default mode, default config).
+- **Inductor frozen**: `torch.compile(model)` compiled under `torch._inductor.config.freezing = True`
+  (weights folded as constants, the setting Inductor's inference users pick).
+- **ONNX Runtime**: CPUExecutionProvider, default `SessionOptions` (thread spinning on, all graph
+  optimizations) with `intra_op_num_threads` = torch's threads; the model exported with both the
+  dynamo exporter (`torch.onnx.export(..., dynamo=True)`) and the TorchScript one (opset 17), and
+  the one that exports and runs faster used (column "ORT exporter"). Inputs go through `.numpy()`
+  per call (zero-copy).
+- **tt_infer**: `torch.compile(model, backend="tt_infer")`, blade's defaults.
+
+Ratio = eager time / backend time (higher is faster). "best peer" is the fastest of the peers on
+that model; "tt_infer / best peer" below 1 means a peer beats tt_infer. Geomeans are over the
+models where the column ran. Compile times include the first call and are with whatever caches are
+warm (blade's engine cache, Inductor's FX graph cache; ONNX Runtime's includes exporting twice and
+timing both sessions). Rel err = max |backend - eager| / max |eager| on the first output; notes flag
+tt_infer results above {wrong:g}."""
+
+
+def markdown(rows, rounds) -> str:
+    loads = [r["load"] for r in rows]
     lines = [
         "# blade benchmark results", "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32. "
-        f"{rounds} interleaved rounds x at least {calls} calls (more for fast models, about "
-        f"{1e3 * MEASURE_S:.0f} ms per measurement), medians; contended rounds dropped.", "",
-        "Ratio = eager time / backend time (higher is faster). Compile times are with whatever "
-        "caches are warm (blade's engine cache, Inductor's FX graph cache).", "",
-        "| model | eager ms | " + " | ".join(f"{b} x" for b in backends[1:])
-        + " | tt_infer compile s | tt_infer rel err | aten ops in engines |",
-        "|---" * (len(backends) + 4) + "|",
+        f"{rounds} interleaved rounds; per backend per round {WARMUP_CALLS} warm-up calls, then "
+        f"{MIN_CALLS}-{MAX_CALLS} timed calls (about {1e3 * MEASURE_S:.0f} ms), then a "
+        f"{1e3 * PAUSE_S:.0f} ms pause, stretched up to {MAX_WAIT_S:.0f} s while other processes use "
+        f"over {QUIET_CORES} cores; per round the median call; per backend the best clean round (other "
+        f"processes under {QUIET_CORES} cores during it; column \"clean\" counts them over all "
+        f"backends), else the best round. "
+        f"1-minute load average during the run: {min(loads):.2f}-{max(loads):.2f} (shared machine; "
+        f"column \"load\" is the highest seen while that model ran; above ~2 other jobs took cores, "
+        f"and ATen's OpenMP threads (eager, TorchScript, Inductor, tt_infer's runtime) suffer from a "
+        f"missing core far more than ONNX Runtime's own pool, so those rows favour ONNX Runtime).", "",
+        SETUP.format(wrong=WRONG_REL_ERR), "",
+        *main_table(rows), "",
+        "Compile/prepare time (s, including the first call):", "",
+        *per_backend_table(rows, "compile_s", ".1f"), "",
+        "Rel err vs eager (first output):", "",
+        *per_backend_table(rows, "rel_err", ".1e"),
     ]
-    for row in rows:
-        eager = row["ms"].get("eager")
-        cells = []
-        for b in backends[1:]:
-            ms = row["ms"].get(b)
-            cells.append(f"{eager / ms:.2f}" if ms and eager else "failed")
-        lines.append(f"| {row['model']} | {eager:.2f} | " + " | ".join(cells)
-                     + f" | {row['compile_s'].get('tt_infer', float('nan')):.1f}"
-                     + f" | {row['rel_err'].get('tt_infer', float('nan')):.1e}"
-                     + f" | {100 * row.get('coverage', 0.0):.0f}% |")
-    lines += ["", "Compile/prepare time (s, including the first call):", ""]
-    lines.append("| model | " + " | ".join(backends[1:]) + " |")
-    lines.append("|---" * len(backends) + "|")
-    for row in rows:
-        lines.append(f"| {row['model']} | " + " | ".join(
-            f"{row['compile_s'][b]:.1f}" if b in row["compile_s"] else "-" for b in backends[1:]) + " |")
     failures = [(row["model"], b, e) for row in rows for b, e in row["errors"].items()]
     if failures:
         lines += ["", "Failures:", ""] + [f"- {m} / {b}: {e}" for m, b, e in failures]
-    dropped = [(row["model"], row["dropped_rounds"]) for row in rows if row["dropped_rounds"]]
-    if dropped:
-        lines += ["", "Contended rounds dropped: " + ", ".join(f"{m}: {n}" for m, n in dropped)]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="blade benchmark")
-    parser.add_argument("--models", default="", help="substring filter on model names")
+    parser.add_argument("--models", default="", help="comma-separated substrings of model names")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="3 rounds (overrides --rounds)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "RESULTS.md"))
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    rounds = 3 if args.quick else args.rounds
     torch.set_num_threads(args.threads)
+    wanted = [w.strip().lower() for w in args.models.split(",")]
     rows = []
     for name, build in MODELS.items():
-        if args.models.lower() in name.lower():
-            print(f"benchmarking {name} ...", file=sys.stderr, flush=True)
-            rows.append(bench_model(name, build, args.rounds, args.calls))
-    table = markdown(rows, args.rounds, args.calls)
-    print(table)
-    if not args.no_write:
-        Path(args.out).write_text(table)
+        if not any(w in name.lower() for w in wanted):
+            continue
+        print(f"{time.strftime('%H:%M:%S')} benchmarking {name} ...", file=sys.stderr, flush=True)
+        rows.append(bench_model(name, build, rounds))
+        if not args.no_write:  # after every model: a run cut short still leaves its table
+            Path(args.out).write_text(markdown(rows, rounds))
+    print(markdown(rows, rounds))
     return 0
 
 
