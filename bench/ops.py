@@ -13,7 +13,6 @@ import argparse
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from blade.cluster.support import LOWERING
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from backends import median_call_s  # noqa: E402
 
 SHAPES = ([64, 4096], [8, 256])
 ROUNDS = 5
@@ -150,15 +152,6 @@ def chained(call, domain):
     return fn
 
 
-def median_s(fn, inputs, calls):
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn(*inputs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def tt_infer_compiled(fn):
     """(compiled fn, reports): torch.compile with tt_infer, engines forced on for single ops."""
     from blade.dynamo import tt_infer
@@ -180,12 +173,12 @@ def bench_case(fn, inputs) -> dict:
     reports = [r for r in reports if r is not None]
     total = sum(r.aten_total for r in reports)
     coverage = sum(r.aten_in_engines for r in reports) / total if total else 0.0
-    calls = max(5, min(500, int(MEASURE_S / max(median_s(fn, inputs, 3), 1e-7))))
+    calls = max(5, min(500, int(MEASURE_S / max(median_call_s(fn, inputs, 3), 1e-7))))
     times = {"eager": [], "tt_infer": []}
     for r in range(ROUNDS):
         for name, f in (("eager", fn), ("tt_infer", compiled))[:: 1 if r % 2 else -1]:
             f(*inputs)
-            times[name].append(median_s(f, inputs, calls))
+            times[name].append(median_call_s(f, inputs, calls))
             time.sleep(PAUSE_S)
     # the best round of each: on a shared machine a round another job hit measures that job
     eager_us, tt_us = (1e6 * min(times[k]) for k in ("eager", "tt_infer"))

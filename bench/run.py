@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backends import BACKENDS, ORT_CHOSEN, TT_INFER_REPORTS  # noqa: E402
+from backends import BACKENDS, ORT_CHOSEN, TT_INFER_REPORTS, median_call_s  # noqa: E402
 from models import MODELS  # noqa: E402
 
 MEASURE_S = 0.05   # target duration of one measurement (calls of one backend in one round)
@@ -74,15 +73,6 @@ def first_tensor(out) -> torch.Tensor:
     if isinstance(out, dict):
         out = list(out.values())
     return first_tensor(out[0])
-
-
-def median_call_s(fn, inputs, calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn(*inputs)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def rel_err(got, expected) -> float:

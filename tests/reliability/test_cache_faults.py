@@ -2,34 +2,21 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import subprocess
 import sys
-import threading
 import time
 import warnings
 
 import onnx
 import pytest
-import torch
 from onnx import TensorProto, helper
 
 import blade
 from blade.engine import cache, compiler, driver
+from fault_models import MODEL, X
 
 
-class TwoLayers(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x)) * 2
-
-
-torch.manual_seed(0)
-MODEL, X = TwoLayers().eval(), torch.randn(4, 16)  # one model: the same weights, the same cache keys
 
 
 def compile_caught(**config):

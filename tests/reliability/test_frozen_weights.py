@@ -1,28 +1,17 @@
 """Parameters and buffers frozen into engines (Config.freeze_params) that change after compile:
 the compiled graph notices (version counter, identity, data pointer), warns naming the tensor and
 compiles again, so it computes with the new values like eager does."""
-import os
-import tempfile
 import warnings
 
-os.environ.setdefault("BLADE_CACHE_DIR", tempfile.mkdtemp(prefix="blade-test-cache-"))
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402
-
-import blade  # noqa: E402
-import blade.pipeline  # noqa: E402
+import blade
+import blade.pipeline
 
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
 CHANGED = "changed after this graph was compiled"
 
-
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class Net(torch.nn.Module):

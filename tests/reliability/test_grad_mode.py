@@ -1,28 +1,16 @@
 """When autograd would record (grad enabled and an input or parameter requires grad), tt_infer
 runs the graph eagerly with one warning, so backward() works; without recording, engines run."""
-import io
-import os
-import tempfile
 import warnings
 
-os.environ.setdefault("BLADE_CACHE_DIR", tempfile.mkdtemp(prefix="blade-test-cache-"))
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402
-
-import blade  # noqa: E402
-from blade.aot import PrecompiledModule  # noqa: E402
+import blade
+from blade.aot import PrecompiledModule
 
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
 RECORDING = "autograd is recording"
 
-
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _model():

@@ -1,18 +1,13 @@
 """Indexing ops in engines read negative and out-of-range indices as eager does: wrap where eager
 wraps, fail the call where eager raises (with an error of eager's type that names the op)."""
-import os
-import tempfile
 
-os.environ.setdefault("BLADE_CACHE_DIR", tempfile.mkdtemp(prefix="blade-test-cache-"))
+import pytest
+import torch
+import torch.nn.functional as F
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import blade  # noqa: E402,F401  (registers tt_infer)
-from blade.dynamo import tt_infer  # noqa: E402
-from blade.pipeline import CompiledModule  # noqa: E402
+import blade  # noqa: F401  (registers tt_infer)
+from blade.dynamo import tt_infer
+from blade.pipeline import CompiledModule
 
 TABLE = torch.randn(10, 6)
 
@@ -42,12 +37,6 @@ class Capture:
         self.compiled.append(result)
         return result
 
-
-@pytest.fixture(autouse=True)
-def _reset_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _compiled(fn, valid):

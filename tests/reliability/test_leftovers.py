@@ -13,19 +13,9 @@ import torch
 import blade
 import blade.pipeline
 from blade.cluster.support import LoweringError
+from fault_models import MODEL, X
 
 
-class TwoLayers(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x)) * 2
-
-
-torch.manual_seed(0)
-MODEL, X = TwoLayers().eval(), torch.randn(4, 16)
 
 
 @pytest.fixture

@@ -7,23 +7,16 @@ model also has ops that merely sit next to a mutation, engines must still have r
 from __future__ import annotations
 
 import copy
-import os
-import sys
-import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-# The same session-wide engine cache as tests/e2e/conftest.py: never ~/.cache.
-os.environ.setdefault("BLADE_CACHE_DIR", tempfile.mkdtemp(prefix="blade-test-cache-"))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "e2e"))
-
-import blade  # noqa: E402
-from blade.dynamo import tt_infer  # noqa: E402
-from blade.pipeline import CompiledModule  # noqa: E402
-from blade.specialize import ShapeSpecialized  # noqa: E402
-from blade_testing import assert_close  # noqa: E402
+import blade
+from blade.dynamo import tt_infer
+from blade.pipeline import CompiledModule
+from blade.specialize import ShapeSpecialized
+from blade_testing import assert_close
 
 MODES = ["off", "fallback", "check", "eager"]
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
