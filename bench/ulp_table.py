@@ -4,7 +4,7 @@
     python bench/ulp_table.py --stride 1      # all 2^32 inputs (a minute or more per function)
     python bench/ulp_table.py --only log,sin  # some functions
 
-It compiles one C++ program holding the prelude exactly as engines get it (codegen.HEADER) and
+It compiles one C++ program that includes the prelude exactly as engines do (codegen.HEADER) and
 prints a markdown table: the largest error in float32 ulps of the correctly rounded result (over
 inputs whose result is a normal float), the input where it occurs, how many inputs got a different
 NaN / infinity / sign of zero than libm, and the largest absolute error where the result is below
@@ -170,7 +170,7 @@ def main(argv=None):
         source.write_text(program(names))
         flags = [f for f in compiler.BASE_FLAGS if f not in ("-fPIC", "-shared")]
         subprocess.run([options["cxx"], options["opt_level"], f"-march={options['isa']}", *flags,
-                        f"-I{compiler.abi_header_dir()}", str(source), "-o", str(binary)], check=True)
+                        f"-I{compiler.include_dir()}", str(source), "-o", str(binary)], check=True)
         print(f"float32 inputs: every {args.stride}. bit pattern; pow: {args.pairs} pairs; ISA {options['isa']}\n")
         print("| function | max ulp | at input | NaN/inf/zero-sign mismatches | max abs err, result < FLT_MIN | inputs |")
         print("|---|---|---|---|---|---|", flush=True)

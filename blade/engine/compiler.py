@@ -49,18 +49,24 @@ def resolve_options(options: dict | None) -> dict:
     return merged
 
 
-def abi_header_dir() -> Path:
-    """The directory holding blade_abi.h: a packaged copy (blade/include) or the repo's cpp/."""
+# The headers generated engines include: the engine <-> runtime ABI and the C++ prelude.
+ENGINE_HEADERS = ("blade_abi.h", "engine_prelude.h")
+
+
+def include_dir() -> Path:
+    """The directory holding ENGINE_HEADERS: a packaged copy (blade/include) or the repo's cpp/."""
     package = Path(__file__).resolve().parent.parent
-    for candidate in (package / "include", package.parent / "cpp"):
-        if (candidate / "blade_abi.h").is_file():
+    candidates = (package / "include", package.parent / "cpp")
+    for candidate in candidates:
+        if all((candidate / name).is_file() for name in ENGINE_HEADERS):
             return candidate
-    raise FileNotFoundError(f"blade_abi.h not found in {package / 'include'} or {package.parent / 'cpp'}")
+    raise FileNotFoundError(f"{' and '.join(ENGINE_HEADERS)} not found together in "
+                            f"{' or '.join(map(str, candidates))}")
 
 
 @functools.lru_cache(maxsize=None)
 def abi_version() -> int:
-    text = (abi_header_dir() / "blade_abi.h").read_text()
+    text = (include_dir() / "blade_abi.h").read_text()
     return int(re.search(r"#define\s+BLADE_ABI_VERSION\s+(\d+)", text).group(1))
 
 
@@ -99,7 +105,7 @@ def compiler_version(cxx: str) -> str:
 
 def compile_command(options: dict, source: Path, target: Path) -> list[str]:
     return [options["cxx"], options["opt_level"], f"-march={options['isa']}", *BASE_FLAGS,
-            f"-I{abi_header_dir()}", str(source), "-o", str(target), *options["extra_flags"]]
+            f"-I{include_dir()}", str(source), "-o", str(target), *options["extra_flags"]]
 
 
 def load_constants(onnx_path_or_model, manifest: Manifest) -> list[np.ndarray]:

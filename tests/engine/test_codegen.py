@@ -1,7 +1,9 @@
 """Properties of the generated code itself: fusion, CSE, GEMM operand folding, arena reuse, tables."""
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,10 +96,20 @@ def test_plan_arena_keeps_overlapping_lifetimes_apart():
 
 
 def test_generated_code_is_reentrant_and_self_contained():
-    src = source_of(CASES[0]).source
-    assert "static " not in src.replace("static_cast", "")
-    assert set(re.findall(r'#include [<"](.*)[>"]', src)) <= {"atomic", "cmath", "cstdint", "limits", "blade_abi.h",
-                                                               "chrono"}  # chrono: only with -DBLADE_PROFILE
+    prelude = (compiler.include_dir() / "engine_prelude.h").read_text()
+    for src in (source_of(CASES[0]).source, prelude):
+        assert "static " not in src.replace("static_cast", "")
+        assert set(re.findall(r'#include [<"](.*)[>"]', src)) <= {
+            "atomic", "cmath", "cstdint", "limits", "blade_abi.h", "engine_prelude.h",
+            "chrono"}  # chrono: only with -DBLADE_PROFILE
+
+
+def test_the_package_ships_every_header_engines_include():
+    """setup.py copies the headers into blade/include for installs (no cpp/ there)."""
+    tree = ast.parse((Path(compiler.__file__).parents[2] / "setup.py").read_text())
+    (shipped,) = [ast.literal_eval(n.value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ENGINE_HEADERS"]
+    assert [Path(h).name for h in shipped] == list(compiler.ENGINE_HEADERS)
 
 
 @pytest.mark.parametrize("value", [0.1, -1e-30, 3.4e38, 1e-45, 2.0 / 3.0, -0.0])
