@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +25,7 @@ import numpy as np
 from . import views
 from .ir import ELEMENTWISE, Graph, Node
 from .manifest import DTYPES, TensorSpec
+from .symbolic import Const, Expr, Var, add, as_expr, render
 from .views import Layout, contiguous_strides, linear_index
 
 INLINE_CONST_MAX = 64          # constants with at most this many elements are compiled into the code
@@ -222,8 +222,46 @@ class Strided:
     def dense(cls, buf: Buffer, shape) -> "Strided":
         return cls(buf, tuple(shape), Layout(0, contiguous_strides(shape)))
 
-    def address(self, idx) -> str:
+    def address(self, idx) -> Expr:
         return linear_index(idx, self.layout.strides, self.layout.offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lines of code: a line is a str, or a tuple of parts whose text is only known once the whole
+# program is planned: a buffer access (its address may become relative to a row kept on the
+# stack) and a scratch buffer's arena offset.
+
+@dataclass(frozen=True)
+class Access:
+    """buf[address] (a load or a store)."""
+    buf: Buffer
+    address: Expr
+
+    def text(self, stack_rows: dict) -> str:
+        rows = stack_rows.get(self.buf)
+        # a buffer kept on the stack is addressed within its row: every access was rebased
+        address = self.address if rows is None else rows[self.address]
+        return f"{self.buf.ident}[{address.render()}]"
+
+
+@dataclass(frozen=True)
+class ArenaOffset:
+    """A scratch buffer's byte offset in the arena (planned after every kernel exists)."""
+    buf: Buffer
+
+    def text(self, stack_rows: dict) -> str:
+        return str(self.buf.offset)
+
+
+def line_text(line, stack_rows: dict) -> str:
+    if isinstance(line, str):
+        return line
+    return "".join(part if isinstance(part, str) else part.text(stack_rows) for part in line)
+
+
+def _loop_vars(shape) -> list:
+    """The index of a loop nest over shape: i<d> over each dim, 0 for size-1 dims."""
+    return [Var.loop(f"i{d}", n) if n != 1 else Const(0) for d, n in enumerate(shape)]
 
 
 def channels_last_order(rank: int) -> tuple:
@@ -273,13 +311,10 @@ def memory_order(s: Strided) -> tuple:
 # ---------------------------------------------------------------------------------------------
 # Scopes: statement lists of nested loop bodies, with memo and loop-invariant placement
 
-_IDENT = re.compile(r"[A-Za-z_]\w*")
-
-
 class Scope:
     def __init__(self, emitter, parent=None, binds=()):
         self.emitter, self.parent = emitter, parent
-        self.binds = set(binds)       # loop variables (and index temps) defined here
+        self.binds = set(binds)       # Vars: loop variables (and index temps) defined here
         self.lines: list[str] = []
         self.memo: dict = {}
         self.has_side_effects = False
@@ -297,15 +332,17 @@ class Scope:
 
     def home_for(self, idx) -> "Scope":
         """The outermost enclosing scope in which every variable used by idx is defined."""
-        used = {name for text in idx for name in _IDENT.findall(text)}
+        used = set().union(*(i.free_vars() for i in idx))
         scope = self
         while scope.parent is not None and not (scope.binds & used):
             scope = scope.parent
         return scope
 
-    def define(self, ctype: CType, text: str, key=None, prefix="t") -> str:
+    def define(self, ctype: CType, text, key=None, prefix="t") -> str:
+        """A const temp holding text (C++, or an Access) in this scope; returns its name."""
         name = self.emitter.fresh(prefix)
-        self.lines.append(f"const {ctype} {name} = {text};")
+        self.lines.append(f"const {ctype} {name} = {text};" if isinstance(text, str)
+                          else (f"const {ctype} {name} = ", text, ";"))
         if key is not None:
             self.memo[key] = name
         return name
@@ -319,12 +356,20 @@ class Scope:
 
 def _indent(lines, depth=1):
     pad = "  " * depth
-    return [pad + line if line else line for line in lines]
+    return [(pad + line if line else line) if isinstance(line, str) else (pad, *line) for line in lines]
 
 
-def _for(var: str, begin, end, body_lines, pragma: str = ""):
+def _cpp(value) -> str:
+    """C++ of an index value: an int or Expr, or a C++ name already."""
+    return value if isinstance(value, str) else render(value)
+
+
+def _for(var, begin, end, body_lines, pragma: str = ""):
+    """A loop of var over [begin, end): each a Var/Expr/int, or C++ text."""
     head = [pragma] if pragma else []
-    return head + [f"for (int64_t {var} = {begin}; {var} < {end}; ++{var}) {{", *_indent(body_lines), "}"]
+    var = _cpp(var)
+    return head + [f"for (int64_t {var} = {_cpp(begin)}; {var} < {_cpp(end)}; ++{var}) {{",
+                   *_indent(body_lines), "}"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,6 +504,7 @@ class Emitter:
         self.group: RowGroup | None = None
         self.strided_memo: dict = {}
         self.channels_last: set = set()     # nodes stored NHWC (_choose_channels_last)
+        self.stack_rows: dict = {}          # scratch kept a row per thread: {address: row address}
         for i, node in enumerate(graph.inputs):
             self.buffers[node] = Buffer("input", i, node.dtype, node.numel)
 
@@ -511,15 +557,17 @@ class Emitter:
 
     # ---- values ----
 
-    def load(self, s: Strided, idx) -> str:
+    def load(self, s: Strided, idx):
+        """The Access of s[idx], or the literal of a one-element inline constant."""
         if s.buf.kind == "inline" and s.buf.numel == 1:
             return literal(s.buf.values.reshape(-1)[0], s.buf.dtype)
         self.kernel.accesses.append((s, idx, False))
-        return f"{self.use(s.buf)}[{s.address(idx)}]"
+        self.use(s.buf)
+        return Access(s.buf, s.address(idx))
 
     def value(self, node: Node, idx, scope: Scope) -> str:
-        """The C++ expression (an atom) of node at multi-index idx, emitting statements as needed."""
-        idx = tuple(idx)
+        """The C++ expression (an atom) of node at multi-index idx (Exprs), emitting statements as needed."""
+        idx = tuple(as_expr(i) for i in idx)
         key = (id(node), idx)
         hit = scope.lookup(key)
         if hit is not None:
@@ -531,7 +579,7 @@ class Emitter:
         text = self.load(strided, idx)
         if strided.buf.kind == "inline" and strided.buf.numel == 1:
             return text
-        # Different views of one buffer can load the same element: memoize by address too.
+        # Different views of one buffer can load the same element: memoize by the access too.
         hit = scope.lookup(text)
         if hit is None:
             hit = home.define(CType(node.dtype), text, text)
@@ -556,7 +604,7 @@ class Emitter:
         data, indices = node.args
         axis, n = node.attrs["axis"], data.shape[node.attrs["axis"]]
         raw = self.value(indices, idx[axis:axis + indices.rank], scope)
-        pos = self.fresh("g")
+        pos = Var.loop(self.fresh("g"), max(n, 1))   # in range once the lines below ran
         scope.lines += [
             f"int64_t {pos} = static_cast<int64_t>({raw});",
             f"if ({pos} < 0) {pos} += {n};",
@@ -580,15 +628,16 @@ class Emitter:
             if lo == 0 and n == node.shape[len(src_idx)]:
                 src_idx.append(i)
                 continue
-            pos = self.fresh("p")
-            shifted = views.index_sum([i], -lo)
+            shifted = i - lo
+            pos = Var(self.fresh("p"), *shifted.bounds())
+            clamped = Var.loop(f"{pos}c", max(n, 1))
             remap = {"constant": f"({pos} >= 0 && {pos} < {n} ? {pos} : 0)",
                      "edge": f"({pos} < 0 ? 0 : ({pos} >= {n} ? {n - 1} : {pos}))",
                      "reflect": f"({pos} < 0 ? -{pos} : ({pos} >= {n} ? {2 * n - 2} - {pos} : {pos}))"}[mode]
-            scope.lines += [f"const int64_t {pos} = {shifted};", f"const int64_t {pos}c = {remap};"]
+            scope.lines += [f"const int64_t {pos} = {shifted};", f"const int64_t {clamped} = {remap};"]
             inside.append(f"{pos} >= 0 && {pos} < {n}")
-            scope.binds.update({pos, f"{pos}c"})
-            src_idx.append(f"{pos}c")
+            scope.binds.update({pos, clamped})
+            src_idx.append(clamped)
         value = self.value(src, src_idx, scope)
         if mode != "constant" or not inside:
             if key is not None:
@@ -604,11 +653,11 @@ class Emitter:
         acc = self.fresh("acc")
         scope.lines.append(f"{ctype} {acc} = {rule.init(ctype)};")
         axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
-        loop_vars = {a: self.fresh("r") for a in axes}
+        loop_vars = {a: Var.loop(self.fresh("r"), src.shape[a]) for a in axes}
         chain = [scope]                        # chain[j + 1] is the body of the loop over axes[j]
         for a in axes:
             chain.append(chain[-1].child([loop_vars[a]]))
-        src_idx = [loop_vars.get(d, "0" if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
+        src_idx = [loop_vars.get(d, Const(0) if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
         v = self.value(src, src_idx, chain[-1])
         # Vectorize the innermost accumulation when reassociating it is harmless (float sums,
         # float max/min with their NaN flag).
@@ -653,8 +702,10 @@ class Emitter:
         decls = [self._pointer_decl(buf, written) for buf, written in uses.items() if buf.kind != "inline"]
         lines = []
         for line in body_lines:
-            pad = line[:len(line) - len(line.lstrip())]
-            lines += [pad + d for d in decls] if line.strip() == DECLS else [line]
+            if isinstance(line, str) and line.strip() == DECLS:
+                lines += _indent(decls, (len(line) - len(line.lstrip())) // 2)
+            else:
+                lines.append(line)
         return lines
 
     @staticmethod
@@ -664,7 +715,8 @@ class Emitter:
         source = {"input": f"inputs[{buf.index}]", "output": f"outputs[{buf.index}]",
                   "const": f"constants[{buf.index}]"}.get(buf.kind)
         if source is None:
-            return f"{qual}{ctype}* __restrict__ {buf.ident} = reinterpret_cast<{qual}{ctype}*>(arena + @OFFSET{buf.index}@);"
+            return (f"{qual}{ctype}* __restrict__ {buf.ident} = reinterpret_cast<{qual}{ctype}*>(arena + ",
+                    ArenaOffset(buf), ");")
         return f"{qual}{ctype}* __restrict__ {buf.ident} = static_cast<{qual}{ctype}*>({source});"
 
     def emit_loop_kernel(self, comment, dest: Strided, value_fn, work_per_element=1, rows=None, make=None):
@@ -706,14 +758,15 @@ class Emitter:
         self.kernel = kernel = Kernel(group.number, comment)
         shape, k = dest.shape, len(group.rows)
         inner = [d for d in range(k, len(shape)) if shape[d] != 1]
-        idx = [f"i{d}" if n != 1 else "0" for d, n in enumerate(shape)]
+        idx = _loop_vars(shape)
         prologue = Scope(self)
-        chain = [prologue.child([idx[d] for d in range(k) if shape[d] != 1] + ["o"])]
+        chain = [prologue.child([idx[d] for d in range(k) if shape[d] != 1])]
         for d in inner:
             chain.append(chain[-1].child([idx[d]]))
-        ident = self.use(dest.buf, write=True)
+        self.use(dest.buf, write=True)
         kernel.accesses.append((dest, idx, True))
-        chain[-1].lines.append(f"{ident}[{dest.address(idx)}] = {value_fn(chain[-1], idx)};")
+        target = Access(dest.buf, dest.address(idx))
+        chain[-1].lines.append((target, f" = {value_fn(chain[-1], idx)};"))
         body = chain[-1].lines
         for level in range(len(inner), 0, -1):
             body = chain[level - 1].lines + _for(idx[inner[level - 1]], 0, shape[inner[level - 1]], body)
@@ -723,10 +776,10 @@ class Emitter:
         return kernel
 
     @staticmethod
-    def _row_address(s: Strided, idx, rows) -> str | None:
+    def _row_address(s: Strided, idx, rows) -> Expr | None:
         """The address of s[idx] relative to the current row, when it provably lies inside that
         row of s's buffer (row r spans elements [r * row_numel, (r + 1) * row_numel)); else None."""
-        row_vars = [(f"i{d}", n) for d, n in enumerate(rows) if n != 1]
+        row_vars = [(var, n) for var, n in zip(_loop_vars(rows), rows) if n != 1]
         row_numel, rem = divmod(s.buf.numel, math.prod(rows))
         if not row_vars or rem:
             return None  # no row loop: loads would be hoisted above the kernels that write them
@@ -737,14 +790,14 @@ class Emitter:
         for i, stride, n in zip(idx, s.layout.strides, s.shape):
             if i in want:
                 got[i] += stride
-            elif set(_IDENT.findall(i)) & want.keys():
+            elif i.free_vars() & want.keys():
                 return None   # a row variable inside an expression: not provably in the row
             else:             # i ranges over [0, n)
                 low, high = low + min(0, stride * (n - 1)), high + max(0, stride * (n - 1))
-                rest.append(views.index_mul(stride, i))
+                rest.append(stride * i)
         if got != want or low < 0 or high >= row_numel:
             return None
-        return views.index_sum(rest, s.layout.offset)
+        return add(s.layout.offset, *rest)
 
     def _row_local(self, kernel: Kernel, group: "RowGroup") -> bool:
         """Whether kernel, run row by row inside group, touches what the group writes only within
@@ -754,8 +807,9 @@ class Emitter:
 
     def _stack_rows(self, group: "RowGroup", budget: int):
         """Scratch buffers that live only inside group's row loop become one row on each thread's
-        stack (in L1) instead of a whole tensor in the arena: their accesses are rebased to the row."""
-        local, rebase = set(), {}
+        stack (in L1) instead of a whole tensor in the arena: their accesses are rebased to the row
+        (recorded in self.stack_rows: buffer -> {address: address within the row})."""
+        local = set()
         for buf in sorted(group.written, key=lambda b: b.index):
             if buf.kind != "scratch" or not buf.first == buf.last == group.number:
                 continue
@@ -766,9 +820,8 @@ class Emitter:
                 continue
             budget -= row_bytes
             local.add(buf)
-            for (s, idx), row in zip(accesses, rows):
-                rebase[re.compile(rf"\b{buf.ident}\[{re.escape(s.address(idx))}\]")] = f"{buf.ident}[{row}]"
-        return local, rebase
+            self.stack_rows[buf] = {s.address(idx): row for (s, idx), row in zip(accesses, rows)}
+        return local
 
     def close_group(self):
         """Ends the open row group; it is rendered once scratch liveness is known (render_group)."""
@@ -778,20 +831,18 @@ class Emitter:
 
     def render_group(self, group: "RowGroup") -> tuple:
         """(comment, lines) of a row group: one parallel loop over its rows running every kernel."""
-        local, rebase = self._stack_rows(group, STACK_ROW_BYTES)
+        local = self._stack_rows(group, STACK_ROW_BYTES)
         total = math.prod(group.rows)
         grain = max(1, -(-PARALLEL_WORK // max(group.work, 1)))
-        unflatten, step = [], 1
+        unflatten, step, row = [], 1, Var.loop("o", total)
         row_dims = [d for d, n in enumerate(group.rows) if n != 1]
         for d in reversed(row_dims):
-            q = "o" if step == 1 else f"o / {step}"
-            unflatten.insert(0, f"const int64_t i{d} = {q if d == row_dims[0] else f'({q}) % {group.rows[d]}'};")
+            q = row // step
+            unflatten.insert(0, f"const int64_t i{d} = {q if d == row_dims[0] else q % group.rows[d]};")
             step *= group.rows[d]
         rows_body = unflatten
         for kernel in group.kernels:
             rows_body += [f"// {kernel.comment}"] * (len(group.kernels) > 1) + kernel.body
-        for pattern, row in rebase.items():
-            rows_body = [pattern.sub(row, line) for line in rows_body]
         prologue = [f"alignas({ALIGN}) {b.element_ctype} {b.ident}[{b.numel // total}];  // one row, per thread"
                     for b in sorted(local, key=lambda b: b.index)]
         prologue += [line for kernel in group.kernels for line in kernel.prologue]
@@ -853,13 +904,14 @@ class Emitter:
         self.kernel = kernel = Kernel(group.number, comment)
         shape, k = dest.shape, len(group.rows)
         inner = [p for p in range(k, len(shape)) if shape[p] != 1]
-        idx = [f"i{p}" if n != 1 else "0" for p, n in enumerate(shape)]
+        idx = _loop_vars(shape)
         logical = _unpermuted(idx, order)
         axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
-        window_vars = {a: self.fresh("r") for a in axes}
-        target = f"{self.use(dest.buf, write=True)}[{dest.address(idx)}]"
+        window_vars = {a: Var.loop(self.fresh("r"), src.shape[a]) for a in axes}
+        self.use(dest.buf, write=True)
+        target = Access(dest.buf, dest.address(idx))
         kernel.accesses.append((dest, idx, True))
-        init = [f"{target} = {rule.init(ctype)};"]
+        init = [(target, f" = {rule.init(ctype)};")]
         for p in reversed(inner):
             init = _for(idx[p], 0, shape[p], init)
         prologue = Scope(self)
@@ -867,11 +919,11 @@ class Emitter:
         chain = [prologue.child([idx[p] for p in range(k) if shape[p] != 1] + ["o"])]
         for var, _ in loops:
             chain.append(chain[-1].child([var]))
-        src_idx = [window_vars.get(d, "0" if src.shape[d] == 1 else i) for d, i in enumerate(logical)]
+        src_idx = [window_vars.get(d, Const(0) if src.shape[d] == 1 else i) for d, i in enumerate(logical)]
         v, acc = self.value(src, src_idx, chain[-1]), self.fresh("acc")
         # The old value in a local: read inside the combine's ?: it would be a conditional load,
         # which keeps g++ from vectorizing.
-        chain[-1].lines += [f"const {ctype} {acc} = {target};", f"{target} = {rule.combine(acc, v)};"]
+        chain[-1].lines += [(f"const {ctype} {acc} = ", target, ";"), (target, f" = {rule.combine(acc, v)};")]
         body = chain[-1].lines
         for level in range(len(loops), 0, -1):
             var, size = loops[level - 1]
@@ -931,8 +983,8 @@ class Emitter:
             else:
                 merged.append((size, strides))
         sgemm_batch, sgemm_strides = merged.pop() if merged else (1, [0, 0, 0])
-        loop_vars = [self.fresh("b") for _ in merged]
-        ptrs = [f"{name} + {views.index_sum([views.index_mul(st[i], v) for v, (_, st) in zip(loop_vars, merged)], o.layout.offset)}"
+        loop_vars = [Var.loop(self.fresh("b"), size) for size, _ in merged]
+        ptrs = [f"{name} + {add(o.layout.offset, *(st[i] * v for v, (_, st) in zip(loop_vars, merged)))}"
                 for i, (name, o) in enumerate(zip(names, operands))]
         call = [f"rt->sgemm({sgemm_batch}, {m}, {n}, {k}, {literal(node.attrs['alpha'], 'float32')}, "
                 f"{ptrs[0]}, {lda}, {sgemm_strides[0]}, {ta}, {ptrs[1]}, {ldb}, {sgemm_strides[1]}, {tb}, "
@@ -1158,9 +1210,8 @@ class Emitter:
             values = ", ".join(literal(v, buf.dtype) for v in np.asarray(buf.values).reshape(-1))
             lines.append(f"constexpr {buf.element_ctype} {buf.ident}[{max(buf.numel, 1)}] = {{{values}}};")
         lines += ["}  // namespace", "", ENTRY_BEGIN]
-        offsets = {f"@OFFSET{b.index}@": str(b.offset) for b in self.scratch}
         for number, (comment, body) in enumerate(self.kernels_code):
-            block = [re.sub(r"@OFFSET\d+@", lambda m: offsets[m.group(0)], line) for line in body]
+            block = [line_text(line, self.stack_rows) for line in body]
             lines += ["", f"  // kernel {number}: {comment}", f"  BLADE_PROFILE_BEGIN({number});", *_indent(block),
                       f"  BLADE_PROFILE_END({number});"]
         lines += ["  BLADE_PROFILE_RUN();", "  return status.load(std::memory_order_relaxed);", "}", ""]
