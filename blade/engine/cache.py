@@ -37,7 +37,7 @@ from . import compiler
 from .manifest import Manifest
 
 ENTRY_FILES = ("engine.so", "manifest.json")
-KEPT_FILES = ENTRY_FILES + ("engine.cpp",)
+KEPT_FILES = ENTRY_FILES + ("engine.cpp", "plan.txt")   # for dumps of cache hits
 CHECKSUMS = "checksums.json"        # written last into the temp dir; its mtime is the last use
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0                # temp dirs older than this belong to a crashed writer

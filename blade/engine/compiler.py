@@ -1,4 +1,5 @@
-"""compile_onnx: one ONNX cluster -> engine.cpp -> g++ -> engine.so + manifest.json (torch-free).
+"""compile_onnx: one ONNX cluster -> IR -> plan -> engine.cpp -> g++ -> engine.so + manifest.json
+(torch-free).
 
 The pipeline is data (``STAGES``): each stage's output can be dumped next to the artifacts, and
 every failure carries the command that reproduces it.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import codegen, ir
+from . import codegen, ir, plan
 from .ir import UnsupportedOnnxOp  # noqa: F401  (re-exported: the error users catch)
 from .manifest import Manifest
 
@@ -120,17 +121,19 @@ def load_constants(onnx_path_or_model, manifest: Manifest) -> list[np.ndarray]:
     return out
 
 
-# The pipeline as data: name -> (function of the previous stage's output, dump file or None).
+# The pipeline as data: name -> (function of the previous stage's output, (dump file, its text
+# from the stage's output) or None).
 STAGES = {
     "onnx": (ir.load_model, None),
     "ir": (ir.lower_onnx, None),
-    "cpp": (codegen.generate, "engine.cpp"),
+    "plan": (plan.make_plan, ("plan.txt", plan.Plan.describe)),
+    "cpp": (codegen.generate, ("engine.cpp", lambda program: program.source)),
 }
 
 
 def compile_onnx(onnx_path, out_dir, options: dict | None = None) -> Manifest:
-    """Compiles one cluster; writes engine.cpp, compile_command.txt, compile.log, engine.so and
-    manifest.json into out_dir and returns the manifest."""
+    """Compiles one cluster; writes plan.txt, engine.cpp, compile_command.txt, compile.log,
+    engine.so and manifest.json into out_dir and returns the manifest."""
     options = resolve_options(options)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +141,8 @@ def compile_onnx(onnx_path, out_dir, options: dict | None = None) -> Manifest:
     for name, (stage, dump) in STAGES.items():
         value = stage(value)
         if dump:
-            (out_dir / dump).write_text(value.source)
+            filename, text = dump
+            (out_dir / filename).write_text(text(value))
     program = value
     version = compiler_version(options["cxx"])
     source, target, log = out_dir / "engine.cpp", out_dir / "engine.so", out_dir / "compile.log"
