@@ -27,6 +27,7 @@ provably non-negative refuses to render (ValueError) instead of rendering someth
 from __future__ import annotations
 
 import math
+import operator
 from functools import reduce
 
 
@@ -448,65 +449,56 @@ def _factor_out(e: Expr, k: int):
     return None
 
 
-class FloorDiv(Expr):
+class _Division(Expr):
+    """num // den or num % den (den >= 1), floor semantics; `cpp` is the C++ operator, which
+    truncates: it renders only for a dividend provably >= 0."""
     __slots__ = ("num", "den")
+    cpp = ""
 
     def __init__(self, num: Expr, den: Expr):
         self.num, self.den = num, den
 
     def _make_key(self):
-        return ("floordiv", self.num.key, self.den.key)
+        return (self.cpp, self.num.key, self.den.key)
+
+    def free_vars(self):
+        return self.num.free_vars() | self.den.free_vars()
+
+    def subs(self, values):
+        return self.build(self.num.subs(values), self.den.subs(values))
+
+    def evaluate(self, values):
+        return self.apply(self.num.evaluate(values), self.den.evaluate(values))
+
+    def render(self):
+        if not proves_nonnegative(self.num):
+            raise ValueError(f"C++ {self.cpp} truncates: {self.num!r} may be negative, where it differs "
+                             "from floor division")
+        return f"{_operand(self.num)} {self.cpp} {_operand(self.den)}"
+
+
+class FloorDiv(_Division):
+    __slots__ = ()
+    cpp = "/"
+    apply = staticmethod(operator.floordiv)
+    build = staticmethod(lambda a, b: floordiv(a, b))
 
     def bounds(self):
         (a, b), (c, d) = self.num.bounds(), self.den.bounds()   # c >= 1
         corners = [x // y for x in (a, b) for y in (c, d)]
         return min(corners), max(corners)
 
-    def free_vars(self):
-        return self.num.free_vars() | self.den.free_vars()
 
-    def subs(self, values):
-        return floordiv(self.num.subs(values), self.den.subs(values))
-
-    def evaluate(self, values):
-        return self.num.evaluate(values) // self.den.evaluate(values)
-
-    def render(self):
-        _require_nonnegative(self.num, "/")
-        return f"{_operand(self.num)} / {_operand(self.den)}"
-
-
-class Mod(Expr):
-    __slots__ = ("num", "den")
-
-    def __init__(self, num: Expr, den: Expr):
-        self.num, self.den = num, den
-
-    def _make_key(self):
-        return ("mod", self.num.key, self.den.key)
+class Mod(_Division):
+    __slots__ = ()
+    cpp = "%"
+    apply = staticmethod(operator.mod)
+    build = staticmethod(lambda a, b: mod(a, b))
 
     def bounds(self):
         lo, hi = self.num.bounds()
         top = self.den.bounds()[1] - 1
         return (0, min(hi, top)) if lo >= 0 else (0, top)
-
-    def free_vars(self):
-        return self.num.free_vars() | self.den.free_vars()
-
-    def subs(self, values):
-        return mod(self.num.subs(values), self.den.subs(values))
-
-    def evaluate(self, values):
-        return self.num.evaluate(values) % self.den.evaluate(values)
-
-    def render(self):
-        _require_nonnegative(self.num, "%")
-        return f"{_operand(self.num)} % {_operand(self.den)}"
-
-
-def _require_nonnegative(num: Expr, op: str):
-    if not proves_nonnegative(num):
-        raise ValueError(f"C++ {op} truncates: {num!r} may be negative, where it differs from floor division")
 
 
 def floordiv(a, b) -> Expr:
@@ -558,20 +550,31 @@ def mod(a, b) -> Expr:
 # min / max
 
 class _MinMax(Expr):
+    """The smaller (Min) or larger (Max) of two expressions; `pick` is Python's min or max."""
     __slots__ = ("args",)
-    op = ""
+    pick = None
 
     def __init__(self, args):
         self.args = tuple(sorted(args, key=_sort_key))
 
     def _make_key(self):
-        return (self.op, tuple(a.key for a in self.args))
+        return (self.pick.__name__, tuple(a.key for a in self.args))
+
+    def bounds(self):
+        (a, b), (c, d) = (x.bounds() for x in self.args)
+        return self.pick(a, c), self.pick(b, d)
 
     def free_vars(self):
         return frozenset().union(*(a.free_vars() for a in self.args))
 
+    def subs(self, values):
+        return _ordered(self.pick, *(a.subs(values) for a in self.args))
+
+    def evaluate(self, values):
+        return self.pick(a.evaluate(values) for a in self.args)
+
     def render(self):
-        return f"std::{self.op}<int64_t>({', '.join(a.render() for a in self.args)})"
+        return f"std::{self.pick.__name__}<int64_t>({', '.join(a.render() for a in self.args)})"
 
     @property
     def is_atom(self):
@@ -580,50 +583,30 @@ class _MinMax(Expr):
 
 class Min(_MinMax):
     __slots__ = ()
-    op = "min"
-
-    def bounds(self):
-        (a, b), (c, d) = (x.bounds() for x in self.args)
-        return min(a, c), min(b, d)
-
-    def subs(self, values):
-        return minimum(*(a.subs(values) for a in self.args))
-
-    def evaluate(self, values):
-        return min(a.evaluate(values) for a in self.args)
+    pick = staticmethod(min)
 
 
 class Max(_MinMax):
     __slots__ = ()
-    op = "max"
+    pick = staticmethod(max)
 
-    def bounds(self):
-        (a, b), (c, d) = (x.bounds() for x in self.args)
-        return max(a, c), max(b, d)
 
-    def subs(self, values):
-        return maximum(*(a.subs(values) for a in self.args))
-
-    def evaluate(self, values):
-        return max(a.evaluate(values) for a in self.args)
+def _ordered(pick, a, b) -> Expr:
+    """pick(a, b) (Python's min or max): one side when the bounds order them, else Min/Max."""
+    a, b = as_expr(a), as_expr(b)
+    if proves_nonnegative(b - a):      # a <= b
+        return a if pick is min else b
+    if proves_nonnegative(a - b):
+        return b if pick is min else a
+    return (Min if pick is min else Max)((a, b))
 
 
 def minimum(a, b) -> Expr:
-    a, b = as_expr(a), as_expr(b)
-    if proves_nonnegative(b - a):
-        return a
-    if proves_nonnegative(a - b):
-        return b
-    return Min((a, b))
+    return _ordered(min, a, b)
 
 
 def maximum(a, b) -> Expr:
-    a, b = as_expr(a), as_expr(b)
-    if proves_nonnegative(a - b):
-        return a
-    if proves_nonnegative(b - a):
-        return b
-    return Max((a, b))
+    return _ordered(max, a, b)
 
 
 def render(value) -> str:
