@@ -42,23 +42,27 @@ HEADERS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "cpp").glob("*.
 CXX_FLAGS = ["-O2", "-std=c++17", "-Wno-c++20-extensions", "-fopenmp"]
 LINK_FLAGS = ["-fopenmp"]
 
-# Generated engine code includes this header; installed copies find it at blade/include/.
-ABI_HEADER = "cpp/blade_abi.h"
-ABI_HEADER_INSTALLED = "blade/include/blade_abi.h"
+# Generated engine code includes these headers (blade/engine/compiler.py ENGINE_HEADERS);
+# installed copies find them at blade/include/.
+ENGINE_HEADERS = ["cpp/blade_abi.h", "cpp/engine_prelude.h"]
+INSTALLED_INCLUDE_DIR = "blade/include"
 
 
-class BuildPyWithAbiHeader(build_py):
-    """build_py that also ships cpp/blade_abi.h as blade/include/blade_abi.h (editable checkouts
-    read it from cpp/ directly)."""
+class BuildPyWithEngineHeaders(build_py):
+    """build_py that also ships the ENGINE_HEADERS under blade/include/ (editable checkouts read
+    them from cpp/ directly)."""
+
+    def _installed(self) -> list:
+        return [os.path.join(self.build_lib, INSTALLED_INCLUDE_DIR, Path(h).name) for h in ENGINE_HEADERS]
 
     def run(self):
         super().run()
-        target = Path(self.build_lib) / ABI_HEADER_INSTALLED
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / ABI_HEADER, target)
+        for header, target in zip(ENGINE_HEADERS, self._installed()):
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / header, target)
 
     def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, ABI_HEADER_INSTALLED)]
+        return super().get_outputs(include_bytecode) + self._installed()
 
 
 setup(
@@ -79,6 +83,6 @@ setup(
             libraries=RUNTIME_LIBRARIES,
         )
     ],
-    cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithAbiHeader},
+    cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithEngineHeaders},
     zip_safe=False,
 )

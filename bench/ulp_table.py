@@ -4,7 +4,7 @@
     python bench/ulp_table.py --stride 1      # all 2^32 inputs (a minute or more per function)
     python bench/ulp_table.py --only log,sin  # some functions
 
-It compiles one C++ program holding the prelude exactly as engines get it (codegen.HEADER) and
+It compiles one C++ program that includes the prelude exactly as engines do (render.HEADER) and
 prints a markdown table: the largest error in float32 ulps of the correctly rounded result (over
 inputs whose result is a normal float), the input where it occurs, how many inputs got a different
 NaN / infinity / sign of zero than libm, and the largest absolute error where the result is below
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from blade.engine import codegen, compiler  # noqa: E402  (torch-free)
+from blade.engine import compiler, render  # noqa: E402  (torch-free)
 
 # name -> (the prelude's float32 expression of x, the double reference expression of xd)
 UNARY = {
@@ -154,7 +154,7 @@ def program(names) -> str:
             expr, ref = BINARY[name]
             functions.append(BINARY_TEMPLATE.replace("@NAME@", name).replace("@EXPR@", expr).replace("@REF@", ref))
             calls.append(f"  sweep_{name}(pairs); std::fflush(stdout);")
-    return codegen.HEADER + HARNESS.replace("@FUNCTIONS@", "\n".join(functions)).replace("@CALLS@", "\n".join(calls))
+    return render.HEADER + HARNESS.replace("@FUNCTIONS@", "\n".join(functions)).replace("@CALLS@", "\n".join(calls))
 
 
 def main(argv=None):
@@ -170,7 +170,7 @@ def main(argv=None):
         source.write_text(program(names))
         flags = [f for f in compiler.BASE_FLAGS if f not in ("-fPIC", "-shared")]
         subprocess.run([options["cxx"], options["opt_level"], f"-march={options['isa']}", *flags,
-                        f"-I{compiler.abi_header_dir()}", str(source), "-o", str(binary)], check=True)
+                        f"-I{compiler.include_dir()}", str(source), "-o", str(binary)], check=True)
         print(f"float32 inputs: every {args.stride}. bit pattern; pow: {args.pairs} pairs; ISA {options['isa']}\n")
         print("| function | max ulp | at input | NaN/inf/zero-sign mismatches | max abs err, result < FLT_MIN | inputs |")
         print("|---|---|---|---|---|---|", flush=True)

@@ -2,8 +2,10 @@
 
     subgraph.txt / subgraph.pt   the cluster's TorchScript subgraph (text; loadable module)
     cluster_<k>.onnx             the backend contract (written by the pipeline)
-    engine.cpp, compile_command.txt, compile.log, engine.so, manifest.json   (the compiler; on a
-                                 cache hit copied from the cache entry / rebuilt from the manifest)
+    plan.txt, engine.cpp, compile_command.txt, compile.log, engine.so, manifest.json   (the compiler;
+                                 on a cache hit copied from the cache entry / rebuilt from the
+                                 manifest). plan.txt: what the engine compiler's plan stage decided
+                                 per IR node (stored or inline, layout, conv epilogues)
     reproduce.sh                 one line that reruns this cluster's compile by hand
 """
 from __future__ import annotations
@@ -42,8 +44,9 @@ def write_compile_artifacts(cluster_dir: Path, result, compile_options: dict) ->
 
 def _from_cache_entry(cluster_dir: Path, entry: Path, manifest) -> None:
     """A cache hit brings engine.so and manifest.json; add the rest the dump promises."""
-    if (entry / "engine.cpp").is_file() and not (cluster_dir / "engine.cpp").is_file():
-        shutil.copyfile(entry / "engine.cpp", cluster_dir / "engine.cpp")
+    for name in ("plan.txt", "engine.cpp"):
+        if (entry / name).is_file() and not (cluster_dir / name).is_file():
+            shutil.copyfile(entry / name, cluster_dir / name)
     if manifest is not None:
         (cluster_dir / "compile_command.txt").write_text(" ".join(manifest.compile_command) + "\n")
     (cluster_dir / "compile.log").write_text(

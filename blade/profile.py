@@ -19,7 +19,7 @@ import torch
 from blade.config import Config
 from blade.debug import CapturingBackend
 
-# What a kernel is, by the comment the code generator gives it (blade/engine/codegen.py).
+# What a kernel is, by the comment the code generator gives it (blade/engine/loops.py, calls.py).
 CATEGORIES = (("= matmul", "GEMM"), ("= conv", "convolution"), ("contiguous copy", "copy"), ("", "loops"))
 
 

@@ -1,10 +1,10 @@
 """Content-addressed on-disk cache of compiled engines (torch-free).
 
 Key = sha256(ONNX bytes, resolved options, compiler path and --version, ABI version, ISA, source of
-blade/engine/*.py and the ABI header). An entry ``<cache_dir>/<key[:2]>/<key>/`` holds engine.so,
-manifest.json and checksums.json (sha256 of the other two). It is built in a temp dir beside it and
-published with one ``os.replace``, so readers see a whole entry or none; losing that race to another
-process is success.
+blade/engine/*.py and of the headers engines include: the ABI and the C++ prelude). An entry
+``<cache_dir>/<key[:2]>/<key>/`` holds engine.so, manifest.json and checksums.json (sha256 of the
+other two). It is built in a temp dir beside it and published with one ``os.replace``, so readers
+see a whole entry or none; losing that race to another process is success.
 
 Reading (``fetch``) verifies the checksums and copies the entry into the job's own work dir, so a
 concurrent eviction or repair can never pull a file from under a reader. An entry that fails its
@@ -37,7 +37,7 @@ from . import compiler
 from .manifest import Manifest
 
 ENTRY_FILES = ("engine.so", "manifest.json")
-KEPT_FILES = ENTRY_FILES + ("engine.cpp",)
+KEPT_FILES = ENTRY_FILES + ("engine.cpp", "plan.txt")   # for dumps of cache hits
 CHECKSUMS = "checksums.json"        # written last into the temp dir; its mtime is the last use
 TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 3600.0                # temp dirs older than this belong to a crashed writer
@@ -49,7 +49,8 @@ ENGINE_DIR = Path(__file__).resolve().parent
 @functools.lru_cache(maxsize=None)
 def source_digest() -> str:
     h = hashlib.sha256()
-    for path in sorted(ENGINE_DIR.glob("*.py")) + [compiler.abi_header_dir() / "blade_abi.h"]:
+    headers = [compiler.include_dir() / name for name in compiler.ENGINE_HEADERS]
+    for path in sorted(ENGINE_DIR.glob("*.py")) + headers:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 

@@ -1,4 +1,5 @@
-"""compile_onnx: one ONNX cluster -> engine.cpp -> g++ -> engine.so + manifest.json (torch-free).
+"""compile_onnx: one ONNX cluster -> IR -> plan -> engine.cpp -> g++ -> engine.so + manifest.json
+(torch-free).
 
 The pipeline is data (``STAGES``): each stage's output can be dumped next to the artifacts, and
 every failure carries the command that reproduces it.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import codegen, ir
+from . import codegen, ir, plan
 from .ir import UnsupportedOnnxOp  # noqa: F401  (re-exported: the error users catch)
 from .manifest import Manifest
 
@@ -49,18 +50,24 @@ def resolve_options(options: dict | None) -> dict:
     return merged
 
 
-def abi_header_dir() -> Path:
-    """The directory holding blade_abi.h: a packaged copy (blade/include) or the repo's cpp/."""
+# The headers generated engines include: the engine <-> runtime ABI and the C++ prelude.
+ENGINE_HEADERS = ("blade_abi.h", "engine_prelude.h")
+
+
+def include_dir() -> Path:
+    """The directory holding ENGINE_HEADERS: a packaged copy (blade/include) or the repo's cpp/."""
     package = Path(__file__).resolve().parent.parent
-    for candidate in (package / "include", package.parent / "cpp"):
-        if (candidate / "blade_abi.h").is_file():
+    candidates = (package / "include", package.parent / "cpp")
+    for candidate in candidates:
+        if all((candidate / name).is_file() for name in ENGINE_HEADERS):
             return candidate
-    raise FileNotFoundError(f"blade_abi.h not found in {package / 'include'} or {package.parent / 'cpp'}")
+    raise FileNotFoundError(f"{' and '.join(ENGINE_HEADERS)} not found together in "
+                            f"{' or '.join(map(str, candidates))}")
 
 
 @functools.lru_cache(maxsize=None)
 def abi_version() -> int:
-    text = (abi_header_dir() / "blade_abi.h").read_text()
+    text = (include_dir() / "blade_abi.h").read_text()
     return int(re.search(r"#define\s+BLADE_ABI_VERSION\s+(\d+)", text).group(1))
 
 
@@ -99,7 +106,7 @@ def compiler_version(cxx: str) -> str:
 
 def compile_command(options: dict, source: Path, target: Path) -> list[str]:
     return [options["cxx"], options["opt_level"], f"-march={options['isa']}", *BASE_FLAGS,
-            f"-I{abi_header_dir()}", str(source), "-o", str(target), *options["extra_flags"]]
+            f"-I{include_dir()}", str(source), "-o", str(target), *options["extra_flags"]]
 
 
 def load_constants(onnx_path_or_model, manifest: Manifest) -> list[np.ndarray]:
@@ -114,17 +121,19 @@ def load_constants(onnx_path_or_model, manifest: Manifest) -> list[np.ndarray]:
     return out
 
 
-# The pipeline as data: name -> (function of the previous stage's output, dump file or None).
+# The pipeline as data: name -> (function of the previous stage's output, (dump file, its text
+# from the stage's output) or None).
 STAGES = {
     "onnx": (ir.load_model, None),
     "ir": (ir.lower_onnx, None),
-    "cpp": (codegen.generate, "engine.cpp"),
+    "plan": (plan.make_plan, ("plan.txt", plan.Plan.describe)),
+    "cpp": (codegen.generate, ("engine.cpp", lambda program: program.source)),
 }
 
 
 def compile_onnx(onnx_path, out_dir, options: dict | None = None) -> Manifest:
-    """Compiles one cluster; writes engine.cpp, compile_command.txt, compile.log, engine.so and
-    manifest.json into out_dir and returns the manifest."""
+    """Compiles one cluster; writes plan.txt, engine.cpp, compile_command.txt, compile.log,
+    engine.so and manifest.json into out_dir and returns the manifest."""
     options = resolve_options(options)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +141,8 @@ def compile_onnx(onnx_path, out_dir, options: dict | None = None) -> Manifest:
     for name, (stage, dump) in STAGES.items():
         value = stage(value)
         if dump:
-            (out_dir / dump).write_text(value.source)
+            filename, text = dump
+            (out_dir / filename).write_text(text(value))
     program = value
     version = compiler_version(options["cxx"])
     source, target, log = out_dir / "engine.cpp", out_dir / "engine.so", out_dir / "compile.log"

@@ -2,13 +2,16 @@
 
 A view never computes. On a value held in memory it is pure stride arithmetic (``VIEW_LAYOUT``);
 on a lazy value it rewrites the index expressions the consumer asks with (``VIEW_INDEX``). Index
-expressions are C++ strings over loop variables; the helpers fold constants so that the common
-cases stay readable (``i1``, ``2 * i0 + 1``, ``0``).
+expressions are symbolic (symbolic.Expr over loop variables with their bounds), simplified as they
+are built: a reshape's div/mod of the linear index folds away where the bounds allow it
+(``(64 * i0 + i1) / 16 % 4`` is ``i1 / 16``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from .symbolic import Const, Expr, add
 
 
 @dataclass(frozen=True)
@@ -26,34 +29,9 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-# ---- index expression helpers ----
-
-def _is_int(text: str) -> bool:
-    return text.lstrip("-").isdigit()
-
-
-def index_mul(coef: int, idx: str) -> str:
-    if coef == 0 or idx == "0":
-        return "0"
-    if _is_int(idx):
-        return str(coef * int(idx))
-    if coef == 1:
-        return idx
-    return f"{coef} * {idx}" if idx.isidentifier() else f"{coef} * ({idx})"
-
-
-def index_sum(terms, constant: int = 0) -> str:
-    """The sum of index terms (strings) and a constant, leaving out zeros."""
-    parts = [t for t in terms if t != "0"]
-    constant += sum(int(t) for t in parts if _is_int(t))
-    parts = [t for t in parts if not _is_int(t)]
-    if constant or not parts:
-        parts.append(str(constant))
-    return " + ".join(parts).replace("+ -", "- ")
-
-
-def linear_index(idx, strides, offset: int = 0) -> str:
-    return index_sum([index_mul(s, i) for s, i in zip(strides, idx)], offset)
+def linear_index(idx, strides, offset=0) -> Expr:
+    """offset + sum(idx[d] * strides[d]): the element of a strided layout at a multi-index."""
+    return add(offset, *(s * i for s, i in zip(strides, idx)))
 
 
 # ---- per-kind rules: index(node, out_idx) -> src_idx; layout(node, src_shape, Layout) -> Layout|None ----
@@ -71,7 +49,7 @@ def _permute_layout(node, src_shape, layout):
 
 def _expand_index(node, idx):
     src_shape = node.args[0].shape
-    return ["0" if n == 1 else i for n, i in zip(src_shape, idx)]
+    return [Const(0) if n == 1 else i for n, i in zip(src_shape, idx)]
 
 
 def _expand_layout(node, src_shape, layout):
@@ -79,8 +57,7 @@ def _expand_layout(node, src_shape, layout):
 
 
 def _slice_index(node, idx):
-    return [index_sum([index_mul(step, i)], start)
-            for i, start, step in zip(idx, node.attrs["starts"], node.attrs["steps"])]
+    return [step * i + start for i, start, step in zip(idx, node.attrs["starts"], node.attrs["steps"])]
 
 
 def _slice_layout(node, src_shape, layout):
@@ -98,13 +75,13 @@ def _reshape_index(node, idx):
     src_shape, shape = node.args[0].shape, node.shape
     if only_unit_dims_change(src_shape, shape):
         kept = iter(i for n, i in zip(shape, idx) if n != 1)
-        return ["0" if n == 1 else next(kept) for n in src_shape]
+        return [Const(0) if n == 1 else next(kept) for n in src_shape]
     # General case: through the row-major linear index (div/mod by constants).
     linear = linear_index(idx, contiguous_strides(shape))
     src = []
     for d, (n, stride) in enumerate(zip(src_shape, contiguous_strides(src_shape))):
-        term = linear if stride == 1 else f"({linear}) / {stride}"
-        src.append("0" if n == 1 else term if d == 0 else f"({term}) % {n}")
+        term = linear // stride
+        src.append(Const(0) if n == 1 else term if d == 0 else term % n)
     return src
 
 
@@ -149,7 +126,7 @@ def _window_index(node, idx):
     lead, steps = _window_split(node)
     spatial = len(steps)
     outs, taps = idx[lead:lead + spatial], idx[lead + spatial:]
-    return idx[:lead] + [index_sum([index_mul(s, o), index_mul(d, k)]) for (s, d), o, k in zip(steps, outs, taps)]
+    return idx[:lead] + [s * o + d * k for (s, d), o, k in zip(steps, outs, taps)]
 
 
 def _window_layout(node, src_shape, layout):

@@ -199,11 +199,12 @@ def test_dump_dir_holds_every_artifact_even_on_cache_hits(tmp_path, monkeypatch)
         capture = compile_and_check(TwoClusters(), [X], min_engines=2, dump_dir=str(tmp_path / run), **SPLIT)
         for cluster in capture.report.clusters:
             files = set(os.listdir(tmp_path / run / cluster.name))
-            assert {f"{cluster.name}.onnx", "subgraph.txt", "subgraph.pt", "engine.cpp", "compile_command.txt",
-                    "compile.log", "engine.so", "manifest.json", "reproduce.sh"} <= files, files
+            assert {f"{cluster.name}.onnx", "subgraph.txt", "subgraph.pt", "plan.txt", "engine.cpp",
+                    "compile_command.txt", "compile.log", "engine.so", "manifest.json", "reproduce.sh"} <= files, files
     assert capture.report.clusters[0].cache_hit
     assert "g++" in (tmp_path / "again" / "cluster_0" / "compile_command.txt").read_text()
     assert "aten::relu" in (tmp_path / "again" / "cluster_0" / "subgraph.txt").read_text()
+    assert "stored (graph output)" in (tmp_path / "again" / "cluster_0" / "plan.txt").read_text()
     assert os.listdir(cwd) == []
 
 

@@ -1,7 +1,9 @@
 """Properties of the generated code itself: fusion, CSE, GEMM operand folding, arena reuse, tables."""
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,11 +11,11 @@ from onnx import helper
 
 from onnx_cases import graph_case, op_case
 from test_ops import CASES
-from blade.engine import codegen, compiler, ir
+from blade.engine import buffers, codegen, compiler, ir, optable, plan
 
 
 def source_of(case):
-    return codegen.generate(ir.lower_onnx(case.model))
+    return codegen.generate(plan.make_plan(ir.lower_onnx(case.model)))
 
 
 def kernels(program):
@@ -81,10 +83,10 @@ def test_arena_reuses_dead_buffers():
 
 
 def test_plan_arena_keeps_overlapping_lifetimes_apart():
-    bufs = [codegen.Buffer("scratch", i, "float32", n) for i, n in enumerate([100, 50, 100])]
+    bufs = [buffers.Buffer("scratch", i, "float32", n) for i, n in enumerate([100, 50, 100])]
     for buf, (first, last) in zip(bufs, [(0, 1), (1, 2), (2, 3)]):
         buf.first, buf.last = first, last
-    size = codegen.plan_arena(bufs)
+    size = buffers.plan_arena(bufs)
     def span(b):
         return range(b.offset, b.offset + b.nbytes)
     for a, b in [(bufs[0], bufs[1]), (bufs[1], bufs[2])]:
@@ -94,17 +96,27 @@ def test_plan_arena_keeps_overlapping_lifetimes_apart():
 
 
 def test_generated_code_is_reentrant_and_self_contained():
-    src = source_of(CASES[0]).source
-    assert "static " not in src.replace("static_cast", "")
-    assert set(re.findall(r'#include [<"](.*)[>"]', src)) <= {"atomic", "cmath", "cstdint", "limits", "blade_abi.h",
-                                                               "chrono"}  # chrono: only with -DBLADE_PROFILE
+    prelude = (compiler.include_dir() / "engine_prelude.h").read_text()
+    for src in (source_of(CASES[0]).source, prelude):
+        assert "static " not in src.replace("static_cast", "")
+        assert set(re.findall(r'#include [<"](.*)[>"]', src)) <= {
+            "atomic", "cmath", "cstdint", "limits", "blade_abi.h", "engine_prelude.h",
+            "chrono"}  # chrono: only with -DBLADE_PROFILE
+
+
+def test_the_package_ships_every_header_engines_include():
+    """setup.py copies the headers into blade/include for installs (no cpp/ there)."""
+    tree = ast.parse((Path(compiler.__file__).parents[2] / "setup.py").read_text())
+    (shipped,) = [ast.literal_eval(n.value) for n in ast.walk(tree)
+                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ENGINE_HEADERS"]
+    assert [Path(h).name for h in shipped] == list(compiler.ENGINE_HEADERS)
 
 
 @pytest.mark.parametrize("value", [0.1, -1e-30, 3.4e38, 1e-45, 2.0 / 3.0, -0.0])
 def test_float_literals_are_exact(value):
-    text = codegen.literal(np.float32(value), "float32")
+    text = optable.literal(np.float32(value), "float32")
     assert np.float32(float(text.rstrip("f"))) == np.float32(value)
-    assert np.isnan(float("nan")) and "quiet_NaN" in codegen.literal(np.nan, "float32")
+    assert np.isnan(float("nan")) and "quiet_NaN" in optable.literal(np.nan, "float32")
 
 
 def test_unsupported_op_is_named():
@@ -133,3 +145,21 @@ def test_big_constants_are_passed_at_run_time_small_ones_inlined():
     small = op_case("Add", [(8,)], np.arange(8, dtype=np.float32), name="small")
     program = source_of(small)
     assert program.constants == [] and "constexpr float k" in program.source
+
+
+def test_the_plan_is_its_own_stage_and_reads_as_text():
+    (case,) = [c for c in CASES if c.name == "conv-residual-block-channels-last"]
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    text = planned.describe()
+    (conv2,) = [n for n in planned.epilogues if n.args[2:]]   # the conv with a bias, r2 = relu(c2 + x)
+    assert f"{conv2.name} = conv(" in text and "its epilogue writes" in text and "channels-last" in text
+    (sigmoid,) = [line for line in text.splitlines() if " = Sigmoid(" in line]
+    assert sigmoid.endswith("stored (graph output); written into output 0")
+    assert "inline (computed where it is read)" in text
+
+
+def test_a_conv_epilogue_never_reads_an_addend_written_later():
+    (case,) = [c for c in CASES if c.name == "conv-epilogue-addend-computed-later"]
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    assert planned.epilogues == {}
+    assert "then relu" not in source_of(case).source

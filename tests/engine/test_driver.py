@@ -173,6 +173,16 @@ def test_cache_key_covers_inputs(small_models):
     assert len(keys) == 4
 
 
+@pytest.mark.parametrize("header", compiler.ENGINE_HEADERS)
+def test_cache_key_covers_the_headers_engines_include(header, tmp_path, monkeypatch):
+    for name in compiler.ENGINE_HEADERS:
+        (tmp_path / name).write_bytes((compiler.include_dir() / name).read_bytes())
+    monkeypatch.setattr(compiler, "include_dir", lambda: tmp_path)
+    before = cache.source_digest.__wrapped__()
+    (tmp_path / header).write_text((tmp_path / header).read_text() + "\n// changed\n")
+    assert cache.source_digest.__wrapped__() != before
+
+
 def test_lost_race_is_success(tmp_path):
     work = tmp_path / "work"
     work.mkdir()

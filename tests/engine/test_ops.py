@@ -177,6 +177,14 @@ CASES = [
         {"x": ((1, 3, 21, 19), "float32")}, ["y"],
         {"w1": np.random.default_rng(9).standard_normal((16, 3, 7, 7)).astype(f32),
          "w2": np.random.default_rng(10).standard_normal((16, 16, 3, 3)).astype(f32)}, rtol=1e-4, atol=1e-4),
+    # A sum epilogue's addend that is a graph output computed after the convolution (ONNX node
+    # order): the convolution must not read it before its kernel ran, so the sum stays a loop.
+    graph_case("conv-epilogue-addend-computed-later", [
+        node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), node("Mul", ["x2", "two"], ["z"]),
+        node("Add", ["c", "z"], ["s"]), node("Relu", ["s"], ["y"])],
+        {"x": ((1, 8, 6, 6), "float32"), "x2": ((1, 8, 6, 6), "float32")}, ["y", "z"],
+        {"w": np.random.default_rng(15).standard_normal((8, 8, 3, 3)).astype(f32), "two": np.asarray(2.0, f32)},
+        rtol=1e-4, atol=1e-4),
     op_case("MaxPool", [(2, 3, 9, 8)], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
     op_case("MaxPool", [(1, 2, 7, 7)], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1, name="MaxPool-ceil"),
     op_case("MaxPool", [(1, 2, 8)], kernel_shape=[3], dilations=[2], name="MaxPool-1d-dilated"),

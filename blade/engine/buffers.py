@@ -1,0 +1,195 @@
+"""Memory of an engine: the buffers of IR nodes (inputs, outputs, constants, scratch), strided
+views of them, the dim orders buffers are stored in, and the scratch arena plan.
+
+A node has memory when it is a graph input, a constant, or materialized by the plan (plan.py);
+views of such a node are strided views of the same buffer (views.VIEW_LAYOUT). Scratch buffers get
+arena offsets after every kernel exists (``plan_arena``), from their live ranges in kernel numbers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import views
+from .ir import Graph, Node
+from .manifest import DTYPES
+from .symbolic import Expr
+from .views import Layout, contiguous_strides, linear_index
+
+INLINE_CONST_MAX = 64          # constants with at most this many elements are compiled into the code
+ALIGN = 64                     # arena offsets and stack rows are aligned to this (bytes)
+
+
+@dataclass(eq=False)
+class Buffer:
+    kind: str          # "input" | "output" | "const" | "inline" | "scratch"
+    index: int         # position in inputs / outputs / constants, or scratch number
+    dtype: str
+    numel: int
+    values: object = None          # inline constants: the numpy array
+    first: int = -1                # scratch live range, in kernel numbers
+    last: int = -1
+    offset: int = 0                # scratch arena offset (bytes), planned at the end
+    referenced: bool = False       # some kernel reads or writes it through a pointer
+
+    @property
+    def ident(self) -> str:
+        prefix = {"input": "in", "output": "out", "const": "c", "inline": "k", "scratch": "s"}[self.kind]
+        return f"{prefix}{self.index}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype][1]
+
+    @property
+    def element_ctype(self) -> str:
+        """The C++ type of its elements in memory. bool is stored as uint8_t (the same bytes):
+        g++ finds no vector type for loads of bool, so a loop that reads a bool mask (a causal
+        attention mask) would not vectorize at all."""
+        return "uint8_t" if self.dtype == "bool" else DTYPES[self.dtype][0]
+
+
+@dataclass
+class Strided:
+    buf: Buffer
+    shape: tuple
+    layout: Layout
+
+    @classmethod
+    def dense(cls, buf: Buffer, shape) -> "Strided":
+        return cls(buf, tuple(shape), Layout(0, contiguous_strides(shape)))
+
+    def address(self, idx) -> Expr:
+        return linear_index(idx, self.layout.strides, self.layout.offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dim orders: a buffer may hold its dims nested in another order than the logical one
+
+def channels_last_order(rank: int) -> tuple:
+    """The dims of [n, c, *spatial] in channels-last memory order (n, *spatial, c)."""
+    return (0, *range(2, rank), 1)
+
+
+CHANNELS_LAST = channels_last_order(4)   # NCHW dims in the memory order of NHWC
+
+
+def strides_in_order(shape, order) -> tuple:
+    """Strides of a tensor of `shape` stored densely with its dims nested as `order` (outermost first)."""
+    dense = contiguous_strides([shape[d] for d in order])
+    strides = [0] * len(shape)
+    for position, d in enumerate(order):
+        strides[d] = dense[position]
+    return tuple(strides)
+
+
+def same_strides(shape, a, b) -> bool:
+    """Whether strides a and b address the same elements of `shape` (size-1 dims never move)."""
+    return all(x == y for n, x, y in zip(shape, a, b) if n != 1)
+
+
+def permuted(s: Strided, order) -> Strided:
+    """s with its dims in `order`: the same elements, indexed in that order."""
+    return Strided(s.buf, tuple(s.shape[d] for d in order),
+                   Layout(s.layout.offset, tuple(s.layout.strides[d] for d in order)))
+
+
+def unpermuted(idx, order) -> list:
+    """Indices in the logical dim order from indices in `order` (the inverse of permuted)."""
+    logical = [None] * len(order)
+    for position, d in enumerate(order):
+        logical[d] = idx[position]
+    return logical
+
+
+def memory_order(s: Strided) -> tuple:
+    """s's dims from the largest stride to the smallest (the order of a loop nest that walks its
+    memory forward); size-1 dims keep their place."""
+    moving = sorted((d for d, n in enumerate(s.shape) if n != 1), key=lambda d: -s.layout.strides[d])
+    it = iter(moving)
+    return tuple(d if n == 1 else next(it) for d, n in enumerate(s.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# The buffers of one engine
+
+class Memory:
+    """Which buffer holds each node that has memory, created as kernels are emitted (scratch
+    numbers follow emission order), and the constants the engine needs."""
+
+    def __init__(self, graph: Graph):
+        self.buffers: dict[Node, Buffer] = {}
+        self.scratch: list[Buffer] = []
+        self.runtime_consts: list[tuple[str, Node]] = []   # passed at run time, in pointer order
+        self.inline_consts: list[Buffer] = []              # compiled into the code
+        self.strided_memo: dict = {}
+        for i, node in enumerate(graph.inputs):
+            self.buffers[node] = Buffer("input", i, node.dtype, node.numel)
+
+    def output(self, node: Node, k: int) -> None:
+        """node is stored straight into graph output k."""
+        self.buffers[node] = Buffer("output", k, node.dtype, node.numel)
+
+    def const_buffer(self, node: Node) -> Buffer:
+        if node not in self.buffers:
+            if node.numel <= INLINE_CONST_MAX or node.attrs.get("derived"):
+                buf = Buffer("inline", len(self.inline_consts), node.dtype, node.numel, node.attrs["value"])
+                self.inline_consts.append(buf)
+            else:
+                buf = Buffer("const", len(self.runtime_consts), node.dtype, node.numel)
+                self.runtime_consts.append((node.name, node))
+            self.buffers[node] = buf
+        return self.buffers[node]
+
+    def new_scratch(self, dtype: str, shape) -> Strided:
+        buf = Buffer("scratch", len(self.scratch), dtype, math.prod(shape))
+        self.scratch.append(buf)
+        return Strided.dense(buf, shape)
+
+    def strided_of(self, node: Node) -> Strided | None:
+        """node as a strided view of memory, when it has (or views) memory."""
+        if node in self.strided_memo:
+            return self.strided_memo[node]
+        result = None
+        if node.op == "const":
+            result = Strided.dense(self.const_buffer(node), node.shape)
+        elif node in self.buffers:
+            result = Strided.dense(self.buffers[node], node.shape)
+        elif node.op == "view":
+            src = self.strided_of(node.args[0])
+            layout = src and views.view_layout(node, src.layout)
+            result = layout and Strided(src.buf, node.shape, layout)
+        self.strided_memo[node] = result
+        return result
+
+    def destination(self, node: Node, order=None) -> Strided:
+        """Where a materialized node is written: its buffer (an output's, or new scratch), with its
+        dims nested as `order` when given (channels-last, a permuted matmul output)."""
+        if order is not None:
+            buf = self.new_scratch(node.dtype, node.shape).buf
+            self.buffers[node] = buf
+            self.strided_memo[node] = Strided(buf, node.shape, Layout(0, strides_in_order(node.shape, order)))
+            return self.strided_memo[node]
+        if node not in self.buffers:
+            self.buffers[node] = self.new_scratch(node.dtype, node.shape).buf
+        return Strided.dense(self.buffers[node], node.shape)
+
+
+def plan_arena(buffers) -> int:
+    """Arena offsets for scratch buffers: buffers whose live ranges overlap never share bytes.
+    Greedy, largest first, lowest fitting offset. Returns the arena size."""
+    placed = []
+    for buf in sorted(buffers, key=lambda b: -b.nbytes):
+        if buf.first < 0:
+            buf.first = buf.last = max(buf.last, 0)
+        size = -(-max(buf.nbytes, 1) // ALIGN) * ALIGN
+        conflicts = sorted((p.offset, p.offset + -(-max(p.nbytes, 1) // ALIGN) * ALIGN) for p in placed
+                           if p.first <= buf.last and buf.first <= p.last)
+        offset = 0
+        for start, end in conflicts:
+            if offset + size <= start:
+                break
+            offset = max(offset, end)
+        buf.offset = offset
+        placed.append(buf)
+    return max((b.offset + b.nbytes for b in placed), default=0)

@@ -1,0 +1,125 @@
+"""Call kernels: a matmul or a convolution is one call into the runtime (cpp/blade_abi.h).
+
+GEMM goes through rt->sgemm (MKL, packed weights) with the operands' strides folded into its
+transpose flags, leading dimensions and batch strides; an operand no stride pattern fits is copied
+to dense scratch first. A convolution goes through rt->conv (oneDNN), reading and writing NCHW or
+NHWC, with the plan's epilogue (a residual sum, a ReLU) as post-ops.
+"""
+from __future__ import annotations
+
+from .buffers import CHANNELS_LAST, Strided, same_strides, strides_in_order
+from .ir import Node
+from .lines import DECLS, for_loop, indent
+from .optable import literal
+from .symbolic import Var, add
+from .views import Layout, contiguous_strides
+
+CHANNELS_LAST_MIN_INPUT_CHANNELS = 8   # fewer (an RGB image): a channels-last conv still reads NCHW
+
+
+def _gemm_operand(em, node: Node):
+    """(Strided, trans, ld) for a matmul operand, copying it to scratch if its layout can't be used."""
+    s = em.memory.strided_of(node)
+    if s is not None:
+        rows, cols = s.shape[-2:]
+        rs, cs = s.layout.strides[-2:]
+        if (cols == 1 or cs == 1) and (rows == 1 or rs >= cols):
+            return s, 0, rs if rows > 1 else max(cols, 1)
+        if (rows == 1 or rs == 1) and (cols == 1 or cs >= rows):
+            return s, 1, cs if cols > 1 else max(rows, 1)
+    copy = em.memory.new_scratch(node.dtype, node.shape)
+    em.kernels.emit_loop(f"contiguous copy of {node!r} for GEMM", copy,
+                         lambda scope, idx: em.values.value(node, idx, scope))
+    return copy, 0, max(node.shape[-1], 1)
+
+
+def emit_matmul(em, node, dest):
+    a_node, b_node = node.args
+    m, n = node.shape[-2:]
+    k = a_node.shape[-1]
+    if node.numel == 0:
+        return
+    if k == 0:  # an empty sum
+        em.kernels.emit_loop(f"{node!r} = matmul with k == 0", dest, lambda scope, idx: literal(0, node.dtype))
+        return
+    (a, ta, lda), (b, tb, ldb) = _gemm_operand(em, a_node), _gemm_operand(em, b_node)
+    # C rows may be strided (a permuted output, plan._permuted_matmul_output); columns are dense.
+    assert dest.layout.strides[-1] == 1 or n == 1, "matmul output columns must be dense"
+    ldc = dest.layout.strides[-2] if m > 1 else n
+    kernel = em.kernels.begin_call(f"{node!r} = matmul {a_node!r} @ {b_node!r}")
+    names = [kernel.use(a.buf), kernel.use(b.buf), kernel.use(dest.buf, write=True)]
+    operands = (a, b, dest)
+    # Batch dims (size > 1): the innermost goes to sgemm's batch, the others become loops.
+    batch = [(size, [o.layout.strides[d] for o in operands])
+             for d, size in enumerate(node.shape[:-2]) if size != 1]
+    merged = []
+    for size, strides in batch:
+        if merged and all(so == s * size for so, s in zip(merged[-1][1], strides)):
+            merged[-1] = (merged[-1][0] * size, strides)
+        else:
+            merged.append((size, strides))
+    sgemm_batch, sgemm_strides = merged.pop() if merged else (1, [0, 0, 0])
+    loop_vars = [Var.loop(em.names.fresh("b"), size) for size, _ in merged]
+    ptrs = [f"{name} + {add(o.layout.offset, *(st[i] * v for v, (_, st) in zip(loop_vars, merged)))}"
+            for i, (name, o) in enumerate(zip(names, operands))]
+    call = [f"rt->sgemm({sgemm_batch}, {m}, {n}, {k}, {literal(node.attrs['alpha'], 'float32')}, "
+            f"{ptrs[0]}, {lda}, {sgemm_strides[0]}, {ta}, {ptrs[1]}, {ldb}, {sgemm_strides[1]}, {tb}, "
+            f"0.0f, {ptrs[2]}, {ldc}, {sgemm_strides[2]});"]
+    for var, (size, _) in reversed(list(zip(loop_vars, merged))):
+        call = for_loop(var, 0, size, call)
+    em.kernels.end_call(kernel, ["{", *indent([DECLS] + call), "}"])
+
+
+def _dense_operand(em, node: Node) -> Strided:
+    """node as dense row-major memory (copied to scratch if needed)."""
+    s = em.memory.strided_of(node)
+    if s is None or s.layout.strides != contiguous_strides(node.shape):
+        s = em.memory.new_scratch(node.dtype, node.shape)
+        em.kernels.emit_loop(f"contiguous copy of {node!r}", s, lambda scope, idx: em.values.value(node, idx, scope))
+    return s
+
+
+def _conv_input(em, node: Node, channels_last: bool) -> tuple:
+    """(Strided, is it channels-last) for a convolution's input: its memory when dense NCHW or
+    NHWC, else a copy (NHWC when the convolution writes NHWC and has enough channels for oneDNN
+    to prefer it; a 3-channel image stays NCHW)."""
+    s = em.memory.strided_of(node)
+    if s is not None:
+        if same_strides(node.shape, s.layout.strides, contiguous_strides(node.shape)):
+            return s, False
+        if node.rank == 4 and same_strides(node.shape, s.layout.strides, strides_in_order(node.shape, CHANNELS_LAST)):
+            return s, True
+    nhwc = channels_last and node.shape[1] >= CHANNELS_LAST_MIN_INPUT_CHANNELS
+    order = CHANNELS_LAST if nhwc else tuple(range(node.rank))
+    copy = Strided(em.memory.new_scratch(node.dtype, node.shape).buf, node.shape,
+                   Layout(0, strides_in_order(node.shape, order)))
+    em.kernels.emit_loop(f"{'channels-last' if nhwc else 'contiguous'} copy of {node!r} for conv", copy,
+                         lambda scope, idx: em.values.value(node, idx, scope))
+    return copy, nhwc
+
+
+def emit_conv(em, node, dest):
+    """dest = conv(node's args) [+ addend] [then relu], with the plan's epilogue (the runtime's)."""
+    if node.numel == 0:
+        return
+    epilogue = em.plan.epilogues.get(node)
+    addend = epilogue and epilogue.addend
+    relu = bool(epilogue and epilogue.relu)
+    out_nhwc = node.rank == 4 and not same_strides(node.shape, dest.layout.strides, contiguous_strides(node.shape))
+    (x, in_nhwc), *params = _conv_input(em, node.args[0], out_nhwc), *(_dense_operand(em, a) for a in node.args[1:])
+    described = (f" + {addend!r}" if addend is not None else "") + (" then relu" if relu else "")
+    kernel = em.kernels.begin_call(f"{node!r} = conv {' * '.join(map(repr, node.args))} "
+                                   f"stride {node.attrs['strides']} pads {node.attrs['pads']} "
+                                   f"dilation {node.attrs['dilations']} groups {node.attrs['groups']}{described}"
+                                   + (" (channels-last)" if out_nhwc else ""))
+    ptrs = [f"{kernel.use(o.buf)} + {o.layout.offset}" for o in (x, *params)]
+    addend_ptr = f"{kernel.use(em.memory.strided_of(addend).buf)} + 0" if addend is not None else "nullptr"
+    bias = ptrs[2] if len(ptrs) > 2 else "nullptr"
+    arrays = {"xs": node.args[0].shape, "ws": node.args[1].shape, "st": node.attrs["strides"],
+              "pd": node.attrs["pads"], "dl": node.attrs["dilations"]}
+    decls = [f"const int64_t {name}[] = {{{', '.join(map(str, values))}}};" for name, values in arrays.items()]
+    layout = " | ".join(["BLADE_CONV_INPUT_CHANNELS_LAST"] * in_nhwc + ["BLADE_CONV_OUTPUT_CHANNELS_LAST"] * out_nhwc)
+    call = (f"rt->conv({node.rank - 2}, xs, {ptrs[0]}, ws, {ptrs[1]}, {bias}, st, pd, dl, "
+            f"{node.attrs['groups']}, {kernel.use(dest.buf, write=True)} + {dest.layout.offset}, {layout or 0}, "
+            f"{addend_ptr}, {'BLADE_ACTIVATION_RELU' if relu else 'BLADE_ACTIVATION_NONE'});")
+    em.kernels.end_call(kernel, ["{", *indent([DECLS] + decls + [call]), "}"])

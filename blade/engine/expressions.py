@@ -1,0 +1,155 @@
+"""The C++ value of an IR node at a multi-index, inside a kernel's loop nest.
+
+``Values.value(node, idx, scope)`` returns an atom (a temp name or a literal), emitting the
+statements that compute it into ``scope``: a stored node (or a view of one) is a load through its
+strides (broadcast = stride 0); a lazy node is computed from its definition (``LAZY``), inlining
+its lazy producers (producer-consumer fusion): views only rewrite the index, elementwise ops go
+through the op table (optable.CODE_FOR_OP), gathers and pads compute a checked or clamped index.
+Every value becomes a ``const`` temp memoized per (node, index) -- that is CSE -- placed in the
+outermost scope that binds the variables its index uses (a per-row value is computed once per row).
+A reduction is an accumulator loop inside the consumer's body, so its input is fused in too.
+"""
+from __future__ import annotations
+
+from . import views
+from .buffers import Memory, Strided
+from .ir import Node
+from .lines import Access, Names, Scope, for_loop
+from .optable import CODE_FOR_OP, REDUCE, CType, literal
+from .symbolic import Const, Var, as_expr
+
+
+class Values:
+    def __init__(self, memory: Memory, names: Names):
+        self.memory, self.names = memory, names
+
+    def load(self, s: Strided, idx, scope: Scope):
+        """The Access of s[idx] (recorded in the scope's kernel), or the literal of a one-element
+        inline constant."""
+        if s.buf.kind == "inline" and s.buf.numel == 1:
+            return literal(s.buf.values.reshape(-1)[0], s.buf.dtype)
+        scope.kernel.accesses.append((s, idx, False))
+        scope.kernel.use(s.buf)
+        return Access(s.buf, s.address(idx))
+
+    def value(self, node: Node, idx, scope: Scope) -> str:
+        """The C++ expression (an atom) of node at multi-index idx (Exprs), emitting statements as needed."""
+        idx = tuple(as_expr(i) for i in idx)
+        key = (id(node), idx)
+        hit = scope.lookup(key)
+        if hit is not None:
+            return hit
+        home = scope.home_for(idx)
+        strided = self.memory.strided_of(node)
+        if strided is None:
+            return self.compute(node, idx, home, key)
+        text = self.load(strided, idx, scope)
+        if strided.buf.kind == "inline" and strided.buf.numel == 1:
+            return text
+        # Different views of one buffer can load the same element: memoize by the access too.
+        hit = scope.lookup(text)
+        if hit is None:
+            hit = home.define(CType(node.dtype), text, text)
+        home.memo[key] = hit
+        return hit
+
+    def compute(self, node: Node, idx, scope: Scope, key=None) -> str:
+        """The value of node from its definition (inlining lazy producers), ignoring its buffer."""
+        if node.op not in LAZY:
+            raise AssertionError(f"{node} should have been materialized")
+        return LAZY[node.op](self, node, tuple(idx), scope.home_for(idx), key)
+
+    def _view_value(self, node, idx, scope, key):
+        return self.value(node.args[0], views.view_index(node, idx), scope)
+
+    def _elementwise_value(self, node, idx, scope, key):
+        ctype = CType(node.dtype)
+        args = [self.value(a, idx, scope) for a in node.args]
+        return scope.define(ctype, CODE_FOR_OP[node.attrs["fn"]](ctype, *args), key)
+
+    def _gather_value(self, node, idx, scope, key):
+        data, indices = node.args
+        axis, n = node.attrs["axis"], data.shape[node.attrs["axis"]]
+        raw = self.value(indices, idx[axis:axis + indices.rank], scope)
+        pos = Var.loop(self.names.fresh("g"), max(n, 1))   # in range once the lines below ran
+        scope.lines += [
+            f"int64_t {pos} = static_cast<int64_t>({raw});",
+            f"if ({pos} < 0) {pos} += {n};",
+            # Out of range: flag the error and read a valid element instead of faulting.
+            f"if ({pos} < 0 || {pos} >= {max(n, 1)}) {{ status.store(BLADE_ERR_INDEX_OUT_OF_RANGE, "
+            f"std::memory_order_relaxed); {pos} = 0; }}",
+        ]
+        scope.binds.add(pos)
+        scope.mark_side_effects()
+        result = literal(0, node.dtype) if n == 0 else \
+            self.value(data, idx[:axis] + (pos,) + idx[axis + indices.rank:], scope)
+        if key is not None:
+            scope.memo[key] = result
+        return result
+
+    def _pad_value(self, node, idx, scope, key):
+        """x at idx - begin: out-of-range positions read the fill (constant) or a remapped element."""
+        (src,), mode = node.args, node.attrs["mode"]
+        src_idx, inside = [], []
+        for i, lo, n in zip(idx, node.attrs["begins"], src.shape):
+            if lo == 0 and n == node.shape[len(src_idx)]:
+                src_idx.append(i)
+                continue
+            shifted = i - lo
+            pos = Var(self.names.fresh("p"), *shifted.bounds())
+            clamped = Var.loop(f"{pos}c", max(n, 1))
+            remap = {"constant": f"({pos} >= 0 && {pos} < {n} ? {pos} : 0)",
+                     "edge": f"({pos} < 0 ? 0 : ({pos} >= {n} ? {n - 1} : {pos}))",
+                     "reflect": f"({pos} < 0 ? -{pos} : ({pos} >= {n} ? {2 * n - 2} - {pos} : {pos}))"}[mode]
+            scope.lines += [f"const int64_t {pos} = {shifted};", f"const int64_t {clamped} = {remap};"]
+            inside.append(f"{pos} >= 0 && {pos} < {n}")
+            scope.binds.update({pos, clamped})
+            src_idx.append(clamped)
+        value = self.value(src, src_idx, scope)
+        if mode != "constant" or not inside:
+            if key is not None:
+                scope.memo[key] = value
+            return value
+        fill = literal(node.attrs["value"], node.dtype)
+        return scope.define(CType(node.dtype), f"({' && '.join(inside)}) ? {value} : {fill}", key)
+
+    def reduction_value(self, node: Node, idx, scope: Scope) -> str:
+        """The accumulator loop of a reduce node for one output element (its input fused in)."""
+        (src,), kind = node.args, node.attrs["kind"]
+        rule, ctype = REDUCE[kind], CType(node.dtype)
+        acc = self.names.fresh("acc")
+        scope.lines.append(f"{ctype} {acc} = {rule.init(ctype)};")
+        axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
+        loop_vars = {a: Var.loop(self.names.fresh("r"), src.shape[a]) for a in axes}
+        chain = [scope]                        # chain[j + 1] is the body of the loop over axes[j]
+        for a in axes:
+            chain.append(chain[-1].child([loop_vars[a]]))
+        src_idx = [loop_vars.get(d, Const(0) if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
+        v = self.value(src, src_idx, chain[-1])
+        # Vectorize the innermost accumulation when reassociating it is harmless (float sums,
+        # float max/min with their NaN flag).
+        simd = rule.simd and ctype.is_float and not chain[-1].has_side_effects
+        clauses, after = f"reduction({rule.simd}:{acc})", []
+        if simd and rule.float_combine:
+            nan = self.names.fresh("nan")
+            scope.lines.append(f"int32_t {nan} = 0;")
+            chain[-1].lines += [f"{acc} = {rule.float_combine(acc, v)};", f"{nan} |= {v} != {v};"]
+            clauses += f" reduction(|:{nan})"
+            after = [f"if ({nan}) {acc} = std::numeric_limits<{ctype}>::quiet_NaN();"]
+        else:
+            chain[-1].lines.append(f"{acc} = {rule.combine(acc, v)};")
+        body = chain[-1].lines
+        for level in range(len(axes), 0, -1):
+            pragma = f"#pragma omp simd {clauses}" if simd and level == len(axes) else ""
+            body = chain[level - 1].lines + for_loop(loop_vars[axes[level - 1]], 0, src.shape[axes[level - 1]],
+                                                     body, pragma)
+        scope.lines[:] = body + after
+        return acc
+
+
+LAZY = {
+    "view": Values._view_value,
+    "ew": Values._elementwise_value,
+    "gather": Values._gather_value,
+    "pad": Values._pad_value,
+}

@@ -1,0 +1,287 @@
+"""Loop kernels: loop nests that compute a stored node element by element, fused into row groups.
+
+Kernels are emitted into numbered *blocks* (the unit of scratch liveness). A call kernel (GEMM,
+conv: calls.py) is one block. Loop kernels are fused into a RowGroup block while they share its
+rows (leading dims) and touch the memory the group writes only within the current row: one
+parallel loop runs every kernel of the group row by row, so what one kernel writes is still in L1
+when the next one reads it, and the thread pool is entered once instead of per kernel. Whether a
+kernel may join is decided from its recorded accesses (``row_local``); rendering the group
+(render.py) keeps scratch that lives only inside one row on each thread's stack (``stack_rows``).
+
+The rules at the end emit the loop kernels of elementwise, gather, pad, reduce and concat nodes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .buffers import Buffer, Strided, memory_order, permuted, unpermuted
+from .lines import Access, Names, Scope, declare, for_loop
+from .optable import REDUCE, CType, literal
+from .plan import stored_pad
+from .symbolic import Const, Expr, Var, add
+from .views import Layout
+
+
+@dataclass
+class Kernel:
+    number: int                                    # its block (kernels of a row group share one)
+    comment: str
+    uses: dict = field(default_factory=dict)       # Buffer -> written?
+    accesses: list = field(default_factory=list)   # (Strided, idx, written) of loop kernels
+    prologue: list = field(default_factory=list)   # loop kernels: lines before the row loop,
+    body: list = field(default_factory=list)       # and lines inside it
+    work: int = 0                                  # elements of work per row
+
+    def use(self, buf: Buffer, write: bool = False) -> str:
+        """Records that this kernel reads (or writes) buf through its pointer; returns the pointer's name."""
+        buf.referenced = True
+        self.uses[buf] = self.uses.get(buf, False) or write
+        if buf.kind == "scratch":
+            if write and buf.first < 0:
+                buf.first = self.number
+            buf.last = max(buf.last, self.number)
+        return buf.ident
+
+
+@dataclass
+class RowGroup:
+    """Loop kernels sharing one parallel loop over `rows` (leading dims of all their shapes)."""
+    number: int
+    rows: tuple
+    kernels: list = field(default_factory=list)
+    uses: dict = field(default_factory=dict)
+    written: set = field(default_factory=set)
+    work: int = 0
+
+    def add(self, kernel: Kernel):
+        self.kernels.append(kernel)
+        for buf, written in kernel.uses.items():
+            self.uses[buf] = self.uses.get(buf, False) or written
+            if written:
+                self.written.add(buf)
+        self.work += kernel.work
+
+
+def loop_vars(shape) -> list:
+    """The index of a loop nest over shape: i<d> over each dim, 0 for size-1 dims."""
+    return [Var.loop(f"i{d}", n) if n != 1 else Const(0) for d, n in enumerate(shape)]
+
+
+class Kernels:
+    """The blocks of one engine in order: (comment, lines) of call kernels, RowGroups of loop kernels."""
+
+    def __init__(self, names: Names):
+        self.names = names
+        self.blocks: list = []
+        self.group: RowGroup | None = None     # the open row group (its block is None until closed)
+
+    def begin_call(self, comment: str) -> Kernel:
+        """A call kernel: a block of its own (closes an open row group first)."""
+        self.close_group()
+        return Kernel(len(self.blocks), comment)
+
+    def end_call(self, kernel: Kernel, body_lines):
+        """body_lines: the kernel's lines, with DECLS where its buffer pointers get declared."""
+        self.blocks.append((kernel.comment, declare(body_lines, kernel.uses)))
+
+    def close_group(self):
+        """Ends the open row group; it is rendered once scratch liveness is known."""
+        if self.group is not None:
+            self.blocks[self.group.number] = self.group
+            self.group = None
+
+    def emit_loop(self, comment, dest: Strided, value_fn, work_per_element=1, rows=None, make=None):
+        """dest[idx] = value_fn(scope, idx) for every idx of dest.shape, parallel over its rows
+        (by default every dim but the innermost loop; `rows` overrides the number of leading dims),
+        fused into the open row group when that is safe. `make` replaces loop_kernel as the
+        builder of the kernel's loops (same arguments)."""
+        if math.prod(dest.shape) == 0:
+            return
+        order = memory_order(dest)
+        if rows is None and make is None and order != tuple(range(len(order))):
+            # the loops run along memory (over channels innermost for a channels-last buffer)
+            dest, value_fn = permuted(dest, order), _in_order(value_fn, order)
+        shape = dest.shape
+        make = make or self.loop_kernel
+        group = self.group
+        if group is not None and shape[:len(group.rows)] == group.rows:
+            attempt = make(comment, dest, value_fn, work_per_element, group)
+            if row_local(attempt, group):
+                group.add(attempt)
+                return
+        self.close_group()
+        loop_dims = [d for d, n in enumerate(shape) if n != 1]
+        if rows is None:
+            rows = loop_dims[-1] + (len(loop_dims) == 1) if loop_dims else len(shape)
+        self.group = RowGroup(len(self.blocks), tuple(shape[:rows]))
+        self.blocks.append(None)  # the group's slot, filled by close_group
+        self.group.add(make(comment, dest, value_fn, work_per_element, self.group))
+        if math.prod(self.group.rows) == 1:  # nothing to share a row loop with
+            self.close_group()
+
+    def loop_kernel(self, comment, dest: Strided, value_fn, work_per_element, group) -> Kernel:
+        """One loop kernel inside group's row loop: the loops over dest's dims past the rows."""
+        kernel = Kernel(group.number, comment)
+        shape, k = dest.shape, len(group.rows)
+        inner = [d for d in range(k, len(shape)) if shape[d] != 1]
+        idx = loop_vars(shape)
+        prologue = Scope(kernel, self.names)
+        chain = [prologue.child([idx[d] for d in range(k) if shape[d] != 1])]
+        for d in inner:
+            chain.append(chain[-1].child([idx[d]]))
+        kernel.use(dest.buf, write=True)
+        kernel.accesses.append((dest, idx, True))
+        target = Access(dest.buf, dest.address(idx))
+        chain[-1].lines.append((target, f" = {value_fn(chain[-1], idx)};"))
+        body = chain[-1].lines
+        for level in range(len(inner), 0, -1):
+            body = chain[level - 1].lines + for_loop(idx[inner[level - 1]], 0, shape[inner[level - 1]], body)
+        kernel.prologue, kernel.body = prologue.lines, body
+        kernel.work = math.prod(shape[k:]) * work_per_element
+        return kernel
+
+
+def _in_order(value_fn, order):
+    """value_fn taking indices in `order` (those of a permuted destination)."""
+    return lambda scope, idx: value_fn(scope, unpermuted(idx, order))
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-group legality: an access is row-local when it provably stays inside the current row
+
+def row_address(s: Strided, idx, rows) -> Expr | None:
+    """The address of s[idx] relative to the current row, when it provably lies inside that
+    row of s's buffer (row r spans elements [r * row_numel, (r + 1) * row_numel)); else None."""
+    row_vars = [(var, n) for var, n in zip(loop_vars(rows), rows) if n != 1]
+    row_numel, rem = divmod(s.buf.numel, math.prod(rows))
+    if not row_vars or rem:
+        return None  # no row loop: loads would be hoisted above the kernels that write them
+    want, step = {}, row_numel
+    for var, n in reversed(row_vars):
+        want[var], step = step, step * n
+    got, low, high, rest = dict.fromkeys(want, 0), s.layout.offset, s.layout.offset, []
+    for i, stride, n in zip(idx, s.layout.strides, s.shape):
+        if i in want:
+            got[i] += stride
+        elif i.free_vars() & want.keys():
+            return None   # a row variable inside an expression: not provably in the row
+        else:             # i ranges over [0, n)
+            low, high = low + min(0, stride * (n - 1)), high + max(0, stride * (n - 1))
+            rest.append(stride * i)
+    if got != want or low < 0 or high >= row_numel:
+        return None
+    return add(s.layout.offset, *rest)
+
+
+def row_local(kernel: Kernel, group: RowGroup) -> bool:
+    """Whether kernel, run row by row inside group, touches what the group writes only within
+    the current row and writes its own output row by row: then fusing it is safe."""
+    return all(row_address(s, idx, group.rows) is not None
+               for s, idx, written in kernel.accesses if written or s.buf in group.written)
+
+
+def stack_rows(group: RowGroup, budget: int) -> dict:
+    """Scratch buffers that live only inside group's row loop become one row on each thread's
+    stack (in L1) instead of a whole tensor in the arena: buffer -> {address: address in the row}
+    (every access rebased), within budget bytes per row."""
+    local = {}
+    for buf in sorted(group.written, key=lambda b: b.index):
+        if buf.kind != "scratch" or not buf.first == buf.last == group.number:
+            continue
+        accesses = [(s, idx) for k in group.kernels for s, idx, _ in k.accesses if s.buf is buf]
+        rows = [row_address(s, idx, group.rows) for s, idx in accesses]
+        row_bytes = buf.nbytes // math.prod(group.rows)
+        if None in rows or row_bytes > budget:
+            continue
+        budget -= row_bytes
+        local[buf] = {s.address(idx): row for (s, idx), row in zip(accesses, rows)}
+    return local
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop kernels of stored nodes (em: the codegen.Emitter: plan, memory, values, kernels)
+
+def emit_elementwise(em, node, dest):
+    em.kernels.emit_loop(f"{node!r} = {node.op} {node.attrs.get('fn', '')}", dest,
+                         lambda scope, idx: em.values.compute(node, idx, scope))
+
+
+def emit_pad(em, node, dest):
+    if not stored_pad(node):
+        emit_elementwise(em, node, dest)
+        return
+    (src,) = node.args
+    fill = literal(node.attrs["value"], node.dtype)
+    em.kernels.emit_loop(f"{node!r} = pad fill", dest, lambda scope, idx: fill)
+    offset = dest.layout.offset + sum(b * st for b, st in zip(node.attrs["begins"], dest.layout.strides))
+    interior = Strided(dest.buf, src.shape, Layout(offset, dest.layout.strides))
+    em.kernels.emit_loop(f"{node!r} = pad interior", interior, lambda scope, idx: em.values.value(src, idx, scope))
+
+
+def emit_reduce(em, node, dest):
+    src = node.args[0]
+    work = max(1, src.numel // max(node.numel, 1))
+    loop_dims = [d for d, n in enumerate(node.shape) if n != 1]
+    comment = f"{node!r} = reduce {node.attrs['kind']} over axes {node.attrs['axes']}"
+    if node in em.plan.window_form:
+        # A small window (pooling, a short axis) per output: accumulate into the output row with
+        # the window loops outside, so the innermost loop runs along an output dim (in memory
+        # order: channels for a channels-last output) and vectorizes; one reduction loop per
+        # output element would run 4-9 scalar steps each.
+        order = memory_order(dest)
+        dest = permuted(dest, order)
+        rows = [p for p, n in enumerate(dest.shape) if n != 1][-1]
+        em.kernels.emit_loop(comment + " (window form)", dest, None, work, rows=rows,
+                             make=lambda c, d, _, w, g: _window_reduce_kernel(em, node, c, d, w, g, order))
+        return
+    em.kernels.emit_loop(comment, dest, lambda scope, idx: em.values.reduction_value(node, idx, scope), work,
+                         rows=loop_dims[-1] + 1 if loop_dims else node.rank)
+
+
+def _window_reduce_kernel(em, node, comment, dest: Strided, work_per_element, group, order) -> Kernel:
+    """A reduce node's kernel inside group's row loop: dest's row is set to the initial value,
+    then for each window position (outer loops) combined with the input along the row. dest
+    is the output with its dims permuted into `order` (memory order)."""
+    (src,), rule, ctype = node.args, REDUCE[node.attrs["kind"]], CType(node.dtype)
+    names = em.kernels.names
+    kernel = Kernel(group.number, comment)
+    shape, k = dest.shape, len(group.rows)
+    inner = [p for p in range(k, len(shape)) if shape[p] != 1]
+    idx = loop_vars(shape)
+    logical = unpermuted(idx, order)
+    axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
+    window_vars = {a: Var.loop(names.fresh("r"), src.shape[a]) for a in axes}
+    kernel.use(dest.buf, write=True)
+    target = Access(dest.buf, dest.address(idx))
+    kernel.accesses.append((dest, idx, True))
+    init = [(target, f" = {rule.init(ctype)};")]
+    for p in reversed(inner):
+        init = for_loop(idx[p], 0, shape[p], init)
+    prologue = Scope(kernel, names)
+    loops = [(window_vars[a], src.shape[a]) for a in axes] + [(idx[p], shape[p]) for p in inner]
+    chain = [prologue.child([idx[p] for p in range(k) if shape[p] != 1])]
+    for var, _ in loops:
+        chain.append(chain[-1].child([var]))
+    src_idx = [window_vars.get(d, Const(0) if src.shape[d] == 1 else i) for d, i in enumerate(logical)]
+    v, acc = em.values.value(src, src_idx, chain[-1]), names.fresh("acc")
+    # The old value in a local: read inside the combine's ?: it would be a conditional load,
+    # which keeps g++ from vectorizing.
+    chain[-1].lines += [(f"const {ctype} {acc} = ", target, ";"), (target, f" = {rule.combine(acc, v)};")]
+    body = chain[-1].lines
+    for level in range(len(loops), 0, -1):
+        var, size = loops[level - 1]
+        body = chain[level - 1].lines + for_loop(var, 0, size, body)
+    kernel.prologue, kernel.body = prologue.lines, init + body
+    kernel.work = math.prod(shape[k:]) * work_per_element
+    return kernel
+
+
+def emit_concat(em, node, dest):
+    axis, start = node.attrs["axis"], 0
+    for arg in node.args:
+        part = Strided(dest.buf, arg.shape, Layout(dest.layout.offset + start * dest.layout.strides[axis],
+                                                   dest.layout.strides))
+        em.kernels.emit_loop(f"{node!r} = concat part {arg!r}", part,
+                             lambda scope, idx, arg=arg: em.values.value(arg, idx, scope))
+        start += arg.shape[axis]

@@ -1,0 +1,322 @@
+"""The plan stage: which IR nodes get memory, how it is laid out, and what fuses into what.
+
+Decided from the graph alone, before any code exists (compiler.STAGES dumps it as plan.txt):
+
+- *materialized* nodes get a buffer: graph outputs, reductions, matmuls, concats, convolutions,
+  operands the runtime reads from memory (GEMM/conv), values feeding a reshape that strides cannot
+  express, and values several consumers would otherwise recompute at a real cost. Every other node
+  is *inline*: computed inside the loops of each consumer (producer-consumer fusion);
+- the dim order of each stored buffer: row-major, channels-last (convolutions and the values between
+  them: oneDNN then reads and writes without reordering), or the order of the one permute that reads
+  a batched matmul (attention heads back to [seq, heads * dim], written by sgemm's strides);
+- convolution epilogues: relu(conv), conv + addend and relu(conv + addend) computed by the
+  convolution itself (oneDNN post-ops) when the sum's addend is stored before the convolution runs;
+- reductions in *window form* (small windows accumulated along the output row: pooling) and
+  constant pads stored as a fill plus a copy of the interior.
+
+What it leaves to code generation: loop kernels fuse into row groups (one parallel loop) by their
+actual memory accesses (loops.py), and row-local scratch moves to the stack (render.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from . import views
+from .buffers import CHANNELS_LAST, channels_last_order, same_strides, strides_in_order
+from .ir import Graph, Node
+from .optable import EXPENSIVE_OPS
+from .views import contiguous_strides
+
+COMPUTED = ("ew", "gather", "pad")       # computed per element: inlined into consumers or stored
+ALWAYS_MATERIALIZED = ("reduce", "matmul", "concat", "conv")
+DENSE_OPERANDS = ("matmul", "conv")      # ops whose arguments the runtime reads from memory
+RECOMPUTE_MAX_COST = 2                   # per-element cost above which a value read twice is stored
+WINDOW_REDUCE_MAX = 32         # reductions over at most this many elements per output ...
+WINDOW_REDUCE_MIN_ROW = 8      # ... with an innermost output dim this long use the window form
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """A convolution computes `target` = relu(conv), conv + addend or relu(conv + addend) itself."""
+    target: Node
+    addend: Node | None
+    relu: bool
+
+
+@dataclass
+class Plan:
+    graph: Graph
+    live: list                         # nodes the outputs depend on, in topological order
+    users: dict                        # node -> the live nodes reading it
+    materialized: dict                 # node -> why it is stored (every other computed node is inline)
+    outputs: dict                      # materialized node -> the graph output it is written into
+    orders: dict                       # stored node -> its dims' nesting when not row-major
+    epilogues: dict = field(default_factory=dict)   # conv node -> Epilogue
+    window_form: set = field(default_factory=set)   # reductions emitted in window form
+
+    @property
+    def fused(self) -> set:
+        """Nodes a convolution's epilogue computes (no kernel of their own)."""
+        return {e.target for e in self.epilogues.values()}
+
+    def describe(self) -> str:
+        """The plan as text, one line per live node: `name = op(args) shape dtype: decision`."""
+        inline = sum(1 for n in self.live if n.op in COMPUTED and n not in self.materialized)
+        lines = [f"# {len(self.live)} live nodes: {len(self.graph.inputs)} inputs, "
+                 f"{sum(1 for n in self.live if n.op == 'const')} constants, {len(self.materialized)} stored, "
+                 f"{inline} computed inline where they are read, "
+                 f"{sum(1 for n in self.live if n.op == 'view')} views"]
+        targets = {e.target: conv for conv, e in self.epilogues.items()}
+        for node in self.live:
+            what = {"ew": node.attrs.get("fn"), "view": f"{node.attrs.get('view')}",
+                    "reduce": f"reduce {node.attrs.get('kind')} over {node.attrs.get('axes')}"}.get(node.op, node.op)
+            if node.op == "view" and node.attrs["view"] == "permute":
+                what += f" {node.attrs['perm']}"
+            args = f"({', '.join(a.name for a in node.args)})" if node.args else ""
+            lines.append(f"{node.name} = {what}{args} {list(node.shape)} {node.dtype}: {self._decision(node, targets)}")
+        return "\n".join(lines) + "\n"
+
+    def _decision(self, node: Node, targets: dict) -> str:
+        if node.op in ("input", "const"):
+            return "graph input" if node.op == "input" else "constant"
+        if node not in self.materialized:
+            return "inline (computed where it is read)" if node.op != "view" else "view (index arithmetic only)"
+        parts = [f"stored ({self.materialized[node]})"]
+        if node in targets:
+            parts.append(f"computed by the epilogue of {targets[node].name}")
+        if node in self.epilogues:   # the convolution writes the target's buffer, it has none of its own
+            e = self.epilogues[node]
+            parts.append(f"its epilogue writes {e.target.name} = {'relu(' if e.relu else ''}conv"
+                         f"{f' + {e.addend.name}' if e.addend is not None else ''}{')' if e.relu else ''}")
+        elif node in self.outputs:
+            parts.append(f"written into output {self.outputs[node]}")
+        elif node in self.orders:
+            order = self.orders[node]
+            parts.append("channels-last" if node.rank >= 4 and order == channels_last_order(node.rank)
+                         else f"dims nested as {order}")
+        if node in self.window_form:
+            parts.append("window form")
+        if stored_pad(node):
+            parts.append("a fill, then the interior")
+        return "; ".join(parts)
+
+
+def stored_pad(node: Node) -> bool:
+    """Constant padding that only grows is stored (a fill, then a plain copy of the interior):
+    read inline, every element pays a bounds check whose clamped index g++ cannot vectorize,
+    and pooling windows read each element several times."""
+    return (node.op == "pad" and node.attrs["mode"] == "constant" and min(node.attrs["begins"]) >= 0
+            and all(o >= i + b for o, i, b in zip(node.shape, node.args[0].shape, node.attrs["begins"])))
+
+
+def window_form(node: Node) -> bool:
+    """Whether a reduce node is emitted in window form (a small window per output, along a long
+    enough output row: loops.emit_reduce)."""
+    src, dims = node.args[0], [n for n in node.shape if n != 1]
+    window = math.prod(src.shape[a] for a in node.attrs["axes"])
+    return bool(dims) and window <= WINDOW_REDUCE_MAX and max(dims) >= WINDOW_REDUCE_MIN_ROW
+
+
+def make_plan(graph: Graph) -> Plan:
+    live = _live_nodes(graph)
+    users = {}
+    for node in live:
+        for arg in node.args:
+            users.setdefault(arg, []).append(node)
+    materialized = _materialized(graph, live)
+    outputs = {}
+    for k, (_, node) in enumerate(graph.outputs):
+        if node in materialized and node not in outputs:
+            outputs[node] = k
+    result = Plan(graph, live, users, materialized, outputs, orders={},
+                  window_form={n for n in live if n.op == "reduce" and window_form(n)})
+    channels_last = _channels_last(result)
+    for node in live:
+        if node in materialized and node not in outputs:
+            order = _permuted_matmul_output(node, users.get(node, []))
+            if order is None and node in channels_last:
+                order = channels_last_order(node.rank)
+            if order is not None:
+                result.orders[node] = order
+    _plan_epilogues(result, channels_last)
+    return result
+
+
+def _live_nodes(graph: Graph) -> list:
+    live, stack = set(), [node for _, node in graph.outputs]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.args)
+    return [n for n in graph.nodes if n in live]
+
+
+def _cost(node, stored, memo):
+    """Per-element cost of computing node inline, down to stored values."""
+    if node.op not in COMPUTED + ("view",) or node in stored:
+        return 0
+    if node not in memo:
+        own = EXPENSIVE_OPS.get(node.attrs.get("fn"), 1) if node.op != "view" else 0
+        memo[node] = own + sum(_cost(a, stored, memo) for a in node.args)
+    return memo[node]
+
+
+def _materialized(graph: Graph, live: list) -> dict:
+    """node -> why it gets memory."""
+    outputs = {node for _, node in graph.outputs}
+    # reads[n]: how many times each element of n is read by the rest of the graph, looking
+    # through views (a view is read-through; an expand multiplies reads).
+    reads = {n: 0 for n in live}
+    for node in outputs:
+        reads[node] += 1
+    must_store = {}
+    for node in reversed(live):
+        for arg in node.args:
+            if node.op == "view":
+                grows = node.attrs["view"] == "expand" and node.numel > arg.numel
+                reads[arg] += max(reads[node], 2) if grows and reads[node] else reads[node]
+                if node.attrs["view"] == "reshape" and not views.only_unit_dims_change(arg.shape, node.shape):
+                    must_store.setdefault(arg, "feeds a reshape strides cannot express")
+            else:
+                reads[arg] += 1
+            if node.op in DENSE_OPERANDS:
+                must_store.setdefault(arg, f"read from memory by {node.op}")
+    chosen, cost_memo = {}, {}
+    for node in live:
+        if node.op in ALWAYS_MATERIALIZED:
+            chosen[node] = f"always: {node.op}"
+        elif stored_pad(node):
+            chosen[node] = "constant pad that grows"
+        elif node.op in COMPUTED:
+            if node in outputs:
+                chosen[node] = "graph output"
+            elif node in must_store:
+                chosen[node] = must_store[node]
+            elif reads[node] > 1 and _cost(node, chosen, cost_memo) > RECOMPUTE_MAX_COST:
+                chosen[node] = f"read {reads[node]} times per element, cost {_cost(node, chosen, cost_memo)} each"
+    # A stored view (reshape/matmul operand) means its compute source is stored instead.
+    for node, why in must_store.items():
+        viewed = node
+        while node.op == "view":
+            node = node.args[0]
+        if node.op in COMPUTED and node not in chosen:
+            chosen[node] = why if node is viewed else f"viewed by {viewed!r}, which is {why}"
+    return chosen
+
+
+def _permuted_matmul_output(node: Node, users: list):
+    """A batched matmul read only through one permute (attention heads back to [seq, heads *
+    dim]) is written straight in the permuted order (sgemm's ldc and batch stride), so the
+    permute is dense and the reshape after it needs no copy: the permute's order, or None."""
+    if node.op != "matmul" or len(users) != 1 or node.rank < 3:
+        return None
+    (user,) = users
+    if user.op != "view" or user.attrs["view"] != "permute" or user.attrs["perm"][-1] != node.rank - 1:
+        return None
+    return tuple(user.attrs["perm"])
+
+
+def _channels_last(p: Plan) -> set:
+    """Nodes stored channels-last (channels innermost): 2-D convolutions, and the values stored
+    between them (activations, residual sums, padded inputs and window reductions of pooling).
+    oneDNN then reads and writes without reordering (measured 7-30% faster per ResNet-18
+    convolution than NCHW with a copy), and the loops between convolutions run over channels
+    innermost instead of transposing. Graph outputs stay dense NCHW."""
+    chosen = set()
+    for node in p.live:
+        if node in p.outputs or node not in p.materialized or node.rank < 4:
+            continue
+        if node.rank == 4 and node.op == "conv" and (_feeds_conv(node, p.users) or
+                                                    _computed_from(p, node, chosen, ("ew", "view"))):
+            chosen.add(node)
+        elif node.rank == 4 and node.op in ("ew", "pad") and _computed_from(p, node, chosen, ("ew",)):
+            chosen.add(node)
+        elif (node.op == "reduce" and 1 not in node.attrs["axes"] and node in p.window_form
+              and _computed_from(p, node, chosen, ("ew", "view"))):
+            chosen.add(node)
+    return chosen
+
+
+def _feeds_conv(node: Node, users: dict) -> bool:
+    """Whether node's value reaches another convolution through elementwise ops, padding, views
+    and reductions. A convolution that neither reads NHWC nor feeds a convolution stays NCHW:
+    the outputs are NCHW, and a loop that reads NHWC to write NCHW transposes (slowly)."""
+    stack, seen = list(users.get(node, [])), set()
+    while stack:
+        user = stack.pop()
+        if user.op == "conv":
+            return True
+        if user not in seen and user.op in ("ew", "pad", "view", "reduce"):
+            seen.add(user)
+            stack.extend(users.get(user, []))
+    return False
+
+
+def _computed_from(p: Plan, node: Node, chosen: set, through: tuple) -> bool:
+    """Whether node's value is computed from a node in chosen, looking through lazy nodes of
+    the ops in `through`."""
+    stack, seen = list(node.args), set()
+    while stack:
+        arg = stack.pop()
+        if arg in chosen:
+            return True
+        if arg not in seen and arg.op in through and arg not in p.materialized:
+            seen.add(arg)
+            stack.extend(arg.args)
+    return False
+
+
+def _plan_epilogues(p: Plan, channels_last: set) -> None:
+    """Conv epilogues, in the order kernels run: an addend must be written before the convolution
+    that reads it (an input, or a stored node whose kernel comes earlier)."""
+    written = set(p.graph.inputs)
+    for node in p.live:
+        if node in written or node not in p.materialized:
+            continue
+        if node.op == "conv":
+            epilogue = _conv_epilogue(p, node, written, channels_last)
+            if epilogue is not None:
+                p.epilogues[node] = epilogue
+                written.add(epilogue.target)
+                continue
+        written.add(node)
+
+
+def _conv_epilogue(p: Plan, conv: Node, written: set, channels_last: set) -> Epilogue | None:
+    """relu(conv), relu(conv + addend) or conv + addend when conv is used only by that stored
+    value (the addend written already, in the target's layout): the convolution computes it with
+    oneDNN post-ops (a ResNet block's ReLU and residual sum) instead of another pass over the
+    activation. None otherwise."""
+    graph_outputs = {node for _, node in p.graph.outputs}
+
+    def only_user(node):
+        used = p.users.get(node, [])
+        return used[0] if len(used) == 1 and node not in graph_outputs else None
+
+    def is_ew(node, fn):
+        return node is not None and node.op == "ew" and node.attrs.get("fn") == fn and node.shape == conv.shape
+
+    user, addend = only_user(conv), None
+    if is_ew(user, "Add"):
+        others = [a for a in user.args if a is not conv]
+        if len(others) != 1 or others[0].shape != conv.shape or others[0].dtype != conv.dtype:
+            return None
+        addend = others[0]
+        if user not in p.materialized and is_ew(only_user(user), "Relu"):
+            user = only_user(user)
+    elif not is_ew(user, "Relu"):
+        return None
+    if user not in p.materialized or user in written:
+        return None
+    if addend is not None:
+        if addend not in written:   # not stored yet (computed later, e.g. a downsample)
+            return None
+        planned = (strides_in_order(conv.shape, CHANNELS_LAST) if user in channels_last
+                   else contiguous_strides(conv.shape))
+        order = p.orders.get(addend)
+        stored = contiguous_strides(addend.shape) if order is None else strides_in_order(addend.shape, order)
+        if not same_strides(conv.shape, stored, planned):
+            return None
+    return Epilogue(user, addend, user.attrs.get("fn") == "Relu")

@@ -1,0 +1,364 @@
+// The C++ prelude of every generated engine (blade/engine/codegen.py includes it after
+// blade_abi.h): float32 transcendentals that vectorize, integer pow, and the profiling macros.
+// Engines are compiled against the copy beside blade_abi.h (cpp/, or blade/include/ when
+// installed), and its content is part of the engine cache key (blade/engine/cache.py).
+#ifndef BLADE_ENGINE_PRELUDE_H_
+#define BLADE_ENGINE_PRELUDE_H_
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace {
+// Float32 transcendentals written so that g++ vectorizes the loops calling them (std::exp, std::erf
+// etc. are library calls it cannot vectorize without -ffast-math). With 512-bit vectors only two
+// ports execute vector instructions, so these loops are bound by instruction count: every select
+// and clamp costs as much as an FMA, and the helpers below skip the range handling their callers'
+// known argument ranges make unnecessary. Their accuracy (max ulp vs double libm) is the table in
+// README "Numerics": bench/ulp_table.py measures it, tests/engine/test_ulp.py holds them to it, and
+// tests/engine/test_vectorized.py checks that each op's loop vectorizes.
+
+// e^(c - n ln2) for |c - n ln2| <= ln2 / 2 (Cephes coefficients, ~1 ulp).
+inline float blade_exp_reduced(float c, float n) {
+  float r = std::fma(n, -0.693359375f, c);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  return std::fma(p * r, r, r) + 1.0f;
+}
+
+inline float blade_pow2i(int32_t n) { return __builtin_bit_cast(float, (n + 127) << 23); }  // n in [-126, 127]
+
+// e^x for x in [-87.33, 88.0] only (2^n is then one normal float): no range handling.
+inline float blade_exp_inrange(float x) {
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  return blade_exp_reduced(x, n) * blade_pow2i(static_cast<int32_t>(n));
+}
+
+// e^x for every x; inf/NaN behave like std::exp. Above 88.72 the two power-of-two factors overflow
+// to inf by themselves. Results below FLT_MIN (x < -87.34) flush to 0 instead of being subnormal:
+// a subnormal costs ~100 cycles in every multiply or add it meets, and a masked softmax
+// (exp(-inf - max) for half of a causal attention) would pay it per element (measured: 25x
+// slower). The absolute error of the flush is < 1.2e-38.
+inline float blade_expf(float x) {
+  const float above = x < -87.3365448f ? -87.3365448f : x;  // NaN passes both clamps
+  const float c = above > 89.0f ? 89.0f : above;
+  const float n = std::nearbyint(c * 1.44269504088896341f);
+  const int32_t ni = static_cast<int32_t>(n);
+  const int32_t half = ni >> 1;
+  const float result = blade_exp_reduced(c, n) * blade_pow2i(half) * blade_pow2i(ni - half);
+  return x < -87.3365448f ? 0.0f : result;
+}
+
+// 1 / y for y in [1, 2^126], relative error < 2^-23: an integer-trick estimate (error < 1/8)
+// and three Newton steps (each squares the error), 7 FMA-port instructions instead of a divide.
+// A vector divide's latency (~20 cycles with AVX-512) dominated sigmoid loops (perf annotate of
+// bench/'s pointwise model). Only for the known ranges of sigmoid and tanh below, not for Div.
+// NaN propagates through the Newton steps.
+inline float blade_recipf(float y) {
+  float r = __builtin_bit_cast(float, 0x7EF311C3 - __builtin_bit_cast(int32_t, y));
+  r = std::fma(r, std::fma(-y, r, 1.0f), r);
+  r = std::fma(r, std::fma(-y, r, 1.0f), r);
+  return std::fma(r, std::fma(-y, r, 1.0f), r);
+}
+
+// sigmoid 1 / (1 + e^-x); 0 below -87.33 (like blade_expf's flush). -x is clamped to
+// blade_exp_inrange's range, which also keeps 1 + e^-x in blade_recipf's; NaN passes the clamps.
+inline float blade_sigmoidf(float x) {
+  const float capped = -x > 87.3365448f ? 87.3365448f : -x;
+  const float minus_x = capped < -87.3365448f ? -87.3365448f : capped;
+  const float r = blade_recipf(1.0f + blade_exp_inrange(minus_x));
+  return x < -87.3365448f ? 0.0f : r;
+}
+
+// tanh: odd polynomial near 0 (no cancellation), 1 - 2 / (e^2|x| + 1) elsewhere (Cephes);
+// |x| is capped at 9.1, where tanh already rounds to 1 in float32.
+inline float blade_tanhf(float x) {
+  const float ax = std::fabs(x);
+  const float z = x * x;
+  float p = -5.70498872745e-3f;
+  p = std::fma(p, z, 2.06390887954e-2f);
+  p = std::fma(p, z, -5.37397155531e-2f);
+  p = std::fma(p, z, 1.33314422036e-1f);
+  p = std::fma(p, z, -3.33332819422e-1f);
+  const float small = std::fma(p * z, x, x);
+  const float large = 1.0f - 2.0f * blade_recipf(blade_exp_inrange(2.0f * (ax < 9.1f ? ax : 9.1f)) + 1.0f);
+  // x's sign on both (small is +0 for x = -0: -0 * -0 + -0 = +0)
+  return x != x ? x : std::copysign(ax < 0.625f ? small : large, x);
+}
+
+// erf: x * S(x^2) for |x| < 0.875; 1 - e^P(|x|) up to |x| = 4, with P a fit of log(erfc) (beyond
+// 4, erf rounds to +-1 in float32). Weighted least-squares fits, made here; <= 2.3 ulp, abs error
+// <= 1.1e-7 over [-7, 7] (tests/engine/test_ops.py: Erf-dense). No reciprocal and one exp, so
+// exact-GELU loops vectorize and cost ~40 vector instructions per 16 elements.
+inline float blade_erff(float x) {
+  const float ax = std::fabs(x);
+  const float z = x * x;
+  float s = -5.631409585475922e-04f;
+  s = std::fma(s, z, 4.9175480380654335e-03f);
+  s = std::fma(s, z, -2.671130932867527e-02f);
+  s = std::fma(s, z, 1.1280179768800735e-01f);
+  s = std::fma(s, z, -3.7612324953079224e-01f);
+  s = std::fma(s, z, 1.1283791065216064f);
+  const float small = x * s;
+  const float t = ax < 0.875f ? 0.875f : (ax > 4.0f ? 4.0f : ax);  // NaN passes
+  float p = 1.998941006604582e-4f;
+  p = std::fma(p, t, -3.081925678998232e-3f);
+  p = std::fma(p, t, 2.2380756214261055e-2f);
+  p = std::fma(p, t, -1.0424964874982834e-1f);
+  p = std::fma(p, t, -6.368212699890137e-1f);
+  p = std::fma(p, t, -1.1278890371322632f);
+  p = std::fma(p, t, -1.4429383736569434e-4f);
+  const float large = 1.0f - blade_exp_inrange(p);  // p in [-16.8, -0.25]
+  return ax < 0.875f ? small : std::copysign(large, x);
+}
+
+// log: x = 2^e * m with m in [sqrt(1/2), sqrt(2)) (bit arithmetic relative to sqrt(1/2)'s bits),
+// log(x) = e ln2 + log1p(f), f = m - 1 exact; log1p(f) = f - f^2/2 + f^3 P(f), P a weighted
+// least-squares fit made here (degree 8: 0.04 ulp of fit error with float32 coefficients). ln2 in
+// two parts so that e * ln2_hi is exact. Subnormals are scaled by 2^23 first; 0, negatives, +inf
+// and NaN are selected at the end (like std::log: -inf, NaN, +inf, NaN).
+inline float blade_logf(float x) {
+  const bool subnormal = x < 1.17549435e-38f;   // also 0 and negatives: their result is replaced
+  const float scaled = subnormal ? x * 8388608.0f : x;
+  const int32_t from_sqrt_half = __builtin_bit_cast(int32_t, scaled) - 0x3f3504f3;
+  const float e = static_cast<float>((from_sqrt_half >> 23) - (subnormal ? 23 : 0));
+  const float f = __builtin_bit_cast(float, (from_sqrt_half & 0x007fffff) + 0x3f3504f3) - 1.0f;
+  float p = 0.06607358157634735f;
+  p = std::fma(p, f, -0.11506462097167969f);
+  p = std::fma(p, f, 0.11857376247644424f);
+  p = std::fma(p, f, -0.12429631501436234f);
+  p = std::fma(p, f, 0.14226478338241577f);
+  p = std::fma(p, f, -0.16667000949382782f);
+  p = std::fma(p, f, 0.2000177949666977f);
+  p = std::fma(p, f, -0.2500002086162567f);
+  p = std::fma(p, f, 0.33333316445350647f);
+  const float f2 = f * f;
+  const float tail = std::fma(e, 1.42860682030941723212e-6f, std::fma(f2 * f, p, -0.5f * f2));
+  float r = std::fma(e, 0.693145751953125f, f + tail);
+  r = x == 0.0f ? -std::numeric_limits<float>::infinity() : r;
+  r = x < 0.0f ? std::numeric_limits<float>::quiet_NaN() : r;
+  return x <= 3.40282347e+38f ? r : x;   // +inf and NaN return themselves
+}
+
+// Trigonometric range reduction of ax = |x| (finite): ax = (4k + quadrant) pi/2 + r, |r| <= pi/4,
+// r in double. Below 2^24 Cody-Waite with pi/2 in three doubles (n < 2^24, each fma nearly exact);
+// from 2^24 on (every such float is m 2^k, m a 24-bit integer) Payne-Hanek: ax 2/pi mod 4 is
+// m times a 96-bit window of the bits of 2/pi starting at bit k - 1, a 120-bit integer product of
+// 32-bit words (the window's words picked by selects, so no table lookup stops vectorization).
+// Both are computed for every element and one is selected: no branch.
+struct BladeReduced { double r; int32_t quadrant; };
+
+// Bits 32i .. 32i + 31 of 2/pi (bit 0: the ones), i in 0..6, as masks ORed together: a ?: chain
+// would become a switch table, a load g++ does not vectorize.
+inline uint32_t blade_two_over_pi_word(int32_t i) {
+  constexpr uint32_t words[7] = {0x517cc1b7u, 0x27220a94u, 0xfe13abe8u, 0xfa9a6ee0u, 0x6db14accu, 0x9e21c820u,
+                                 0xff28b1d5u};
+  uint32_t word = 0;
+  for (int32_t k = 0; k < 7; ++k) word |= words[k] & (0u - static_cast<uint32_t>(i == k));
+  return word;
+}
+
+inline uint32_t blade_window_word(int32_t word, int32_t shift) {   // 32 bits of 2/pi from bit 32 word + shift
+  const uint64_t pair = (uint64_t(blade_two_over_pi_word(word)) << 32) | blade_two_over_pi_word(word + 1);
+  return static_cast<uint32_t>((pair << shift) >> 32);
+}
+
+// An integer below 2^62 as a double, through 31-bit pieces: AVX2 converts only int32 to double
+// (int64 conversions are AVX-512), and the loops should vectorize on both.
+inline double blade_u62_to_double(uint64_t v) {
+  return static_cast<double>(static_cast<int32_t>(v >> 31)) * 2147483648.0 +
+         static_cast<double>(static_cast<int32_t>(v & 0x7fffffffu));
+}
+
+inline BladeReduced blade_reduce_pi_over_2(float ax) {
+  const bool small = ax < 16777216.0f;
+  const double xd = small ? ax : 0.0;   // (keeps n's conversion to int defined)
+  const double n = std::nearbyint(xd * 0.63661977236758134);
+  double r = std::fma(-n, 1.5707963267948966, xd);
+  r = std::fma(-n, 6.123233995736766e-17, r);
+  r = std::fma(-n, -1.4973849048591698e-33, r);
+  const int32_t small_quadrant = static_cast<int32_t>(n) & 3;   // n < 2^24
+  // Payne-Hanek (only meaningful for ax >= 2^24: the bit offset k - 1 is then >= 0)
+  const int32_t bits = __builtin_bit_cast(int32_t, ax);
+  const int32_t offset = ((bits >> 23) & 255) - 151 < 0 ? 0 : ((bits >> 23) & 255) - 151;
+  const uint32_t m = static_cast<uint32_t>((bits & 0x007fffff) | 0x00800000);
+  const int32_t word = offset >> 5, shift = offset & 31;
+  const uint64_t p0 = uint64_t(m) * blade_window_word(word, shift);   // 32 x 32 -> 64-bit multiplies
+  const uint64_t p1 = uint64_t(m) * blade_window_word(word + 1, shift);
+  const uint64_t p2 = uint64_t(m) * blade_window_word(word + 2, shift);
+  const uint64_t lo = p2 + (p1 << 32);
+  const uint64_t hi = p0 + (p1 >> 32) + (lo < p2 ? 1u : 0u);
+  // product = hi 2^64 + lo; ax 2/pi mod 4 = product / 2^94: quadrant bits 94-95, fraction below.
+  const bool upper_half = (hi >> 29) & 1;   // fraction >= 1/2: take the next quadrant, r < 0
+  const uint64_t frac_hi = (upper_half ? ~hi + (lo == 0 ? 1u : 0u) : hi) & 0x3fffffffu;
+  const uint64_t frac_lo = upper_half ? ~lo + 1 : lo;
+  const double frac = static_cast<double>(static_cast<int32_t>(frac_hi)) * 9.313225746154785e-10 +   // 2^-30
+                      blade_u62_to_double(frac_lo >> 2) * 2.0194839173657902e-28;                  // 2^-92
+  const double big_r = (upper_half ? -frac : frac) * 1.5707963267948966;
+  const int32_t big_quadrant = static_cast<int32_t>(((hi >> 30) + (upper_half ? 1u : 0u)) & 3);
+  return {small ? r : big_r, small ? small_quadrant : big_quadrant};
+}
+
+// sin and cos of |r| <= pi/4 in double (Taylor terms to r^11 / r^12: truncation < 2^-40), so the
+// float result is rounded once.
+inline double blade_sin_kernel(double r) {
+  const double z = r * r;
+  double p = -2.5052108385441720e-08;      // -1/11!
+  p = std::fma(p, z, 2.7557319223985893e-06);   // 1/9!
+  p = std::fma(p, z, -1.9841269841269841e-04);  // -1/7!
+  p = std::fma(p, z, 8.3333333333333333e-03);   // 1/5!
+  p = std::fma(p, z, -1.6666666666666667e-01);  // -1/3!
+  return std::fma(p * z, r, r);
+}
+
+inline double blade_cos_kernel(double r) {
+  const double z = r * r;
+  double p = 2.0876756987868099e-09;       // 1/12!
+  p = std::fma(p, z, -2.7557319223985888e-07);  // -1/10!
+  p = std::fma(p, z, 2.4801587301587302e-05);   // 1/8!
+  p = std::fma(p, z, -1.3888888888888889e-03);  // -1/6!
+  p = std::fma(p, z, 4.1666666666666667e-02);   // 1/4!
+  p = std::fma(p, z, -0.5);
+  return std::fma(p, z, 1.0);
+}
+
+// sin(quadrant pi/2 + r) for quadrant 0..3 is sin r, cos r, -sin r, -cos r; cos is one quadrant on.
+inline float blade_quadrant_value(BladeReduced red, int32_t start) {
+  const int32_t q = (red.quadrant + start) & 3;
+  const double s = blade_sin_kernel(red.r), c = blade_cos_kernel(red.r);
+  const double v = (q & 1) ? c : s;
+  return static_cast<float>((q & 2) ? -v : v);
+}
+
+// sin is odd: reduce |x| and give the result x's sign (so sin(-0) = -0). inf and NaN give NaN.
+inline float blade_sinf(float x) {
+  const float ax = std::fabs(x);
+  const float v = blade_quadrant_value(blade_reduce_pi_over_2(ax), 0);
+  const float r = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) ^
+                                             (__builtin_bit_cast(uint32_t, x) & 0x80000000u));
+  return ax <= 3.40282347e+38f ? r : x - x;
+}
+
+inline float blade_cosf(float x) {
+  const float ax = std::fabs(x);
+  const float r = blade_quadrant_value(blade_reduce_pi_over_2(ax), 1);
+  return ax <= 3.40282347e+38f ? r : x - x;
+}
+
+// pow in double: log|x| to ~2^-45 (x = 2^e m, m in [sqrt(1/2), sqrt(2)) split in float32 bits as
+// blade_logf does, so no int64 <-> double conversion (AVX-512 only) is needed; log m = 2 atanh(s),
+// s = (m - 1) / (m + 1), |s| <= 0.172, Taylor to s^15) times y, then e^t to ~2^-45 (t = n ln2 + r,
+// Taylor to r^11), rounded to float once (overflow to inf and underflow through the subnormals as
+// the conversion rounds them). The special cases of C's pow (and torch's) are selects at the end.
+inline double blade_log_d(float x) {   // x > 0, finite
+  const bool subnormal = x < 1.17549435e-38f;
+  const float scaled = subnormal ? x * 8388608.0f : x;
+  const int32_t from_sqrt_half = __builtin_bit_cast(int32_t, scaled) - 0x3f3504f3;
+  const double e = static_cast<double>((from_sqrt_half >> 23) - (subnormal ? 23 : 0));
+  const double m = __builtin_bit_cast(float, (from_sqrt_half & 0x007fffff) + 0x3f3504f3);
+  const double s = (m - 1.0) / (m + 1.0);
+  const double z = s * s;
+  double p = 1.0 / 15;
+  p = std::fma(p, z, 1.0 / 13);
+  p = std::fma(p, z, 1.0 / 11);
+  p = std::fma(p, z, 1.0 / 9);
+  p = std::fma(p, z, 1.0 / 7);
+  p = std::fma(p, z, 1.0 / 5);
+  p = std::fma(p, z, 1.0 / 3);
+  return std::fma(e, 0.69314718055994531, 2.0 * std::fma(p * z, s, s));
+}
+
+inline double blade_exp_d(double t) {   // t in [-300, 300]
+  const double n = std::nearbyint(t * 1.4426950408889634);
+  const double r = std::fma(-n, 2.319046813846299558e-17, std::fma(-n, 0.69314718055994529, t));
+  double p = 1.0 / 39916800;   // 1/11!
+  p = std::fma(p, r, 1.0 / 3628800);
+  p = std::fma(p, r, 1.0 / 362880);
+  p = std::fma(p, r, 1.0 / 40320);
+  p = std::fma(p, r, 1.0 / 5040);
+  p = std::fma(p, r, 1.0 / 720);
+  p = std::fma(p, r, 1.0 / 120);
+  p = std::fma(p, r, 1.0 / 24);
+  p = std::fma(p, r, 1.0 / 6);
+  p = std::fma(p, r, 0.5);
+  p = std::fma(p, r, 1.0);
+  p = std::fma(p, r, 1.0);
+  return p * __builtin_bit_cast(double, (static_cast<int64_t>(static_cast<int32_t>(n)) + 1023) << 52);
+}
+
+inline float blade_powf(float x, float y) {
+  const float ax = std::fabs(x);
+  const bool finite_nonzero = ax > 0.0f && ax <= 3.40282347e+38f;
+  const double log_ax = blade_log_d(finite_nonzero ? ax : 1.0f);
+  const double t = static_cast<double>(y) * log_ax;
+  const double bounded = t >= -300.0 ? (t <= 300.0 ? t : 300.0) : -300.0;   // NaN too: it is selected away below
+  float r = static_cast<float>(blade_exp_d(bounded));
+  // |x| = 0 or inf: 0 or inf by the sign of y (times log's sign: log 0 < 0 < log inf)
+  const bool big = (ax == 0.0f) == (y < 0.0f);
+  r = finite_nonzero ? r : (big ? std::numeric_limits<float>::infinity() : 0.0f);
+  // |y| = inf: 1 for |x| = 1, else 0 or inf by whether |x| < 1 and y's sign
+  const bool y_inf = std::fabs(y) > 3.40282347e+38f;
+  r = y_inf ? (ax == 1.0f ? 1.0f : ((ax < 1.0f) == (y < 0.0f) ? std::numeric_limits<float>::infinity() : 0.0f)) : r;
+  // a negative base: odd integer y gives the odd sign, a non-integer y a NaN (finite x only)
+  const float y_trunc = std::trunc(y);
+  const bool y_int = y_trunc == y;
+  const bool y_odd = y_int && std::fabs(y) < 16777216.0f &&
+                     (static_cast<int32_t>(std::fabs(y) < 16777216.0f ? y : 0.0f) & 1);
+  const bool x_negative = __builtin_bit_cast(int32_t, x) < 0;
+  r = x_negative && y_odd ? -r : r;
+  r = x < 0.0f && ax <= 3.40282347e+38f && !y_int && !y_inf ? std::numeric_limits<float>::quiet_NaN() : r;
+  r = x != x || y != y ? x + y : r;
+  return y == 0.0f || x == 1.0f ? 1.0f : r;   // even pow(NaN, 0) and pow(1, NaN)
+}
+}  // namespace
+
+namespace {
+// Integer base ** exponent as torch computes it: square-and-multiply wrapping modulo 2^bits (in
+// unsigned arithmetic, where wrapping is defined); a negative exponent truncates 1 / base^-e.
+template <typename T, typename U>
+inline T blade_ipow_wrapping(T base, T exponent) {
+  if (exponent < 0) {
+    if (base == 1) return 1;
+    return base == -1 ? ((exponent & 1) ? -1 : 1) : 0;
+  }
+  U result = 1, factor = static_cast<U>(base);
+  for (U e = static_cast<U>(exponent); e != 0; e >>= 1) {
+    if (e & 1) result *= factor;
+    factor *= factor;
+  }
+  return static_cast<T>(result);
+}
+
+inline int32_t blade_ipow(int32_t base, int32_t exponent) { return blade_ipow_wrapping<int32_t, uint32_t>(base, exponent); }
+inline int64_t blade_ipow(int64_t base, int64_t exponent) { return blade_ipow_wrapping<int64_t, uint64_t>(base, exponent); }
+}  // namespace
+
+// Compiled with -DBLADE_PROFILE (Config.profile), every kernel adds its wall time to a counter and
+// the .so exports blade_engine_profile() (optional: the Engine looks it up, the ABI does not need
+// it). The counters and kernel names are per engine: the generated code defines blade_profile_ns.
+#ifdef BLADE_PROFILE
+#include <chrono>
+namespace {
+std::atomic<int64_t> blade_profile_runs{0};
+inline int64_t blade_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+#define BLADE_PROFILE_BEGIN(k) const int64_t blade_start_##k = blade_now_ns()
+#define BLADE_PROFILE_END(k) \
+  blade_profile_ns[k].fetch_add(blade_now_ns() - blade_start_##k, std::memory_order_relaxed)
+#define BLADE_PROFILE_RUN() blade_profile_runs.fetch_add(1, std::memory_order_relaxed)
+#else
+#define BLADE_PROFILE_BEGIN(k) (void)0
+#define BLADE_PROFILE_END(k) (void)0
+#define BLADE_PROFILE_RUN() (void)0
+#endif
+
+#endif  // BLADE_ENGINE_PRELUDE_H_
