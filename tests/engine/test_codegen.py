@@ -133,3 +133,13 @@ def test_big_constants_are_passed_at_run_time_small_ones_inlined():
     small = op_case("Add", [(8,)], np.arange(8, dtype=np.float32), name="small")
     program = source_of(small)
     assert program.constants == [] and "constexpr float k" in program.source
+
+
+def test_zero_pad_folds_into_the_convolution_pads():
+    """Only when nothing else reads the padded tensor and the pad value is +0.0."""
+    folded, read_twice, nonzero = (source_of(c) for c in CASES if c.name in (
+        "Pad-folds-into-Conv", "Pad-read-twice-before-Conv", "Pad-nonzero-before-Conv"))
+    assert not any("pad" in k.split("=")[0] for k in kernels(folded))
+    assert "pads [0, 1, 1, 2]" in folded.source
+    for program in (read_twice, nonzero):
+        assert any(k.startswith("pad") for k in kernels(program))
