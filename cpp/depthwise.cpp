@@ -74,10 +74,12 @@ __attribute__((always_inline)) inline void pixel_remainder(const DepthwiseShape&
       for (int64_t c = 0; c < width; ++c) acc[c] += x[c] * w[c];
     }
   }
-  for (int64_t c = 0; c < width; ++c) {
-    const float value = sum != nullptr ? acc[c] + sum[c] : acc[c];
-    out[c] = relu && value < 0.0f ? 0.0f : value;
+  // The residual branch outside the loop: a `sum ? sum[c] : 0` inside may become a masked load
+  // through the null pointer, which AMD cores execute many times slower (see conv_gemm.cpp).
+  if (sum != nullptr) {
+    for (int64_t c = 0; c < width; ++c) acc[c] += sum[c];
   }
+  for (int64_t c = 0; c < width; ++c) out[c] = relu && acc[c] < 0.0f ? 0.0f : acc[c];
 }
 
 // kPixels adjacent output pixels of a stride-1, undilated row whose taps all lie inside the image

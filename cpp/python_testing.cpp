@@ -99,7 +99,7 @@ void bind_testing(pybind11::module_& m) {
         py::arg("b"), py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("groups"), py::arg("out"),
         py::arg("layout"), py::arg("pack"), py::arg("sum") = py::none(), py::arg("activation") = 0);
   m.def("set_conv_kernel_enabled", &set_conv_kernel_enabled,
-        "Lets the runtime's conv use its kernel ('winograd', 'depthwise') where it applies (default), or never.",
+        "Lets the runtime's conv use its kernel ('winograd', 'depthwise', 'pointwise') where it applies (default), or never.",
         py::arg("kernel"), py::arg("enabled"));
   m.def("conv_kernel_calls", &conv_kernel_calls, "How many convolutions the runtime's kernel has computed.",
         py::arg("kernel"));

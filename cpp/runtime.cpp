@@ -15,6 +15,7 @@
 // exception unwinds through the engine's frames (g++ emits unwind tables on x86-64 by default) into
 // Engine::execute, where torch turns it into a RuntimeError; an engine never catches it.
 #include "runtime.h"
+#include "conv_gemm.h"
 #include "depthwise.h"
 #include "winograd.h"
 
@@ -332,12 +333,13 @@ struct ConvKernelSwitch {
   std::atomic<bool> enabled{true};
   std::atomic<int64_t> calls{0};
 };
-ConvKernelSwitch winograd_kernel, depthwise_kernel;
+ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel;
 
 ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
   if (kernel == "winograd") return &winograd_kernel;
   if (kernel == "depthwise") return &depthwise_kernel;
-  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel, "' (winograd, depthwise)");
+  if (kernel == "pointwise") return &pointwise_kernel;
+  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel, "' (winograd, depthwise, pointwise)");
 }
 
 // Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
@@ -417,6 +419,13 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
                      activation == BLADE_ACTIVATION_RELU, output);
     depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
+  }
+  if (pointwise_kernel.enabled.load(std::memory_order_relaxed)) {
+    if (const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
+      pointwise_conv(*shape, input, weight, bias, sum, activation == BLADE_ACTIVATION_RELU, output);
+      pointwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
   }
   const bool out_channels_last = (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0;
   at::Tensor x = engine_tensor(input, at::IntArrayRef(input_shape, 2 + spatial),

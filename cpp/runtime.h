@@ -18,8 +18,8 @@ namespace blade {
 // otherwise), convolution through oneDNN/ATen, loops on ATen's intra-op thread pool.
 const BladeRuntime* runtime();
 
-// Whether the runtime's conv may use its own kernel "winograd" (winograd.h) or "depthwise"
-// (depthwise.h) where it applies (both on by default), and how often it ran one. Process-wide: for
+// Whether the runtime's conv may use its own kernel "winograd" (winograd.h), "depthwise"
+// (depthwise.h) or "pointwise" (conv_gemm.h) where it applies (both on by default), and how often it ran one. Process-wide: for
 // tests and A/B measurements against oneDNN's direct convolution.
 void set_conv_kernel_enabled(const std::string& kernel, bool enabled);
 int64_t conv_kernel_calls(const std::string& kernel);

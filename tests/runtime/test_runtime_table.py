@@ -272,3 +272,51 @@ def test_conv_depthwise_not_taken():
     x, weight = torch.randn(1, 8, 6, 6), torch.randn(8, 1, 3, 3)
     _testing.conv(x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 8, torch.empty(1, 8, 6, 6), 0, True)
     assert _testing.conv_kernel_calls("depthwise") == before
+
+
+# 1x1 convolutions as one GEMM: channels-last (2-D) or NCHW (1-3 spatial dims) in and out, with
+# bias, residual and ReLU, against a float64 convolution; the kernel must have computed them.
+@pytest.mark.parametrize("shape, layout", [((2, 24, 5, 7), 3), ((1, 3, 4, 4), 3), ((2, 16, 6, 5), 0), ((3, 8, 10), 0),
+                                           ((1, 4, 3, 2, 5), 0), ((1, 144, 1, 1), 3)])
+@pytest.mark.parametrize("with_bias, with_sum, activation", [(False, False, 0), (True, False, 1), (False, True, 0),
+                                                             (True, True, 1)])
+def test_conv_pointwise(shape, layout, with_bias, with_sum, activation):
+    torch.manual_seed(5)
+    c_in, c_out, spatial = shape[1], 40, len(shape) - 2
+    x, weight = torch.randn(shape), torch.randn(c_out, c_in, *([1] * spatial)) / c_in ** 0.5
+    bias = torch.randn(c_out) if with_bias else None
+    conv = {1: torch.conv1d, 2: torch.conv2d, 3: torch.conv3d}[spatial]
+    expected = conv(x.double(), weight.double(), bias.double() if with_bias else None)
+    memory_format = torch.channels_last if layout else torch.contiguous_format
+    residual = torch.randn(expected.shape).contiguous(memory_format=memory_format) if with_sum else None
+    expected = expected + residual.double() if with_sum else expected
+    expected = expected.relu() if activation else expected
+    outputs = []
+    try:
+        for enabled in (True, False):
+            _testing.set_conv_kernel_enabled("pointwise", enabled)
+            before = _testing.conv_kernel_calls("pointwise")
+            out = torch.full(expected.shape, float("nan")).contiguous(memory_format=memory_format)
+            _testing.conv(x.contiguous(memory_format=memory_format), weight, bias, [1] * spatial, [0] * 2 * spatial,
+                          [1] * spatial, 1, out, layout, True, residual, activation)
+            outputs.append((out, _testing.conv_kernel_calls("pointwise") - before))
+    finally:
+        _testing.set_conv_kernel_enabled("pointwise", True)
+    assert [calls for _, calls in outputs] == [1, 0]
+    for out, _ in outputs:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strides, pads, groups, layout", [([2, 2], [0, 0, 0, 0], 1, 3), ([1, 1], [0, 1, 0, 0], 1, 3),
+                                                           ([1, 1], [0, 0, 0, 0], 2, 0), ([1, 1], [0, 0, 0, 0], 1, 1)])
+def test_conv_pointwise_not_taken(strides, pads, groups, layout):
+    """Strided, padded, grouped or layout-changing 1x1 convolutions stay oneDNN's."""
+    x, weight = torch.randn(1, 8, 6, 6), torch.randn(8, 8 // groups, 1, 1)
+    expected = torch.conv2d(torch.nn.functional.pad(x, [pads[1], pads[3], pads[0], pads[2]]), weight, None, strides,
+                            groups=groups)
+    out = torch.empty(expected.shape).contiguous(memory_format=torch.channels_last if layout & 2 else torch.contiguous_format)
+    before = _testing.conv_kernel_calls("pointwise")
+    _testing.conv(x.contiguous(memory_format=torch.channels_last if layout & 1 else torch.contiguous_format), weight,
+                  None, strides, pads, [1, 1], groups, out, layout, True)
+    assert _testing.conv_kernel_calls("pointwise") == before
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
