@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parent
 RUNTIME_SOURCES = [
     "cpp/archive_check.cpp",
     "cpp/content_digest.cpp",
+    "cpp/conv_gemm.cpp",
+    "cpp/depthwise.cpp",
     "cpp/engine.cpp",
     "cpp/engine_fallback.cpp",
     "cpp/engine_registration.cpp",

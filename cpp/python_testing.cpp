@@ -98,8 +98,11 @@ void bind_testing(pybind11::module_& m) {
   m.def("conv", &conv, "Calls the runtime table's conv (out is written in place).", py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("groups"), py::arg("out"),
         py::arg("layout"), py::arg("pack"), py::arg("sum") = py::none(), py::arg("activation") = 0);
-  m.def("set_winograd_enabled", &set_winograd_enabled,
-        "Lets the runtime's conv use Winograd where it applies (default), or never.", py::arg("enabled"));
+  m.def("set_conv_kernel_enabled", &set_conv_kernel_enabled,
+        "Lets the runtime's conv use its kernel ('winograd', 'depthwise', 'pointwise') where it applies (default), or never.",
+        py::arg("kernel"), py::arg("enabled"));
+  m.def("conv_kernel_calls", &conv_kernel_calls, "How many convolutions the runtime's kernel has computed.",
+        py::arg("kernel"));
   m.def("set_gemm_column_split_rows", &set_gemm_column_split_rows,
         "GEMMs with at most max_rows rows run in column blocks across threads (0: never, -1: the default).",
         py::arg("max_rows"));

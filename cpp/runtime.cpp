@@ -15,6 +15,8 @@
 // exception unwinds through the engine's frames (g++ emits unwind tables on x86-64 by default) into
 // Engine::execute, where torch turns it into a RuntimeError; an engine never catches it.
 #include "runtime.h"
+#include "conv_gemm.h"
+#include "depthwise.h"
 #include "winograd.h"
 
 #include <ATen/Parallel.h>
@@ -325,7 +327,20 @@ std::optional<at::Tensor> packed_conv_weight(int32_t spatial, const float* weigh
   return packed;
 }
 
-std::atomic<bool> winograd_enabled{true};
+// The runtime's own convolution kernels, each on by default; switchable and counted per process for
+// tests and A/B measurements against oneDNN's convolution.
+struct ConvKernelSwitch {
+  std::atomic<bool> enabled{true};
+  std::atomic<int64_t> calls{0};
+};
+ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel;
+
+ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
+  if (kernel == "winograd") return &winograd_kernel;
+  if (kernel == "depthwise") return &depthwise_kernel;
+  if (kernel == "pointwise") return &pointwise_kernel;
+  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel, "' (winograd, depthwise, pointwise)");
+}
 
 // Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
 // in and out (the layout blade picks for convolutions that feed convolutions), a constant weight
@@ -341,7 +356,7 @@ std::optional<Conv3x3Shape> winograd_shape(int32_t spatial, const int64_t* input
                                            const float* weight, const int64_t* strides, const int64_t* pads,
                                            const int64_t* dilations, int64_t groups, int32_t layout) {
   const int32_t channels_last = BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST;
-  if (!winograd_enabled.load(std::memory_order_relaxed) || spatial != 2 || layout != channels_last || groups != 1 ||
+  if (!winograd_kernel.enabled.load(std::memory_order_relaxed) || spatial != 2 || layout != channels_last || groups != 1 ||
       weight_shape[2] != 3 || weight_shape[3] != 3 || strides[0] != 1 || strides[1] != 1 || dilations[0] != 1 ||
       dilations[1] != 1 || weight_shape[0] < kWinogradMinChannels || weight_shape[1] < kWinogradMinChannels ||
       current_weights == nullptr || !current_weights->is_constant(weight)) {
@@ -351,6 +366,24 @@ std::optional<Conv3x3Shape> winograd_shape(int32_t spatial, const int64_t* input
                            pads[0], pads[1], input_shape[2] + pads[0] + pads[2] - 2,
                            input_shape[3] + pads[1] + pads[3] - 2};
   if (winograd_tiles(shape) < kWinogradMinTiles) return std::nullopt;
+  return shape;
+}
+
+// The depthwise kernel (depthwise.h) for every 2-D depthwise convolution (one filter per channel,
+// in channels == out channels == groups) between channels-last tensors, any stride, dilation and
+// padding.
+std::optional<DepthwiseShape> depthwise_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
+                                              const int64_t* strides, const int64_t* pads, const int64_t* dilations,
+                                              int64_t groups, int32_t layout) {
+  const int32_t channels_last = BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST;
+  if (!depthwise_kernel.enabled.load(std::memory_order_relaxed) || spatial != 2 || layout != channels_last || groups < 2 || groups != input_shape[1] ||
+      weight_shape[0] != groups || weight_shape[1] != 1) {
+    return std::nullopt;
+  }
+  DepthwiseShape shape{input_shape[0], input_shape[2], input_shape[3], input_shape[1], weight_shape[2],
+                       weight_shape[3], strides[0], strides[1], dilations[0], dilations[1], pads[0], pads[1], 0, 0};
+  shape.out_h = (shape.in_h + pads[0] + pads[2] - dilations[0] * (shape.kernel_h - 1) - 1) / strides[0] + 1;
+  shape.out_w = (shape.in_w + pads[1] + pads[3] - dilations[1] * (shape.kernel_w - 1) - 1) / strides[1] + 1;
   return shape;
 }
 
@@ -371,7 +404,28 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
     });
     winograd_conv3x3(*shape, input, u.const_data_ptr<float>(), bias, sum, activation == BLADE_ACTIVATION_RELU,
                      output, weights);
+    winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
+  }
+  if (const auto shape = depthwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
+    const int64_t taps = shape->kernel_h * shape->kernel_w;
+    PackedWeights* weights = current_weights;
+    const auto relayout = [&] { return depthwise_tap_weight(weight, shape->channels, taps); };
+    // Re-laid out once per engine for a constant weight, on every call for a computed one.
+    const at::Tensor tap_weight = weights != nullptr && weights->is_constant(weight)
+                                      ? weights->get({reinterpret_cast<int64_t>(weight), -2 /* depthwise */}, relayout)
+                                      : relayout();
+    depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum,
+                     activation == BLADE_ACTIVATION_RELU, output);
+    depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  if (pointwise_kernel.enabled.load(std::memory_order_relaxed)) {
+    if (const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
+      pointwise_conv(*shape, input, weight, bias, sum, activation == BLADE_ACTIVATION_RELU, output);
+      pointwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
   }
   const bool out_channels_last = (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0;
   at::Tensor x = engine_tensor(input, at::IntArrayRef(input_shape, 2 + spatial),
@@ -416,7 +470,13 @@ const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv};
 
 const BladeRuntime* runtime() { return &kRuntime; }
 
-void set_winograd_enabled(bool enabled) { winograd_enabled.store(enabled, std::memory_order_relaxed); }
+void set_conv_kernel_enabled(const std::string& kernel, bool enabled) {
+  conv_kernel_switch(kernel)->enabled.store(enabled, std::memory_order_relaxed);
+}
+
+int64_t conv_kernel_calls(const std::string& kernel) {
+  return conv_kernel_switch(kernel)->calls.load(std::memory_order_relaxed);
+}
 
 void set_gemm_column_split_rows(int64_t max_rows) {
   split_max_rows.store(max_rows < 0 ? kSplitMaxRows : max_rows, std::memory_order_relaxed);

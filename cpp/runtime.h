@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <vector>
 
 #include "blade_abi.h"
@@ -17,9 +18,11 @@ namespace blade {
 // otherwise), convolution through oneDNN/ATen, loops on ATen's intra-op thread pool.
 const BladeRuntime* runtime();
 
-// Whether the runtime's conv may use Winograd (winograd.h) where it applies; on by default.
-// Process-wide: for tests and A/B measurements against oneDNN's direct convolution.
-void set_winograd_enabled(bool enabled);
+// Whether the runtime's conv may use its own kernel "winograd" (winograd.h), "depthwise"
+// (depthwise.h) or "pointwise" (conv_gemm.h) where it applies (both on by default), and how often it ran one. Process-wide: for
+// tests and A/B measurements against oneDNN's direct convolution.
+void set_conv_kernel_enabled(const std::string& kernel, bool enabled);
+int64_t conv_kernel_calls(const std::string& kernel);
 
 // GEMMs with at most `max_rows` rows are split into column blocks across ATen's threads
 // (runtime.cpp); 0 never splits, a negative value restores the default (32). Process-wide: for

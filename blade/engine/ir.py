@@ -175,6 +175,7 @@ class Builder:
 
     def conv(self, x, w, bias, strides, pads, dilations, groups) -> Node:
         spatial = x.rank - 2
+        x, pads = _absorb_zero_pad(x, pads)
         size = [(x.shape[2 + d] + pads[d] + pads[spatial + d] - dilations[d] * (w.shape[2 + d] - 1) - 1)
                 // strides[d] + 1 for d in range(spatial)]
         args = [x, w] + ([bias] if bias is not None else [])
@@ -242,6 +243,21 @@ class Builder:
 # ---------------------------------------------------------------------------------------------
 # ONNX op rules: rule(b, attrs, *args) -> list of IR nodes, one per ONNX output (missing optional
 # inputs arrive as None).
+
+def _absorb_zero_pad(x: Node, pads) -> tuple:
+    """(input, pads) of a convolution whose input is a zero padding of the spatial dims only (TF-style
+    "same" padding written as F.pad before the conv): the convolution pads instead, so no padded copy
+    is written (the runtime's kernels take any padding per side; the pad node is dropped when nothing
+    else reads it)."""
+    if x.op != "pad" or x.attrs["mode"] != "constant" or x.attrs["value"] != 0.0 or math.copysign(1.0, x.attrs["value"]) < 0:
+        return x, pads
+    source = x.args[0]
+    begins = x.attrs["begins"]
+    ends = [n - m - lo for n, m, lo in zip(x.shape, source.shape, begins)]
+    if any(begins[:2]) or any(ends[:2]) or min(begins + ends) < 0:
+        return x, pads
+    return source, [p + extra for p, extra in zip(pads, begins[2:] + ends[2:])]
+
 
 def _elementwise(op):
     return lambda b, attrs, *args: [b.ew(op, *args)]

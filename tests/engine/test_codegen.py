@@ -163,3 +163,13 @@ def test_a_conv_epilogue_never_reads_an_addend_written_later():
     planned = plan.make_plan(ir.lower_onnx(case.model))
     assert planned.epilogues == {}
     assert "then relu" not in source_of(case).source
+
+
+def test_zero_pad_folds_into_the_convolution_pads():
+    """Only when nothing else reads the padded tensor and the pad value is +0.0."""
+    folded, read_twice, nonzero = (source_of(c) for c in CASES if c.name in (
+        "Pad-folds-into-Conv", "Pad-read-twice-before-Conv", "Pad-nonzero-before-Conv"))
+    assert not any("pad" in k.split("=")[0] for k in kernels(folded))
+    assert "pads [0, 1, 1, 2]" in folded.source
+    for program in (read_twice, nonzero):
+        assert any(k.startswith("pad") for k in kernels(program))

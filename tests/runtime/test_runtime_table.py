@@ -162,13 +162,13 @@ def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, resid
     outputs = []
     try:
         for winograd in (True, False):
-            _testing.set_winograd_enabled(winograd)
+            _testing.set_conv_kernel_enabled("winograd", winograd)
             out = torch.full(out_shape, float("nan")).contiguous(memory_format=torch.channels_last)
             _testing.conv(x.contiguous(memory_format=torch.channels_last), weight, bias, [1, 1], pads, [1, 1], 1, out,
                           3, pack, residual, activation)
             outputs.append(out)
     finally:
-        _testing.set_winograd_enabled(True)
+        _testing.set_conv_kernel_enabled("winograd", True)
     return outputs
 
 
@@ -205,3 +205,118 @@ def test_conv_winograd_not_taken(n, c_in, h, w, pack):
     with_winograd, without = conv_with_and_without_winograd(x, weight, None, [1, 1, 1, 1], (n, 64, h, w), pack)
     assert torch.equal(with_winograd, without)
 
+
+
+def conv_with_and_without_kernel(kernel, x, weight, bias, strides, pads, dilations, groups, out_shape, pack,
+                                 residual=None, activation=0):
+    """The runtime's channels-last conv, once letting it take its own `kernel` and once not, and how
+    many convolutions that kernel computed in the first run."""
+    outputs = []
+    try:
+        for enabled in (True, False):
+            _testing.set_conv_kernel_enabled(kernel, enabled)
+            before = _testing.conv_kernel_calls(kernel)
+            out = torch.full(out_shape, float("nan")).contiguous(memory_format=torch.channels_last)
+            _testing.conv(x.contiguous(memory_format=torch.channels_last), weight, bias, strides, pads, dilations,
+                          groups, out, 3, pack, residual, activation)
+            outputs.append((out, _testing.conv_kernel_calls(kernel) - before))
+    finally:
+        _testing.set_conv_kernel_enabled(kernel, True)
+    return outputs
+
+
+# The depthwise kernel: every 2-D depthwise convolution between channels-last tensors, whatever its
+# kernel size, stride, dilation and (asymmetric) padding; channel counts around its 64-channel
+# blocks; bias, residual and ReLU; a weight that is an engine constant (re-laid out once) or not.
+@pytest.mark.parametrize("n, c, h, w, k, stride, dilation, pads", [
+    (1, 144, 10, 10, 3, 1, 1, [1, 1, 1, 1]), (2, 96, 9, 11, 3, 2, 1, [0, 0, 1, 1]),
+    (1, 17, 8, 8, 5, 1, 1, [2, 2, 2, 2]), (1, 200, 7, 7, 7, 1, 1, [3, 3, 3, 3]),
+    (3, 64, 6, 5, 3, 1, 2, [2, 1, 0, 2]), (1, 2, 1, 1, 3, 1, 1, [1, 1, 1, 1]), (1, 65, 4, 4, 1, 2, 1, [0, 0, 0, 0]),
+    (2, 48, 12, 14, 7, 1, 1, [3, 3, 3, 3]), (1, 40, 5, 13, 3, 1, 1, [1, 0, 1, 2])])
+@pytest.mark.parametrize("with_bias, with_sum, activation, pack", [(True, False, 0, True), (False, True, 1, False),
+                                                                    (True, True, 1, True)])
+def test_conv_depthwise(n, c, h, w, k, stride, dilation, pads, with_bias, with_sum, activation, pack):
+    torch.manual_seed(4)
+    x, weight = torch.randn(n, c, h, w), torch.randn(c, 1, k, k)
+    bias = torch.randn(c) if with_bias else None
+    padded = torch.nn.functional.pad(x, [pads[1], pads[3], pads[0], pads[2]]).double()
+    expected = torch.conv2d(padded, weight.double(), bias.double() if with_bias else None, stride, 0, dilation, c)
+    residual = torch.randn(expected.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
+    expected = expected + residual.double() if with_sum else expected
+    expected = expected.relu() if activation else expected
+    (ours, ours_calls), (onednn, onednn_calls) = conv_with_and_without_kernel(
+        "depthwise", x, weight, bias, [stride] * 2, pads, [dilation] * 2, c, expected.shape, pack, residual, activation)
+    assert (ours_calls, onednn_calls) == (1, 0)
+    for out in (ours, onednn):
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_depthwise_relu_keeps_nan():
+    """ReLU of NaN is NaN in torch; the fused epilogue must not turn it into 0."""
+    x = torch.randn(1, 16, 3, 3)
+    x[0, 5, 1, 1] = float("nan")
+    weight = torch.ones(16, 1, 1, 1)
+    (out, calls), _ = conv_with_and_without_kernel("depthwise", x, weight, None, [1, 1], [0, 0, 0, 0], [1, 1], 16,
+                                                   (1, 16, 3, 3), True, None, 1)
+    assert calls == 1
+    torch.testing.assert_close(out, x.relu().contiguous(memory_format=torch.channels_last), equal_nan=True)
+
+
+def test_conv_depthwise_not_taken():
+    """A channel multiplier (out channels = 2 x groups) or an NCHW tensor: oneDNN's convolution."""
+    x, weight = torch.randn(1, 8, 6, 6), torch.randn(16, 1, 3, 3)
+    (_, calls), _ = conv_with_and_without_kernel("depthwise", x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 8,
+                                                 (1, 16, 6, 6), True)
+    assert calls == 0
+    before = _testing.conv_kernel_calls("depthwise")
+    x, weight = torch.randn(1, 8, 6, 6), torch.randn(8, 1, 3, 3)
+    _testing.conv(x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 8, torch.empty(1, 8, 6, 6), 0, True)
+    assert _testing.conv_kernel_calls("depthwise") == before
+
+
+# 1x1 convolutions as one GEMM: channels-last (2-D) or NCHW (1-3 spatial dims) in and out, with
+# bias, residual and ReLU, against a float64 convolution; the kernel must have computed them.
+@pytest.mark.parametrize("shape, layout", [((2, 24, 5, 7), 3), ((1, 3, 4, 4), 3), ((2, 16, 6, 5), 0), ((3, 8, 10), 0),
+                                           ((1, 4, 3, 2, 5), 0), ((1, 144, 1, 1), 3)])
+@pytest.mark.parametrize("with_bias, with_sum, activation", [(False, False, 0), (True, False, 1), (False, True, 0),
+                                                             (True, True, 1)])
+def test_conv_pointwise(shape, layout, with_bias, with_sum, activation):
+    torch.manual_seed(5)
+    c_in, c_out, spatial = shape[1], 40, len(shape) - 2
+    x, weight = torch.randn(shape), torch.randn(c_out, c_in, *([1] * spatial)) / c_in ** 0.5
+    bias = torch.randn(c_out) if with_bias else None
+    conv = {1: torch.conv1d, 2: torch.conv2d, 3: torch.conv3d}[spatial]
+    expected = conv(x.double(), weight.double(), bias.double() if with_bias else None)
+    memory_format = torch.channels_last if layout else torch.contiguous_format
+    residual = torch.randn(expected.shape).contiguous(memory_format=memory_format) if with_sum else None
+    expected = expected + residual.double() if with_sum else expected
+    expected = expected.relu() if activation else expected
+    outputs = []
+    try:
+        for enabled in (True, False):
+            _testing.set_conv_kernel_enabled("pointwise", enabled)
+            before = _testing.conv_kernel_calls("pointwise")
+            out = torch.full(expected.shape, float("nan")).contiguous(memory_format=memory_format)
+            _testing.conv(x.contiguous(memory_format=memory_format), weight, bias, [1] * spatial, [0] * 2 * spatial,
+                          [1] * spatial, 1, out, layout, True, residual, activation)
+            outputs.append((out, _testing.conv_kernel_calls("pointwise") - before))
+    finally:
+        _testing.set_conv_kernel_enabled("pointwise", True)
+    assert [calls for _, calls in outputs] == [1, 0]
+    for out, _ in outputs:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strides, pads, groups, layout", [([2, 2], [0, 0, 0, 0], 1, 3), ([1, 1], [0, 1, 0, 0], 1, 3),
+                                                           ([1, 1], [0, 0, 0, 0], 2, 0), ([1, 1], [0, 0, 0, 0], 1, 1)])
+def test_conv_pointwise_not_taken(strides, pads, groups, layout):
+    """Strided, padded, grouped or layout-changing 1x1 convolutions stay oneDNN's."""
+    x, weight = torch.randn(1, 8, 6, 6), torch.randn(8, 8 // groups, 1, 1)
+    expected = torch.conv2d(torch.nn.functional.pad(x, [pads[1], pads[3], pads[0], pads[2]]), weight, None, strides,
+                            groups=groups)
+    out = torch.empty(expected.shape).contiguous(memory_format=torch.channels_last if layout & 2 else torch.contiguous_format)
+    before = _testing.conv_kernel_calls("pointwise")
+    _testing.conv(x.contiguous(memory_format=torch.channels_last if layout & 1 else torch.contiguous_format), weight,
+                  None, strides, pads, [1, 1], groups, out, layout, True)
+    assert _testing.conv_kernel_calls("pointwise") == before
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

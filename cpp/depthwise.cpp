@@ -1,0 +1,219 @@
+#include "depthwise.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+
+namespace blade {
+namespace {
+
+// Cloned per ISA level (x86-64-v4: AVX-512; v3: AVX2 with FMA), as the extension builds for
+// baseline x86-64 and the tap loops are the whole kernel.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BLADE_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define BLADE_ISA_CLONES
+#endif
+
+// 16 floats, unaligned: GCC lowers it to one AVX-512 register, two AVX2 ones or four SSE ones in
+// each clone, and keeps a block's sums in registers across the taps (an array with `omp simd`
+// went through the stack on every tap).
+typedef float Floats16 __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t kVectors = 4;               // accumulators per block
+constexpr int64_t kBlock = 16 * kVectors;     // channels per block
+
+__attribute__((always_inline)) inline Floats16 load16(const float* p) { return *reinterpret_cast<const Floats16*>(p); }
+__attribute__((always_inline)) inline void store16(float* p, Floats16 v) { *reinterpret_cast<Floats16*>(p) = v; }
+
+// One output pixel's channels [c0, c0 + 16 * Vectors): the taps inside the image, then the
+// epilogue.
+template <int64_t Vectors>
+__attribute__((always_inline)) inline void pixel_vectors(const DepthwiseShape& s, const float* image,
+                                                          const float* taps, const float* bias, const float* sum,
+                                                          bool relu, int64_t oh, int64_t ow, int64_t c0, float* out) {
+  Floats16 acc[Vectors];
+#pragma GCC unroll 4
+  for (int64_t v = 0; v < Vectors; ++v) acc[v] = bias != nullptr ? load16(bias + c0 + 16 * v) : Floats16{};
+  for (int64_t kh = 0; kh < s.kernel_h; ++kh) {
+    const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
+    if (ih < 0 || ih >= s.in_h) continue;
+    for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
+      const int64_t iw = ow * s.stride_w - s.pad_left + kw * s.dilation_w;
+      if (iw < 0 || iw >= s.in_w) continue;
+      const float* x = image + (ih * s.in_w + iw) * s.channels + c0;
+      const float* w = taps + (kh * s.kernel_w + kw) * s.channels + c0;
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < Vectors; ++v) acc[v] += load16(x + 16 * v) * load16(w + 16 * v);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t v = 0; v < Vectors; ++v) {
+    if (sum != nullptr) acc[v] += load16(sum + 16 * v);
+    // NaN stays NaN, as torch's relu: NaN < 0 is false.
+    if (relu) acc[v] = acc[v] < 0.0f ? Floats16{} : acc[v];
+    store16(out + 16 * v, acc[v]);
+  }
+}
+
+// The last `width` (< 16) channels from c0, the same way with a short array.
+__attribute__((always_inline)) inline void pixel_remainder(const DepthwiseShape& s, const float* image,
+                                                            const float* taps, const float* bias, const float* sum,
+                                                            bool relu, int64_t oh, int64_t ow, int64_t c0,
+                                                            int64_t width, float* out) {
+  float acc[16];
+  for (int64_t c = 0; c < width; ++c) acc[c] = bias != nullptr ? bias[c0 + c] : 0.0f;
+  for (int64_t kh = 0; kh < s.kernel_h; ++kh) {
+    const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
+    if (ih < 0 || ih >= s.in_h) continue;
+    for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
+      const int64_t iw = ow * s.stride_w - s.pad_left + kw * s.dilation_w;
+      if (iw < 0 || iw >= s.in_w) continue;
+      const float* x = image + (ih * s.in_w + iw) * s.channels + c0;
+      const float* w = taps + (kh * s.kernel_w + kw) * s.channels + c0;
+      for (int64_t c = 0; c < width; ++c) acc[c] += x[c] * w[c];
+    }
+  }
+  // The residual branch outside the loop: a `sum ? sum[c] : 0` inside may become a masked load
+  // through the null pointer, which AMD cores execute many times slower (see conv_gemm.cpp).
+  if (sum != nullptr) {
+    for (int64_t c = 0; c < width; ++c) acc[c] += sum[c];
+  }
+  for (int64_t c = 0; c < width; ++c) out[c] = relu && acc[c] < 0.0f ? 0.0f : acc[c];
+}
+
+// kPixels adjacent output pixels of a stride-1, undilated row whose taps all lie inside the image
+// width, for one vector of 16 channels: along a kernel row, input pixel ow0 + i serves output pixel
+// ow0 + p through tap i - p, so each input vector is loaded once for up to Width taps instead of
+// once per tap, and a kernel row's weights stay in registers (a depthwise convolution is otherwise
+// bound by loads, two per multiply-add).
+constexpr int64_t kPixels = 4;
+
+template <int64_t Width>
+__attribute__((always_inline)) inline void pixel_run(const DepthwiseShape& s, const float* image, const float* taps,
+                                                      const float* bias, const float* sum, bool relu, int64_t oh,
+                                                      int64_t ow0, int64_t c0, float* out) {
+  Floats16 acc[kPixels];
+  const Floats16 initial = bias != nullptr ? load16(bias + c0) : Floats16{};
+#pragma GCC unroll 8
+  for (int64_t p = 0; p < kPixels; ++p) acc[p] = initial;
+  for (int64_t kh = 0; kh < s.kernel_h; ++kh) {
+    const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
+    if (ih < 0 || ih >= s.in_h) continue;
+    const float* x = image + (ih * s.in_w + ow0 - s.pad_left) * s.channels + c0;
+    const float* w = taps + kh * Width * s.channels + c0;
+    Floats16 weight[Width];
+#pragma GCC unroll 8
+    for (int64_t kw = 0; kw < Width; ++kw) weight[kw] = load16(w + kw * s.channels);
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < kPixels + Width - 1; ++i) {
+      const Floats16 xi = load16(x + i * s.channels);
+#pragma GCC unroll 8
+      for (int64_t p = 0; p < kPixels; ++p) {
+        if (i - p >= 0 && i - p < Width) acc[p] += xi * weight[i - p];
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t p = 0; p < kPixels; ++p) {
+    const int64_t at = p * s.channels;
+    if (sum != nullptr) acc[p] += load16(sum + at);
+    if (relu) acc[p] = acc[p] < 0.0f ? Floats16{} : acc[p];
+    store16(out + at, acc[p]);
+  }
+}
+
+// Output pixels [ow_begin, ow_end) of row `oh` one at a time, every channel.
+__attribute__((always_inline)) inline void pixels(const DepthwiseShape& s, const float* image, const float* taps,
+                                                   const float* bias, const float* sum_row, bool relu, int64_t oh,
+                                                   int64_t ow_begin, int64_t ow_end, float* out_row) {
+  for (int64_t ow = ow_begin; ow < ow_end; ++ow) {
+    const int64_t at = ow * s.channels;
+    const auto sum_from = [&](int64_t c0) { return sum_row != nullptr ? sum_row + at + c0 : nullptr; };
+    int64_t c0 = 0;
+    for (; c0 + kBlock <= s.channels; c0 += kBlock) {
+      pixel_vectors<kVectors>(s, image, taps, bias, sum_from(c0), relu, oh, ow, c0, out_row + at + c0);
+    }
+    for (; c0 + 16 <= s.channels; c0 += 16) {
+      pixel_vectors<1>(s, image, taps, bias, sum_from(c0), relu, oh, ow, c0, out_row + at + c0);
+    }
+    if (c0 < s.channels) {
+      pixel_remainder(s, image, taps, bias, sum_from(c0), relu, oh, ow, c0, s.channels - c0, out_row + at + c0);
+    }
+  }
+}
+
+// Output pixels [ow_begin, ow_end) (a multiple of kPixels, all taps inside the width) of a
+// stride-1 row with kernel width Width: runs of kPixels per 16 channels, the last channels
+// (fewer than 16) pixel by pixel.
+template <int64_t Width>
+__attribute__((always_inline)) inline void pixel_runs(const DepthwiseShape& s, const float* image, const float* taps,
+                                                       const float* bias, const float* sum_row, bool relu,
+                                                       int64_t oh, int64_t ow_begin, int64_t ow_end, float* out_row) {
+  const int64_t vector_channels = s.channels / 16 * 16;
+  for (int64_t ow0 = ow_begin; ow0 < ow_end; ow0 += kPixels) {
+    const int64_t at = ow0 * s.channels;
+    for (int64_t c0 = 0; c0 < vector_channels; c0 += 16) {
+      pixel_run<Width>(s, image, taps, bias, sum_row != nullptr ? sum_row + at + c0 : nullptr, relu, oh, ow0, c0,
+                       out_row + at + c0);
+    }
+    if (vector_channels < s.channels) {
+      for (int64_t ow = ow0; ow < ow0 + kPixels; ++ow) {
+        const int64_t pixel_at = ow * s.channels + vector_channels;
+        pixel_remainder(s, image, taps, bias, sum_row != nullptr ? sum_row + pixel_at : nullptr, relu, oh, ow,
+                        vector_channels, s.channels - vector_channels, out_row + pixel_at);
+      }
+    }
+  }
+}
+
+// Output rows [begin, end) of the flattened (batch, out_h) range. Stride-1, undilated rows with a
+// 3, 5 or 7 wide kernel take the runs of pixel_run between their borders.
+BLADE_ISA_CLONES void depthwise_rows(const DepthwiseShape& s, const float* input, const float* taps,
+                                     const float* bias, const float* sum, bool relu, float* output, int64_t begin,
+                                     int64_t end) {
+  const int64_t row_floats = s.out_w * s.channels;
+  const bool runs = s.stride_w == 1 && s.dilation_w == 1 && (s.kernel_w == 3 || s.kernel_w == 5 || s.kernel_w == 7);
+  // Output pixels whose taps all fall inside the image width: [first, last).
+  const int64_t first = std::min(s.pad_left, s.out_w);
+  const int64_t last = std::max(first, std::min(s.out_w, s.in_w - s.kernel_w + s.pad_left + 1));
+  const int64_t run_end = runs ? first + (last - first) / kPixels * kPixels : first;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t n = row / s.out_h, oh = row % s.out_h;
+    const float* image = input + n * s.in_h * s.in_w * s.channels;
+    const float* sum_row = sum != nullptr ? sum + row * row_floats : nullptr;
+    float* out_row = output + row * row_floats;
+    pixels(s, image, taps, bias, sum_row, relu, oh, 0, first, out_row);
+    switch (runs ? s.kernel_w : 0) {
+      case 3: pixel_runs<3>(s, image, taps, bias, sum_row, relu, oh, first, run_end, out_row); break;
+      case 5: pixel_runs<5>(s, image, taps, bias, sum_row, relu, oh, first, run_end, out_row); break;
+      case 7: pixel_runs<7>(s, image, taps, bias, sum_row, relu, oh, first, run_end, out_row); break;
+      default: break;
+    }
+    pixels(s, image, taps, bias, sum_row, relu, oh, run_end, s.out_w, out_row);
+  }
+}
+
+}  // namespace
+
+at::Tensor depthwise_tap_weight(const float* weight, int64_t channels, int64_t taps) {
+  at::Tensor out = at::empty({taps, channels}, at::kFloat);
+  float* dest = out.mutable_data_ptr<float>();
+  for (int64_t c = 0; c < channels; ++c) {
+    for (int64_t t = 0; t < taps; ++t) dest[t * channels + c] = weight[c * taps + t];
+  }
+  return out;
+}
+
+void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
+                      const float* sum, bool relu, float* output) {
+  const int64_t rows = shape.batch * shape.out_h;
+  // A chunk of rows worth a thread wake-up: about 32K multiply-adds.
+  const int64_t per_row = std::max<int64_t>(1, shape.out_w * shape.channels * shape.kernel_h * shape.kernel_w);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / per_row);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    depthwise_rows(shape, input, tap_weight, bias, sum, relu, output, begin, end);
+  });
+}
+
+}  // namespace blade
