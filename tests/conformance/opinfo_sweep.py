@@ -8,6 +8,7 @@ Expected failures live in ``expected_failures.py``; a case of a listed group tha
 XPASS, a failure of that table.
 
     python -m tests.conformance.opinfo_sweep --out bench/CONFORMANCE.md [--ops add,div] [--samples 2] [--resume]
+        [--suites opinfo,composite]     (--ops composite:permute: that kind's composite cases)
 
 By default every op runs its first sample on float32 (on every dtype it supports, for the few ops
 without float32), and the ops where such a case reached an engine run every dtype and --samples
@@ -168,9 +169,11 @@ def as_graph_function(op, sample):
 
 def _clones(tensors: list) -> list:
     """Copies with the sizes, strides and storage offsets of the originals (Tensor.clone makes a
-    non-dense input contiguous) and views of one storage still sharing one copied storage."""
+    non-dense input contiguous) and views of one storage still sharing one copied storage; sparse
+    tensors, which have no storage to copy, through clone."""
     from blade.frontend import copied_tensors
-    return copied_tensors(tensors)
+    copies = iter(copied_tensors([t for t in tensors if t.layout == torch.strided]))
+    return [next(copies) if t.layout == torch.strided else t.clone() for t in tensors]
 
 
 def _leaves(value) -> list:

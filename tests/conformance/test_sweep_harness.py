@@ -98,3 +98,5 @@ def test_a_non_contiguous_input_reaches_the_graph_with_its_strides():
     x = torch.arange(12.0).reshape(3, 4).t()
     assert opinfo_sweep.run_case(strided, "f32", 0, SampleInput(x)).status == "pass"
     assert seen[0] == x.stride()
+    sparse = torch.eye(3).to_sparse()   # no storage to copy: cloned
+    assert [c.layout for c in opinfo_sweep._clones([x, sparse])] == [torch.strided, torch.sparse_coo]
