@@ -10,13 +10,16 @@ never sees TorchScript. Steps:
   3. freeze, inline, constant-propagate, remove mutation, specialize sizes to the static shapes;
   4. give every tensor value of the top-level block its concrete shape and dtype, measured by
      running the graph on copies of the example inputs and of the module's state (exact for every
-     op, no shape functions needed; the caller's tensors are never written by a compile).
+     op, no shape functions needed; the caller's tensors are never written by a compile);
+  5. check those dtypes against eager's (dynamo's example values): where TorchScript computes an
+     FX value in another dtype, cast it back to eager's and convert again (see _eager_dtypes).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -323,17 +326,87 @@ def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool 
 def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: str, convert) -> Frontend:
     """Frozen inputs the graph writes are converted again as runtime inputs, so each call writes
     the caller's tensor (once) rather than a frozen copy; other attributes it writes are kept
-    through freezing (which would fold a training-mode batch norm's running statistics)."""
-    fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
-    scripted = convert(fx_module, [example_inputs[i] for i in runtime_inputs])
-    written = _written_attributes(scripted)
-    lifted = {int(name[len(FROZEN_PREFIX):]) for name in written if name.startswith(FROZEN_PREFIX)}
-    if lifted:
-        fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze, lifted)
-        scripted = convert(fx_module, [example_inputs[i] for i in runtime_inputs])
+    through freezing (which would fold a training-mode batch norm's running statistics). FX values
+    TorchScript computes in another dtype than eager get a cast to eager's (then convert again)."""
+    casts = _identity_casts(gm)
+    for _ in range(MAX_CAST_ROUNDS):
+        fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
+        scripted = convert(_cast_to(fx_module, casts), [example_inputs[i] for i in runtime_inputs])
         written = _written_attributes(scripted)
-    inputs = [example_inputs[i] for i in runtime_inputs]
-    return Frontend(_prepare(scripted, inputs, sorted(written)), runtime_inputs, inputs, how)
+        lifted = {int(name[len(FROZEN_PREFIX):]) for name in written if name.startswith(FROZEN_PREFIX)}
+        if lifted:
+            fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze, lifted)
+            scripted = convert(_cast_to(fx_module, casts), [example_inputs[i] for i in runtime_inputs])
+            written = _written_attributes(scripted)
+        inputs = [example_inputs[i] for i in runtime_inputs]
+        frozen = _prepare(scripted, inputs, sorted(written))
+        diverged = {name: dtype for name, dtype in _eager_dtypes(gm, frozen.graph).items() if name not in casts}
+        if not diverged:
+            return Frontend(frozen, runtime_inputs, inputs, how)
+        casts.update(diverged)
+    raise FrontendError(f"TorchScript computes {', '.join(sorted(diverged))} in another dtype than eager")
+
+
+MAX_CAST_ROUNDS = 3
+_SSA_SUFFIX = re.compile(r"\.\d+$")
+
+
+def _eager_dtypes(gm: torch.fx.GraphModule, graph: torch.Graph) -> dict:
+    """FX node name -> eager's dtype, for the FX values the typed TorchScript graph computes in
+    another dtype. TorchScript has no bool Scalar (``bool_tensor & True`` scripts as ``& 1``:
+    int64, eager bool) and freezing drops ``x * 1`` whatever x's dtype (``mask * 1``: bool, eager
+    int64). Such a value holds eager's numbers (0 and 1) in another dtype, so a cast to eager's
+    dtype right after it makes it, and everything computed from it, eager's again. TorchScript
+    values keep their FX name (with an SSA suffix); a name that matches the wrong value only
+    adds a cast that changes nothing."""
+    eager = {node.name: node.meta["example_value"].dtype for node in gm.graph.nodes
+             if isinstance(node.meta.get("example_value"), torch.Tensor)}
+    diverged = {}
+    for node in graph.nodes():
+        for value in node.outputs():
+            name = _SSA_SUFFIX.sub("", value.debugName())
+            if name in eager and isinstance(value.type(), torch.TensorType) and \
+                    value.type().dtype() not in (None, eager[name]):
+                diverged[name] = eager[name]
+    return diverged
+
+
+# x * 1, x / 1, x + 0, x - 0 (and 1 * x, 0 + x): freezing removes them as no-ops, also where
+# they change x's dtype
+IDENTITY_SCALARS = {"mul": 1, "truediv": 1, "div": 1, "add": 0, "sub": 0}
+COMMUTATIVE = ("mul", "add")
+
+
+def _identity_casts(gm: torch.fx.GraphModule) -> dict:
+    """FX node name -> eager dtype, for identity arithmetic that changes its operand's dtype
+    (``mask * 1``: bool to int64). Freezing drops the node, leaving no value to check; a cast
+    after it keeps eager's dtype whether or not the node survives."""
+    casts = {}
+    for node in gm.graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op not in ("call_function", "call_method") or name not in IDENTITY_SCALARS or \
+                len(node.args) != 2 or node.kwargs:
+            continue
+        tensor, scalar = node.args if isinstance(node.args[0], torch.fx.Node) or name not in COMMUTATIVE \
+            else node.args[::-1]
+        value, operand = node.meta.get("example_value"), getattr(tensor, "meta", {}).get("example_value")
+        if isinstance(value, torch.Tensor) and isinstance(operand, torch.Tensor) and \
+                type(scalar) in (int, float) and scalar == IDENTITY_SCALARS[name] and value.dtype != operand.dtype:
+            casts[node.name] = value.dtype
+    return casts
+
+
+def _cast_to(module: torch.fx.GraphModule, casts: dict) -> torch.fx.GraphModule:
+    """module with FX node `name`'s value cast to casts[name] for all its users."""
+    if not casts:
+        return module
+    for node in list(module.graph.nodes):
+        if node.name in casts:
+            with module.graph.inserting_after(node):
+                cast = module.graph.call_method("to", (node, casts[node.name]))
+            node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    module.recompile()
+    return module
 
 
 def _written_attributes(scripted) -> set:

@@ -8,9 +8,14 @@ Expected failures live in ``expected_failures.py``; a case of a listed group tha
 XPASS, a failure of that table.
 
     python -m tests.conformance.opinfo_sweep --out bench/CONFORMANCE.md [--ops add,div] [--samples 2] [--resume]
+        [--suites opinfo,composite]     (--ops composite:permute: that kind's composite cases)
 
-By default every op runs its first float32 sample, and the ops where that case reached an engine
-run every dtype and --samples samples (--exhaustive: every op that way; hours on 2 cores).
+By default every op runs its first sample on float32 (on every dtype it supports, for the few ops
+without float32), and the ops where such a case reached an engine run every dtype and --samples
+samples (--exhaustive: every op that way; hours on 2 cores). Then every case of the composite
+table (composite_cases.py) runs: hand-written graphs, one or more per lowering-table kind, that
+OpInfo's one-op graphs cannot give an engine (a view returned as is, an aten spelling OpInfo's
+wrapper does not produce); such a case passes only when an engine computed its kind.
 
 The CLI runs the cases in a worker subprocess that streams one JSON line per case; when a worker
 dies or hangs, its current case is recorded as a crash and a new worker continues after it.
@@ -55,15 +60,22 @@ class CaseResult:
     op: str
     dtype: str
     sample: int
-    status: str          # pass | mismatch | mutation | error | crash | skip
+    status: str          # pass | mismatch | mutation | refused | error | crash | skip
     engine: bool = False  # an engine call was in the compiled graph(s) that ran
     detail: str = ""
     seconds: float = 0.0
     engine_ops: list = field(default_factory=list)  # the op kinds those engines computed
+    kind: str = ""       # a composite case: the kind an engine must compute (else "refused")
 
     @property
     def failed(self) -> bool:
-        return self.status in ("mismatch", "mutation", "error", "crash")
+        return self.status in FAILED
+
+
+FAILED = ("mismatch", "mutation", "refused", "error", "crash")
+# What expected_failures.py may excuse: a kind left in TorchScript. Never a wrong result, nor an
+# exception or crash (tt_infer must not raise).
+EXPECTABLE = ("refused",)
 
 
 def op_name(op) -> str:
@@ -88,8 +100,8 @@ SAMPLE_SOURCES = {
 }
 
 
-def samples_of(op, dtype: torch.dtype, limit: int, source: str = "sample") -> list:
-    """The first `limit` CPU samples of op for dtype (seeded: the same tensors on every run)."""
+def samples_of(op, dtype: torch.dtype, limit, source: str = "sample") -> list:
+    """The first `limit` (None: all) CPU samples of op for dtype (seeded: the same tensors on every run)."""
     if dtype not in op.supported_dtypes("cpu"):
         return []
     torch.manual_seed(0)
@@ -115,6 +127,7 @@ class Recorder:
         self.engine_calls = 0
         self.engine_ops: set = set()
         self.fallbacks: list = []
+        self.left_out: dict = {}  # kind -> why the first such op stayed in TorchScript
 
     def __call__(self, gm, example_inputs):
         from blade.dynamo import tt_infer
@@ -127,7 +140,17 @@ class Recorder:
         else:
             self.engine_calls += report.engine_calls
             self.engine_ops |= {kind for c in report.clusters if c.status == "compiled" for kind in c.op_kinds}
+            for node in report.left_out_nodes:
+                self.left_out.setdefault(node.kind, node.reason)
         return result
+
+    def why_not(self, kind: str) -> str:
+        """Why no engine computed `kind` in the graphs compiled so far."""
+        if kind in self.left_out:
+            return f"{kind} left in TorchScript: {self.left_out[kind]}"
+        if self.fallbacks:
+            return "; ".join(self.fallbacks)
+        return f"{kind} is not in the graph blade compiled (dynamo or the frontend turned it into other ops)"
 
 
 def as_graph_function(op, sample):
@@ -145,7 +168,12 @@ def as_graph_function(op, sample):
 
 
 def _clones(tensors: list) -> list:
-    return [t.clone() for t in tensors]
+    """Copies with the sizes, strides and storage offsets of the originals (Tensor.clone makes a
+    non-dense input contiguous) and views of one storage still sharing one copied storage; sparse
+    tensors, which have no storage to copy, through clone."""
+    from blade.frontend import copied_tensors
+    copies = iter(copied_tensors([t for t in tensors if t.layout == torch.strided]))
+    return [next(copies) if t.layout == torch.strided else t.clone() for t in tensors]
 
 
 def _leaves(value) -> list:
@@ -184,14 +212,19 @@ def _first_line(err: BaseException) -> str:
 
 
 def run_case(op, dtype_name: str, index: int, sample) -> CaseResult:
-    """Compile op on one sample with engines forced on; compare outputs and inputs with eager."""
-    result = CaseResult(op_name(op), dtype_name, index, "skip")
+    """Compile op on one sample with engines forced on; compare outputs and inputs with eager.
+    A composite case (an op with an ``engine_kind``) that matches eager without an engine
+    computing that kind is "refused", with the reason blade gave."""
+    kind = getattr(op, "engine_kind", "")
+    result = CaseResult(op_name(op), dtype_name, index, "skip", kind=kind)
     started = time.perf_counter()
     torch._dynamo.reset()
     recorder = Recorder()
     try:
         result.status, result.detail = _differential(op, sample, recorder)
         result.engine, result.engine_ops = recorder.engine_calls > 0, sorted(recorder.engine_ops)
+        if kind and result.status == "pass" and kind not in recorder.engine_ops:
+            result.status, result.detail = "refused", recorder.why_not(kind)[:300]
     finally:
         torch._dynamo.reset()
         result.seconds = round(time.perf_counter() - started, 3)
@@ -225,16 +258,24 @@ def _differential(op, sample, recorder: Recorder) -> tuple[str, str]:
 # Enumeration and classification
 # ---------------------------------------------------------------------------------------------
 
-def cases(ops: list, dtypes: list, limit: int, source: str = "sample"):
-    """(op, dtype name, sample index, sample) for every op, dtype and sample (up to limit)."""
+def cases(ops: list, dtypes: list, limit: int, source: str = "sample", probe: bool = False):
+    """(op, dtype name, sample index, sample) for every op, dtype and sample (up to limit);
+    probe: only float32 of the ops that support it (dtypes is then the fallback for the others)."""
     for op in ops:
-        for dtype_name in dtypes:
+        for dtype_name in probe_dtypes(op, dtypes) if probe else dtypes:
             for index, sample in enumerate(samples_of(op, DTYPES[dtype_name], limit, source)):
                 yield op, dtype_name, index, sample
 
 
+def probe_dtypes(op, dtypes: list) -> list:
+    """float32 when op supports it, else every one of dtypes it supports (bitwise ops: ints, bool)."""
+    supported = op.supported_dtypes("cpu")
+    return ["f32"] if torch.float32 in supported else [d for d in dtypes if DTYPES[d] in supported]
+
+
 def classify(results: list) -> dict:
-    """Per (op, dtype) group: PASS, FAIL (unlisted failure), XFAIL (listed, fails), XPASS (listed, passes)."""
+    """Per (op, dtype) group: PASS, FAIL (an unlisted failure, or any but a refusal), XFAIL (listed,
+    refused), XPASS (listed, passes)."""
     groups = defaultdict(list)
     for r in results:
         groups[(r.op, r.dtype)].append(r)
@@ -245,6 +286,8 @@ def classify(results: list) -> dict:
         ran = any(r.status != "skip" for r in members)
         if not ran:
             verdicts[(op, dtype)] = "SKIP"
+        elif any(r.failed and r.status not in EXPECTABLE for r in members):
+            verdicts[(op, dtype)] = "FAIL"   # listed or not
         elif listed:
             verdicts[(op, dtype)] = "XFAIL" if failed else "XPASS"
         else:
@@ -260,8 +303,21 @@ def _case_key(op: str, dtype: str, index: int) -> str:
     return f"{op}|{dtype}|{index}"
 
 
-def worker(ops_filter: list, dtypes: list, limit: int, source: str, done_file: Path) -> None:
-    """Run every case not yet in done_file, appending a 'start' line before and a result after."""
+def suite_ops(suite: str) -> list:
+    """The cases' ops of a suite: OpInfo's database, or the composite table (op-like objects)."""
+    if suite == "composite":
+        from .composite_cases import COMPOSITE_CASES
+        return list(COMPOSITE_CASES)
+    return op_db()
+
+
+SUITES = ("opinfo", "composite")
+
+
+def worker(ops_filter: list, dtypes: list, limit: int, source: str, done_file: Path, suite: str = "opinfo",
+           probe: bool = False) -> None:
+    """Run every case not yet in done_file, appending a 'start' line before and a result after.
+    A composite case runs all its samples: each is an edge it was written for."""
     import blade  # noqa: F401  (registers tt_infer)
     done = set()
     if done_file.exists():
@@ -269,9 +325,10 @@ def worker(ops_filter: list, dtypes: list, limit: int, source: str, done_file: P
             record = json.loads(line)
             if record["status"] != "start":
                 done.add(_case_key(record["op"], record["dtype"], record["sample"]))
-    selected = [op for op in op_db() if not ops_filter or op_name(op) in ops_filter or op.name in ops_filter]
+    selected = [op for op in suite_ops(suite)
+                if not ops_filter or op_name(op) in ops_filter or op.name in ops_filter]
     with open(done_file, "a") as out:
-        for op, dtype, index, sample in cases(selected, dtypes, limit, source):
+        for op, dtype, index, sample in cases(selected, dtypes, limit if suite == "opinfo" else None, source, probe):
             key = _case_key(op_name(op), dtype, index)
             if key in done:
                 continue
@@ -283,23 +340,32 @@ def worker(ops_filter: list, dtypes: list, limit: int, source: str, done_file: P
     print("worker done", flush=True)
 
 
-def run_plan(ops_filter: list, dtypes: list, limit: int, source: str, results_file: Path, exhaustive: bool) -> list:
+def run_plan(ops_filter: list, dtypes: list, limit: int, source: str, results_file: Path, exhaustive: bool,
+             suites=SUITES) -> list:
     """The named ops (or, exhaustive, all of op_db) over every dtype and `limit` samples; by default
-    two phases that fit a small machine: every op on its first float32 sample, then every dtype and
-    `limit` samples of the ops where that first case ran an engine (the others never reach one)."""
-    if ops_filter or exhaustive:
-        return run_sweep(ops_filter, dtypes, limit, source, results_file)
-    probed = run_sweep([], ["f32"], 1, source, results_file)
-    engine_ops = sorted({r.op for r in probed if r.engine})
-    return run_sweep(engine_ops, dtypes, limit, source, results_file)
+    phases that fit a small machine: every op on its first sample of float32 (or, without float32,
+    of each dtype it supports), then every dtype and `limit` samples of the ops where such a case
+    ran an engine (the others never reach one). Then the composite table, every case."""
+    results = []
+    if "opinfo" in suites:
+        if ops_filter or exhaustive:
+            results = run_sweep(ops_filter, dtypes, limit, source, results_file)
+        else:
+            probed = run_sweep([], dtypes, 1, source, results_file, probe=True)
+            engine_ops = sorted({r.op for r in probed if r.engine})
+            results = run_sweep(engine_ops, dtypes, limit, source, results_file)
+    if "composite" in suites:
+        results = run_sweep(ops_filter, dtypes, limit, source, results_file, suite="composite")
+    return results
 
 
-def run_sweep(ops_filter: list, dtypes: list, limit: int, source: str, results_file: Path) -> list:
+def run_sweep(ops_filter: list, dtypes: list, limit: int, source: str, results_file: Path, suite: str = "opinfo",
+              probe: bool = False) -> list:
     """Workers until every case has a result; a dead or silent worker's case becomes a crash."""
     while True:
         command = [sys.executable, "-m", "tests.conformance.opinfo_sweep", "--worker",
                    "--results", str(results_file), "--samples", str(limit), "--dtypes", ",".join(dtypes),
-                   "--inputs", source]
+                   "--inputs", source, "--suites", suite] + (["--probe"] if probe else [])
         if ops_filter:
             command += ["--ops", ",".join(ops_filter)]
         worker_log = results_file.with_name(results_file.name + ".worker.log")  # what a dead worker said
@@ -355,7 +421,7 @@ def load_results(results_file: Path) -> list:
 
 def failure_class(result: CaseResult) -> str:
     """A short bucket for a failure: status plus the exception type or the first words."""
-    if result.status in ("mismatch", "mutation", "crash"):
+    if result.status in ("mismatch", "mutation", "crash", "refused"):
         return result.status
     return "error: " + result.detail.split(":")[0]
 
@@ -363,23 +429,24 @@ def failure_class(result: CaseResult) -> str:
 def summary(results: list, seconds: float, command: str) -> str:
     verdicts = classify(results)
     ran = [r for r in results if r.status != "skip"]
-    passed = [r for r in ran if r.status == "pass"]
-    with_engine = [r for r in ran if r.engine]
-    ops = {r.op for r in results}
     groups = Counter(verdicts.values())
+    opinfo = [r for r in results if not r.kind]
     lines = [
         "# OpInfo conformance sweep (tt_infer, min_cluster_size=1, vs eager)",
         "",
         f"Generated by `{command}`{_duration(seconds, results)}. Dtypes "
         f"{', '.join(d for d in DTYPES if any(r.dtype == d for r in results))}, up to "
-        f"{1 + max((r.sample for r in results), default=0)} samples per op and dtype. The default plan "
-        "runs every op's first float32 sample, then every dtype of the ops where that case reached an engine.",
+        f"{1 + max((r.sample for r in opinfo), default=0)} OpInfo samples per op and dtype. The default plan "
+        "runs every op's first float32 sample (each supported dtype's, for ops without float32), then every "
+        "dtype of the ops where such a case reached an engine; then every case of the composite table "
+        "(composite_cases.py: graphs written to put one lowering-table kind in an engine, with edge shapes; "
+        "a composite case whose kind stayed in TorchScript is `refused`, a failure).",
         "",
-        "| ops | ops reaching an engine | cases | ran | passed | engine ran | skipped (eager raises / undefined) |",
-        "|---|---|---|---|---|---|---|",
-        f"| {len(ops)} | {len({r.op for r in with_engine})} | {len(results)} | {len(ran)} | "
-        f"{len(passed)} ({_share(passed, ran)}) | {len(with_engine)} ({_share(with_engine, ran)}) | "
-        f"{len(results) - len(ran)} |",
+        "| cases from | ops | ops reaching an engine | cases | ran | passed | engine ran | "
+        "skipped (eager raises / undefined) |",
+        "|---|---|---|---|---|---|---|---|",
+        _table_row("OpInfo", opinfo),
+        _table_row("composite", [r for r in results if r.kind]),
         "",
         "Per (op, dtype) group: " + ", ".join(f"{v} {groups[v]}" for v in ("PASS", "XFAIL", "FAIL", "XPASS", "SKIP")),
         "",
@@ -406,15 +473,39 @@ def summary(results: list, seconds: float, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _unreached_kinds(results: list) -> list:
-    """The aten kinds of the lowering table that no passing case computed in an engine."""
+def _table_row(label: str, results: list) -> str:
+    ran = [r for r in results if r.status != "skip"]
+    passed = [r for r in ran if r.status == "pass"]
+    with_engine = [r for r in ran if r.engine]
+    return (f"| {label} | {len({r.op for r in results})} | {len({r.op for r in with_engine})} | {len(results)} | "
+            f"{len(ran)} | {len(passed)} ({_share(passed, ran)}) | {len(with_engine)} ({_share(with_engine, ran)}) | "
+            f"{len(results) - len(ran)} |")
+
+
+def lowering_kinds() -> set:
+    """The aten kinds of the lowering table (Tensor[] glue aside): each needs a case in an engine."""
     from blade.cluster.partition import GLUE_KINDS
     from blade.cluster.support import LOWERING
+    return {kind for kind in LOWERING if kind.startswith("aten::") and kind not in GLUE_KINDS}
+
+
+def unreached_kinds(results: list) -> dict:
+    """Kind -> why: the lowering-table kinds no passing case computed in an engine, with what
+    their composite cases recorded (or that none exists)."""
     reached = {kind for r in results if r.status == "pass" for kind in r.engine_ops}
-    table = {kind for kind in LOWERING if kind.startswith("aten::") and kind not in GLUE_KINDS}
-    missing = sorted(table - reached)
-    return ["", f"## Lowering-table kinds no passing case computed in an engine: {len(missing)} of {len(table)}",
-            "", ", ".join(f"`{k}`" for k in missing) or "none"]
+    missing = {}
+    for kind in sorted(lowering_kinds() - reached):
+        tried = [r for r in results if r.kind == kind and r.status != "pass"]
+        missing[kind] = (f"{tried[0].op} {tried[0].dtype} sample {tried[0].sample}: {tried[0].status}: "
+                         f"{tried[0].detail}" if tried else "no composite case")
+    return missing
+
+
+def _unreached_kinds(results: list) -> list:
+    missing = unreached_kinds(results)
+    lines = ["", f"## Lowering-table kinds no passing case computed in an engine: {len(missing)} of "
+             f"{len(lowering_kinds())}", ""]
+    return lines + ([f"- `{kind}`: {why.replace('|', '/')}" for kind, why in missing.items()] or ["none"])
 
 
 def _duration(seconds, results: list) -> str:
@@ -453,13 +544,17 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", action="store_true", help="keep the results of an interrupted run")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite --out from the stored results (after editing expected_failures.py)")
+    parser.add_argument("--suites", default=",".join(SUITES),
+                        help="opinfo (OpInfo's samples), composite (composite_cases.py) or both")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     ops_filter = [o for o in args.ops.split(",") if o]
     dtypes = [d for d in args.dtypes.split(",") if d]
     results_file = Path(args.results or Path(args.out).with_suffix(".jsonl"))
+    suites = [name for name in args.suites.split(",") if name]
     if args.worker:
-        worker(ops_filter, dtypes, args.samples, args.inputs, results_file)
+        worker(ops_filter, dtypes, args.samples, args.inputs, results_file, suites[0], args.probe)
         return 0
     command = "python -m tests.conformance.opinfo_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.report_only:
@@ -468,7 +563,7 @@ def main(argv=None) -> int:
         if not args.resume:
             results_file.unlink(missing_ok=True)
         started = time.monotonic()
-        results = run_plan(ops_filter, dtypes, args.samples, args.inputs, results_file, args.exhaustive)
+        results = run_plan(ops_filter, dtypes, args.samples, args.inputs, results_file, args.exhaustive, suites)
         seconds = time.monotonic() - started
     Path(args.out).write_text(summary(results, seconds, command))
     verdicts = classify(results)

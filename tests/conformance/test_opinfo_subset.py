@@ -1,9 +1,12 @@
 """A fixed, fast slice of the OpInfo sweep (opinfo_sweep.py) for `make test`: one or two OpInfo
 samples per family of the lowering table, compiled with engines forced on and compared with eager
 (outputs and inputs after the call). Every case must reach an engine (but the few that must stay in
-TorchScript, each with its reason, in IN_TORCHSCRIPT), so a silent all-TorchScript run cannot pass; a failing case of a group listed in expected_failures.py is an expected failure."""
+TorchScript, each with its reason, in IN_TORCHSCRIPT), so a silent all-TorchScript run cannot pass;
+a failing case of a group listed in expected_failures.py is an expected failure. Plus the first
+sample of each kind's first composite case (composite_cases.py), which must put its kind in an engine."""
 import pytest
 
+from .composite_cases import COMPOSITE_CASES
 from .expected_failures import expected_failure
 from .opinfo_sweep import DTYPES, op_db, op_name, run_case, samples_of
 
@@ -83,3 +86,17 @@ def test_opinfo_case(ops_by_name, name, dtype, index):
     stays = IN_TORCHSCRIPT.get((name, dtype, index))
     assert result.engine == (stays is None), \
         f"engine ran: {result.engine}; expected {'none (' + stays + ')' if stays else 'an engine'}"
+
+
+# The first composite case of each kind, on its first dtype and first sample (the full sweep runs
+# every edge sample): the kinds OpInfo's one-op graphs leave without an engine.
+FAST_COMPOSITE = [case for i, case in enumerate(COMPOSITE_CASES)
+                  if all(other.kind != case.kind for other in COMPOSITE_CASES[:i])]
+
+
+@pytest.mark.parametrize("case", FAST_COMPOSITE, ids=[case.kind.split("::")[1] for case in FAST_COMPOSITE])
+def test_composite_case(case):
+    dtype = case.dtypes[0]
+    result = run_case(case, dtype, 0, samples_of(case, DTYPES[dtype], 1)[0])
+    assert result.status == "pass", f"{result.status}: {result.detail}"
+    assert case.kind in result.engine_ops

@@ -139,7 +139,6 @@ CALLS = {
     "aten::div": [Call("binary", lambda x, y: torch.div(x, y)),
                   Call("binary", lambda x, y: torch.div(x, y, rounding_mode="floor")),
                   Call("binary", lambda x, y: torch.div(x, y, rounding_mode="trunc"))],
-    "aten::true_divide": [Call("binary", lambda x, y: torch.true_divide(x, y))],
     "aten::pow": [Call("binary", lambda x, y: torch.pow(x, y)),
                   Call("unary", lambda x: torch.pow(x, 2.5)),      # the general pow
                   Call("unary", lambda x: torch.pow(x, 3)),        # multiplies
@@ -188,16 +187,16 @@ NOT_EDGE_TESTED = {
     **{kind: _SHAPES for kind in (
         "aten::view", "aten::reshape", "aten::flatten", "aten::view_as", "aten::reshape_as", "aten::permute",
         "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::expand_as",
-        "aten::contiguous", "aten::clone", "aten::detach", "aten::dropout", "aten::feature_dropout",
-        "aten::slice", "aten::narrow", "aten::select", "aten::cat", "aten::concat", "aten::embedding",
+        "aten::contiguous", "aten::clone",
+        "aten::slice", "aten::narrow", "aten::select", "aten::cat", "aten::embedding",
         "aten::index", "aten::index_select", "aten::gather", "aten::tril", "aten::triu", "aten::repeat",
         "aten::roll", "aten::stack", "aten::unbind", "aten::split", "aten::split_with_sizes", "aten::chunk",
         "aten::pad", "aten::constant_pad_nd", "aten::reflection_pad1d", "aten::reflection_pad2d",
         "aten::replication_pad1d", "aten::replication_pad2d",
         "prim::ListConstruct", "prim::ListUnpack", "aten::__getitem__")},
     **{kind: _CREATION for kind in (
-        "aten::zeros", "aten::zeros_like", "aten::new_zeros", "aten::ones", "aten::ones_like", "aten::new_ones",
-        "aten::full", "aten::full_like", "aten::new_full", "aten::arange")},
+        "aten::zeros_like", "aten::new_zeros", "aten::ones_like", "aten::new_ones", "aten::full_like",
+        "aten::new_full")},
 }
 
 

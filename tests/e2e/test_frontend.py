@@ -1,4 +1,5 @@
 """Frontend rewrites of the frozen TorchScript graph, checked on the graph and against eager."""
+import pytest
 import torch
 import torch.fx
 
@@ -35,3 +36,62 @@ def test_linears_sharing_an_input_become_one_sliced_linear():
         assert_close(frontend.module(x), model(x))
         assert_close(torch.compile(model, backend="tt_infer")(x), model(x))
         assert_close(blade.compile_model(model, (x,))(x)[0], model(x))
+
+
+# Kinds the lowering table has no rule for, because the frontend never produces them:
+# (function, inputs, the kind it would be, the kind TorchScript computes it as or None)
+F = torch.nn.functional
+NEVER_PRODUCED = {
+    "true_divide": (lambda x: torch.true_divide(x, x + 1), "aten::true_divide", "aten::div"),
+    "concat": (lambda x: torch.concat([x, x]) * 2, "aten::concat", "aten::cat"),
+    "detach": (lambda x: x.detach() * 2, "aten::detach", None),
+    "dropout": (lambda x: F.dropout(x, 0.5, training=False) * 2, "aten::dropout", None),
+    "feature_dropout": (lambda x: F.dropout2d(x, 0.5, training=False) * 2, "aten::feature_dropout", None),
+    "zeros": (lambda x: x + torch.zeros(4), "aten::zeros", None),
+    "ones": (lambda x: x + torch.ones(4), "aten::ones", None),
+    "full": (lambda x: x + torch.full((4,), 2.5), "aten::full", None),
+    "arange": (lambda x: x + torch.arange(4), "aten::arange", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEVER_PRODUCED))
+def test_kinds_without_a_rule_never_reach_the_partitioner(name):
+    """If torch starts producing one of these, it needs its rule back (blade/cluster/support.py)."""
+    fn, kind, instead = NEVER_PRODUCED[name]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(to_torchscript(gm, list(example_inputs)).graph)
+        return gm.forward
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=backend)(torch.randn(2, 3, 4, 4))
+    assert len(graphs) == 1 and kind not in kinds(graphs[0])
+    assert instead is None or instead in kinds(graphs[0])
+
+
+# TorchScript computes these in another dtype than eager (it has no bool Scalar: `& True` is
+# `& 1`, int64; freezing drops `* 1` and `+ 0` even where they turn bool into int64); the
+# frontend casts each such value back to eager's dtype. In engines and in TorchScript alone.
+DTYPE_DIVERGENCES = {
+    "bool_times_one": lambda x: (x > 0) * 1,
+    "one_times_bool": lambda x: 1 * (x > 0),
+    "bool_plus_zero": lambda x: 0 + (x > 0),
+    "int_over_one": lambda x: (x > 0).int() / 1,
+    "invert_after_times_one": lambda x: ~((x > 0) * 1),
+    "bool_and_true": lambda x: (x > 0) & True,
+    "invert_after_or_false": lambda x: ~((x > 0) | False),
+    "where_bool_scalar": lambda x: torch.where(x > 0, x > 1, True),
+    "bool_plus_true": lambda x: (x > 0) + True,
+}
+
+
+@pytest.mark.parametrize("min_cluster_size", [1, 100], ids=["engines", "torchscript"])
+@pytest.mark.parametrize("name", sorted(DTYPE_DIVERGENCES))
+def test_values_torchscript_types_differently_keep_eager_dtypes(name, min_cluster_size):
+    fn = DTYPE_DIVERGENCES[name]
+    x = torch.randn(6)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(fn, backend="tt_infer", options={"min_cluster_size": min_cluster_size})(x)
+    assert_close(got, fn(x))

@@ -242,6 +242,17 @@ CASES = {
     "logsumexp_keepdim": (lambda x: torch.logsumexp(x * 50, dim=(0, 1), keepdim=True), [f32(4, 9)]),
     "dropout_eval": (lambda x: F.dropout(x, 0.5, training=False) * 2, [f32(4, 8)]),
     "zero_size_dim": (lambda x: (x * 2).sum(0), [f32(0, 8)]),
+    # edges the composite sweep cases found (tests/conformance/composite_cases.py)
+    "permute_0d": (lambda x: x.permute(()) * 2, [f32()]),
+    "t_0d": (lambda x: x.t() * 2, [f32()]),
+    "view_empty_dims_swapped": (lambda x: x.view(3, 0) * 2, [f32(0, 3)]),   # ONNX Reshape's 0 copies a dim
+    "split_empty_dim": (lambda x: [p * 2 for p in x.split(2, 0)], [f32(0, 4)]),     # one empty piece
+    "chunk_empty_dim": (lambda x: [p * 2 for p in x.chunk(3, 0)], [f32(0, 4)]),     # three empty chunks
+    "index_select_0d": (lambda x, i: torch.index_select(x, 0, i), [f32(), lambda: torch.tensor([0])]),
+    "max_pool1d_unbatched": (lambda x: F.max_pool1d(x, 2), [f32(3, 9)]),
+    "max_pool2d_unbatched": (lambda x: F.max_pool2d(x, 3, 2, 1, ceil_mode=True), [f32(3, 7, 7)]),
+    "avg_pool2d_unbatched": (lambda x: F.avg_pool2d(x, 2), [f32(3, 8, 6)]),
+    "adaptive_avg_pool2d_unbatched": (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), [f32(3, 8, 6)]),
     "scalar_tensor": (lambda x, y: x * y + 1, [f32(), f32(4)]),
 }
 
