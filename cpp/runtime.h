@@ -7,15 +7,30 @@
 #include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "blade_abi.h"
 
 namespace blade {
 
-// One static instance: GEMM through MKL's BLAS when torch ships it (resolved at run time, ATen
-// otherwise), convolution through oneDNN/ATen, loops on ATen's intra-op thread pool.
+// One static instance: GEMM through MKL's BLAS or libtorch's oneDNN, timed per call shape (gemm.h),
+// convolution through oneDNN/ATen, loops on ATen's intra-op thread pool.
 const BladeRuntime* runtime();
+
+// Which GEMM kernels the runtime may time against each other and use (BLADE_GEMM's values: "auto",
+// "mkl", "onednn", "onednn-matmul", "onednn-packed"; "" reads BLADE_GEMM again). Process-wide; forgets
+// the choices made so far. Throws on an unknown value.
+void set_gemm_backend(const std::string& mode);
+
+// The GEMM kernel chosen per call shape so far in this process, and what each candidate took.
+struct GemmChoice {
+  std::string shape;
+  std::string kernel;
+  std::vector<std::pair<std::string, double>> microseconds;  // per candidate timed: its best call
+};
+std::vector<GemmChoice> gemm_choices();
 
 // Whether the runtime's conv may use Winograd (winograd.h) where it applies; on by default.
 // Process-wide: for tests and A/B measurements against oneDNN's direct convolution.
