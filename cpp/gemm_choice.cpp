@@ -129,9 +129,13 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // Rounds alternate the candidates and each keeps its best call, so a neighbour process stealing
 // the CPU for a while (the machine is shared) does not decide the choice.
 Choice measure(const GemmArgs& g, bool b_constant, unsigned kernels) {
-  constexpr double kTargetSampleS = 100e-6;  // one sample repeats a tiny GEMM up to about this long
-  constexpr int kMinRounds = 3, kMaxRounds = 9;
-  constexpr double kBudgetS = 0.03;  // rounds past kMinRounds only while the timing took less
+  // One sample repeats a tiny GEMM up to about kTargetSampleS. Rounds go on past kMinRounds while
+  // the timing took under kBudgetS: on a loaded 2-core machine a parallel call now and then waits
+  // 10-30 ms for a preempted thread, so a few-hundred-microsecond GEMM needs many samples for
+  // every candidate to have a clean one; a GEMM of many milliseconds gets kMinRounds.
+  constexpr double kTargetSampleS = 100e-6;
+  constexpr int kMinRounds = 3, kMaxRounds = 30;
+  constexpr double kBudgetS = 0.05;
   PackedWeights probe;
   if (b_constant) {
     probe.add_constant(g.b, sizeof(float) * extent(1, 0, g.k, g.n, g.ldb, g.trans_b != 0));
