@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import blade
-from blade_testing import Capture, assert_close
+from blade_testing import PINNED_GEMM_ENV, Capture, assert_close, pinned_gemm
 
 
 def _mlp():
@@ -80,7 +80,7 @@ def test_excluded_ops_stay_in_torchscript():
 def test_save_and_load_in_fresh_process(tmp_path):
     model, x = _mlp(), torch.randn(4, 32)
     capture = Capture()
-    with torch.no_grad():
+    with torch.no_grad(), pinned_gemm():
         out = torch.compile(model, backend=capture)(x)
     module = capture.compiled[0].module
     assert 'prim::CallMethod[name="execute"]' in str(module.graph)
@@ -96,7 +96,7 @@ def test_save_and_load_in_fresh_process(tmp_path):
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={"PATH": "/nonexistent"})  # no compiler reachable: loading must not compile
+                            env={"PATH": "/nonexistent", **PINNED_GEMM_ENV})  # no compiler reachable: loading must not compile
     assert result.returncode == 0, result.stderr
     assert "ok" in result.stdout
 
