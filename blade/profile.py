@@ -71,7 +71,8 @@ class Profile:
             lines.append("GEMM kernels chosen per call shape (this process; best timed call per candidate):")
         for choice in self.gemm_choices:
             timed = ", ".join(f"{name} {us:.1f} us" for name, us in choice["microseconds"])
-            lines.append(f"  {choice['kernel']:14s} {choice['shape']}  ({timed})")
+            again = f"; timed {choice['timings']} times" if choice["timings"] > 1 else ""
+            lines.append(f"  {choice['kernel']:14s} {choice['shape']}  ({timed}{again})")
         return "\n".join(lines)
 
 

@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
@@ -58,15 +60,20 @@ unsigned mode_from_env() {
 // kernels thread.
 using ShapeKey = std::array<int64_t, 15>;
 
+// What was timed for one shape. The kernel is read without the table's lock on every call.
 struct Choice {
-  Kernel kernel;
-  std::array<double, kKernels> us;  // per candidate timed: the best call, microseconds; NaN: not timed
+  std::atomic<int> kernel{kMkl};
+  std::array<double, kKernels> us;  // per candidate: its best call over all timings, us; NaN: not timed
+  unsigned kernels = 0;             // the candidates timed
+  int timings = 0;
+  std::atomic<bool> settled{false};  // false: the timing looked disturbed, time again (retime_due)
+  std::atomic<int64_t> calls{0};     // calls since the first timing, while not settled
 };
 
 struct Table {
   std::shared_mutex mutex;
   std::optional<unsigned> mode;  // allowed kernels; read from BLADE_GEMM on first use
-  std::map<ShapeKey, Choice> choices;
+  std::map<ShapeKey, std::unique_ptr<Choice>> choices;
   std::mutex measuring;  // one timing at a time: two at once would slow each other down
 };
 
@@ -123,16 +130,18 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Times each candidate on g's operands and returns the fastest. The timed calls write a scratch C
-// of C's layout with beta = 0 (with beta != 0 each call would accumulate into C), and pack B into a
-// PackedWeights of their own, dropped afterwards: only the winner's pack stays with the engine.
-// Rounds alternate the candidates and each keeps its best call, so a neighbour process stealing
-// the CPU for a while (the machine is shared) does not decide the choice.
-Choice measure(const GemmArgs& g, bool b_constant, unsigned kernels) {
+// Times each candidate on g's operands into `best` (per kernel, its best call in microseconds,
+// kept when lower than what `best` holds). The timed calls write a scratch C of C's layout with
+// beta = 0 (with beta != 0 each call would accumulate into C), and pack B into a PackedWeights of
+// their own, dropped afterwards: only the winner's pack stays with the engine. Rounds alternate the
+// candidates and each keeps its best call, so a neighbour process stealing the CPU for a while
+// (the machine is shared) does not decide the choice. Returns the candidates that ran (a oneDNN
+// kernel that throws is dropped; MKL's errors are real ones and propagate).
+unsigned measure(const GemmArgs& g, bool b_constant, unsigned kernels, std::array<double, kKernels>& best) {
   // One sample repeats a tiny GEMM up to about kTargetSampleS. Rounds go on past kMinRounds while
   // the timing took under kBudgetS: on a loaded 2-core machine a parallel call now and then waits
-  // 10-30 ms for a preempted thread, so a few-hundred-microsecond GEMM needs many samples for
-  // every candidate to have a clean one; a GEMM of many milliseconds gets kMinRounds.
+  // 4-8 ms for a preempted thread, so a few-hundred-microsecond GEMM needs many samples for every
+  // candidate to have a clean one; a GEMM of many milliseconds gets kMinRounds.
   constexpr double kTargetSampleS = 100e-6;
   constexpr int kMinRounds = 3, kMaxRounds = 30;
   constexpr double kBudgetS = 0.05;
@@ -145,10 +154,6 @@ Choice measure(const GemmArgs& g, bool b_constant, unsigned kernels) {
   timed.c = scratch.mutable_data_ptr<float>();
   timed.beta = 0.0f;
 
-  Choice choice{kMkl, {}};
-  choice.us.fill(std::numeric_limits<double>::quiet_NaN());
-  std::array<double, kKernels> best;
-  best.fill(std::numeric_limits<double>::infinity());
   double fastest_first = std::numeric_limits<double>::infinity();
   for (int k = 0; k < kKernels; ++k) {
     if (!(kernels & bit(Kernel(k)))) continue;
@@ -170,15 +175,34 @@ Choice measure(const GemmArgs& g, bool b_constant, unsigned kernels) {
       if (!(kernels & bit(k))) continue;
       const auto sample = std::chrono::steady_clock::now();
       for (int r = 0; r < repeats; ++r) run(k, timed, &probe);
-      best[k] = std::min(best[k], seconds_since(sample) / repeats);
+      const double us = seconds_since(sample) / repeats * 1e6;
+      if (!(best[k] <= us)) best[k] = us;  // also replaces NaN (not timed yet)
     }
   }
+  return kernels;
+}
+
+// The fastest kernel timed, and whether that timing can be trusted: a best call over 1 ms at under
+// 20 GFLOP/s is a stall (every sample of a candidate waited on a preempted thread, as on a 2-core
+// machine whose other jobs hold both cores), not the kernel's speed; the shape is timed again later.
+void decide(Choice& choice, const GemmArgs& g) {
+  constexpr double kSuspectUs = 1000, kSuspectGflops = 20;
+  constexpr int kMaxTimings = 5;
+  int winner = -1;
   for (int k = 0; k < kKernels; ++k) {
-    if (!(kernels & bit(Kernel(k)))) continue;
-    choice.us[k] = best[k] * 1e6;
-    if (best[k] < best[choice.kernel] || !(kernels & bit(choice.kernel))) choice.kernel = Kernel(k);
+    if ((choice.kernels & bit(Kernel(k))) && (winner < 0 || choice.us[k] < choice.us[winner])) winner = k;
   }
-  return choice;
+  choice.kernel.store(winner, std::memory_order_relaxed);
+  const double gflops = 2e-3 * static_cast<double>(g.batch) * g.m * g.n * g.k / choice.us[winner];
+  const bool suspect = choice.us[winner] > kSuspectUs && gflops < kSuspectGflops;
+  choice.settled.store(!suspect || choice.timings >= kMaxTimings, std::memory_order_release);
+}
+
+// A shape whose timing looked disturbed is timed again on its 4th, 8th, 16th and 32nd call after it.
+bool retime_due(Choice& choice) {
+  if (choice.settled.load(std::memory_order_acquire)) return false;
+  const int64_t calls = choice.calls.fetch_add(1, std::memory_order_relaxed) + 1;
+  return calls >= 4 && (calls & (calls - 1)) == 0;
 }
 
 Kernel choose(const GemmArgs& g, bool b_constant) {
@@ -193,21 +217,39 @@ Kernel choose(const GemmArgs& g, bool b_constant) {
                         g.trans_a != 0, g.trans_b != 0, b_constant, at::get_num_threads(),
                         at::in_parallel_region()};
   Table& t = table();
+  bool retime = false;
+  {
+    std::shared_lock<std::shared_mutex> lock(t.mutex);  // entries are only dropped under its unique lock
+    const auto it = t.choices.find(key);
+    if (it != t.choices.end()) {
+      if (!retime_due(*it->second)) return Kernel(it->second->kernel.load(std::memory_order_relaxed));
+      retime = true;
+    }
+  }
+  std::lock_guard<std::mutex> measuring(t.measuring);  // set_gemm_backend also takes it: entries stay
+  Choice* entry = nullptr;
   {
     std::shared_lock<std::shared_mutex> lock(t.mutex);
     const auto it = t.choices.find(key);
-    if (it != t.choices.end()) return it->second.kernel;
+    if (it != t.choices.end()) entry = it->second.get();
   }
-  std::lock_guard<std::mutex> measuring(t.measuring);
-  {
-    std::shared_lock<std::shared_mutex> lock(t.mutex);  // another thread may have timed it meanwhile
-    const auto it = t.choices.find(key);
-    if (it != t.choices.end()) return it->second.kernel;
+  if (entry != nullptr && !retime) return Kernel(entry->kernel.load(std::memory_order_relaxed));  // timed meanwhile
+  std::unique_ptr<Choice> fresh;
+  if (entry == nullptr) {
+    fresh = std::make_unique<Choice>();
+    fresh->us.fill(std::numeric_limits<double>::quiet_NaN());
+    fresh->kernels = kernels;
+    entry = fresh.get();
   }
-  const Choice choice = measure(g, b_constant, kernels);
-  std::unique_lock<std::shared_mutex> lock(t.mutex);
-  if (t.mode == allowed) t.choices.emplace(key, choice);  // unless set_gemm_backend changed the rules meanwhile
-  return choice.kernel;
+  entry->kernels = measure(g, b_constant, entry->kernels, entry->us);
+  ++entry->timings;
+  decide(*entry, g);
+  const Kernel kernel = Kernel(entry->kernel.load(std::memory_order_relaxed));
+  if (fresh) {
+    std::unique_lock<std::shared_mutex> lock(t.mutex);
+    if (t.mode == allowed) t.choices.emplace(key, std::move(fresh));  // unless set_gemm_backend changed the rules meanwhile
+  }
+  return kernel;
 }
 
 std::string describe(const ShapeKey& key) {
@@ -255,6 +297,7 @@ void gemm(GemmArgs g, PackedWeights* weights) {
 void set_gemm_backend(const std::string& mode) {
   const unsigned kernels = mode.empty() ? mode_from_env() : parse_mode(mode);
   Table& t = table();
+  std::lock_guard<std::mutex> measuring(t.measuring);  // no timing is writing into an entry
   std::unique_lock<std::shared_mutex> lock(t.mutex);
   t.mode = kernels;
   t.choices.clear();
@@ -262,12 +305,14 @@ void set_gemm_backend(const std::string& mode) {
 
 std::vector<GemmChoice> gemm_choices() {
   Table& t = table();
+  std::lock_guard<std::mutex> measuring(t.measuring);  // the timings are written under this lock
   std::shared_lock<std::shared_mutex> lock(t.mutex);
   std::vector<GemmChoice> result;
   for (const auto& [key, choice] : t.choices) {
-    GemmChoice entry{describe(key), kKernelNames[choice.kernel], {}};
+    GemmChoice entry{describe(key), kKernelNames[choice->kernel.load(std::memory_order_relaxed)], {},
+                     choice->timings};
     for (int k = 0; k < kKernels; ++k) {
-      if (!std::isnan(choice.us[k])) entry.microseconds.emplace_back(kKernelNames[k], choice.us[k]);
+      if (!std::isnan(choice->us[k])) entry.microseconds.emplace_back(kKernelNames[k], choice->us[k]);
     }
     result.push_back(std::move(entry));
   }

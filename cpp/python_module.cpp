@@ -31,6 +31,7 @@ PYBIND11_MODULE(_C, m) {
       row["shape"] = choice.shape;
       row["kernel"] = choice.kernel;
       row["microseconds"] = choice.microseconds;
+      row["timings"] = choice.timings;
       rows.append(row);
     }
     return rows;

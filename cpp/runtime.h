@@ -29,6 +29,7 @@ struct GemmChoice {
   std::string shape;
   std::string kernel;
   std::vector<std::pair<std::string, double>> microseconds;  // per candidate timed: its best call
+  int timings;  // > 1: the first timing looked disturbed by other jobs and was repeated
 };
 std::vector<GemmChoice> gemm_choices();
 
