@@ -1,4 +1,4 @@
-// Which kernel runs a GEMM: chosen once per process and call shape by timing the candidates on the
+// Which kernel runs a GEMM: chosen per process and call shape by timing the candidates on the
 // call's own operands, not by CPU vendor (MKL 2024 is 2x slower than oneDNN on AMD EPYC with
 // AVX-512, and may well win on Intel; a few-row GEMM may prefer MKL's column split either way).
 // BLADE_GEMM narrows the candidates (README "GEMM backend"); gemm_choices() reports the choices.
