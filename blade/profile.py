@@ -4,7 +4,9 @@ The model is compiled with ``Config(profile=True)``: every engine is built with 
 each of its kernels (one GEMM, one convolution, one fused loop nest) adds its wall time to a
 counter. The report splits a model call into time in kernels, engine-call overhead (input checks,
 output allocation, scratch) and time outside engines (TorchScript, dynamo's guards, glue ops), and
-lists the kernels that take the most, with their share.
+lists the kernels that take the most, with their share, then the GEMM kernel the runtime chose per
+call shape (MKL or oneDNN, by timing them on the first call of each shape; BLADE_GEMM pins one) with
+what each candidate took.
 
 Profiled engines are separate cache entries (the flag is part of the cache key); timings are wall
 time, so on a busy machine they include waiting for the CPU.
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import blade._C
 from blade.config import Config
 from blade.debug import CapturingBackend
 
@@ -41,6 +44,7 @@ class Profile:
     engine_ms: float                  # inside Engine::run_engine, per model call
     kernels: list = field(default_factory=list)  # KernelTime, per model call
     top: int = 15                     # kernels listed by __str__
+    gemm_choices: list = field(default_factory=list)  # blade._C.gemm_choices(): this process's so far
 
     @property
     def kernel_ms(self) -> float:
@@ -63,6 +67,12 @@ class Profile:
         for k in sorted(self.kernels, key=lambda k: -k.ms_per_run)[:self.top]:
             lines.append(f"  {k.ms_per_run:8.3f} ms {100 * k.ms_per_run / max(self.model_ms, 1e-12):5.1f}%  "
                          f"{k.engine} #{k.index}: {k.name}")
+        if self.gemm_choices:
+            lines.append("GEMM kernels chosen per call shape (this process; best timed call per candidate):")
+        for choice in self.gemm_choices:
+            timed = ", ".join(f"{name} {us:.1f} us" for name, us in choice["microseconds"])
+            again = f"; timed {choice['timings']} times" if choice["timings"] > 1 else ""
+            lines.append(f"  {choice['kernel']:14s} {choice['shape']}  ({timed}{again})")
         return "\n".join(lines)
 
 
@@ -99,4 +109,5 @@ def profile(model, *example_inputs, runs: int = 50, warmup: int = 5, **options) 
         result.engine_ms += (call_after - call_before) / runs / 1e6
         result.kernels += [KernelTime(name, index, kernel, (ns - ns_before) / runs / 1e6)
                            for index, ((kernel, ns), (_, ns_before)) in enumerate(zip(after, before))]
+    result.gemm_choices = blade._C.gemm_choices()
     return result

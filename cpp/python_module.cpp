@@ -8,6 +8,7 @@
 #include "frozen_tensors.h"
 #include "isa.h"
 #include "python_testing.h"
+#include "runtime.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "blade runtime: the Engine custom class, the engine ABI and host checks";
@@ -22,6 +23,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("verify_archive", &blade::verify_archive, pybind11::arg("path"),
         "Checks an exported archive's records against the SHA-256s in extra/blade_records.txt; "
         "RuntimeError naming the first record that differs.");
+
+  m.def("gemm_choices", [] {
+    pybind11::list rows;
+    for (const blade::GemmChoice& choice : blade::gemm_choices()) {
+      pybind11::dict row;
+      row["shape"] = choice.shape;
+      row["kernel"] = choice.kernel;
+      row["microseconds"] = choice.microseconds;
+      row["timings"] = choice.timings;
+      rows.append(row);
+    }
+    return rows;
+  }, "The GEMM kernel the runtime chose per call shape in this process (BLADE_GEMM), with each timed "
+     "candidate's best call in microseconds.");
 
   auto testing = m.def_submodule("_testing", "Hooks into the runtime for blade's own tests.");
   blade::bind_testing(testing);

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "gemm.h"
 #include "runtime.h"
 
 namespace blade {
@@ -106,6 +107,11 @@ void bind_testing(pybind11::module_& m) {
   m.def("set_gemm_column_split_rows", &set_gemm_column_split_rows,
         "GEMMs with at most max_rows rows run in column blocks across threads (0: never, -1: the default).",
         py::arg("max_rows"));
+  m.def("set_gemm_backend", &set_gemm_backend,
+        "The GEMM kernels the runtime may choose from (BLADE_GEMM's values; '' reads BLADE_GEMM again); "
+        "forgets the choices made so far.", py::arg("mode"));
+  m.def("gemm_onednn_usable", &onednn_usable,
+        "Whether libtorch's oneDNN matmul runs on this CPU (else the oneDNN GEMM modes fall back to MKL).");
   m.def("parallel_for_chunks", &parallel_for_chunks,
         "The [begin, end) chunks the runtime's parallel_for hands out, sorted.", py::arg("begin"),
         py::arg("end"), py::arg("grain"));

@@ -8,19 +8,34 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "blade_abi.h"
 
 namespace blade {
 
-// One static instance: GEMM through MKL's BLAS when torch ships it (resolved at run time, ATen
-// otherwise), convolution through oneDNN/ATen, loops on ATen's intra-op thread pool.
+// One static instance: GEMM through MKL's BLAS or libtorch's oneDNN, timed per call shape (gemm.h),
+// convolution through oneDNN/ATen, loops on ATen's intra-op thread pool.
 const BladeRuntime* runtime();
 
+// Which GEMM kernels the runtime may time against each other and use (BLADE_GEMM's values: "auto",
+// "mkl", "onednn", "onednn-matmul", "onednn-packed"; "" reads BLADE_GEMM again). Process-wide; forgets
+// the choices made so far. Throws on an unknown value.
+void set_gemm_backend(const std::string& mode);
+
+// The GEMM kernel chosen per call shape so far in this process, and what each candidate took.
+struct GemmChoice {
+  std::string shape;
+  std::string kernel;
+  std::vector<std::pair<std::string, double>> microseconds;  // per candidate timed: its best call
+  int timings;  // > 1: the first timing looked disturbed by other jobs and was repeated
+};
+std::vector<GemmChoice> gemm_choices();
+
 // Whether the runtime's conv may use its own kernel "winograd" (winograd.h), "depthwise"
-// (depthwise.h) or "pointwise" (conv_gemm.h) where it applies (both on by default), and how often it ran one. Process-wide: for
-// tests and A/B measurements against oneDNN's direct convolution.
+// (depthwise.h) or "pointwise" (conv_gemm.h) where it applies (each on by default), and how often
+// it ran one. Process-wide: for tests and A/B measurements against oneDNN's convolution.
 void set_conv_kernel_enabled(const std::string& kernel, bool enabled);
 int64_t conv_kernel_calls(const std::string& kernel);
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from blade_testing import PINNED_GEMM_ENV, pinned_gemm
+
 E2E_DIR = os.path.dirname(os.path.abspath(__file__))
 COMPILERS = ("g++", "c++", "gcc", "cc", "clang++", "cxx")
 
@@ -38,8 +40,9 @@ def make_model_and_inputs(seed: int = 0):
 
 def save_reference(root: Path, run, model, inputs) -> None:
     """Runs the compiled ``run`` on inputs, checks it against eager and saves the inputs and its
-    outputs as root/io.pt: the outputs a fresh process must reproduce bit for bit."""
-    with torch.no_grad():
+    outputs as root/io.pt: the outputs a fresh process (run_python: the same GEMM kernels pinned)
+    must reproduce bit for bit."""
+    with torch.no_grad(), pinned_gemm():
         outputs, expected = run(*inputs), model(*inputs)
     assert len(outputs) == len(expected)
     for got, want in zip(outputs, expected):
@@ -48,8 +51,9 @@ def save_reference(root: Path, run, model, inputs) -> None:
 
 
 def run_python(script: str, *, env: dict | None = None, cwd=None, timeout: float = 600) -> str:
-    """Runs script in a fresh interpreter (tests/e2e importable); returns stdout, fails with stderr."""
-    full_env = dict(os.environ if env is None else env)
+    """Runs script in a fresh interpreter (tests/e2e importable, BLADE_GEMM pinned as in
+    save_reference); returns stdout, fails with stderr."""
+    full_env = {**(os.environ if env is None else env), **PINNED_GEMM_ENV}  # as save_reference's
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [E2E_DIR, full_env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
                             timeout=timeout, env=full_env, cwd=cwd)

@@ -1,6 +1,8 @@
 """Shared helpers: compile with tt_infer, compare with eager, prove engines really ran."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import blade  # noqa: F401  (registers tt_infer)
@@ -71,3 +73,20 @@ def compile_and_check(model, inputs, *, min_engines=1, rtol=1e-4, atol=1e-5, **o
     assert_close(actual, expected, rtol, atol)
     assert_close(again, expected, rtol, atol)
     return capture
+
+
+# The runtime picks each GEMM shape's kernel (MKL or oneDNN) by timing them once per process, so
+# two processes can round a GEMM differently. Tests that compare outputs bitwise across processes
+# pin one kernel on both sides: this in the test process, PINNED_GEMM_ENV in the other's environment.
+PINNED_GEMM = "mkl"
+PINNED_GEMM_ENV = {"BLADE_GEMM": PINNED_GEMM}
+
+
+@contextlib.contextmanager
+def pinned_gemm():
+    from blade._C import _testing
+    _testing.set_gemm_backend(PINNED_GEMM)
+    try:
+        yield
+    finally:
+        _testing.set_gemm_backend("")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import blade
-from blade_testing import Capture, assert_close
+from blade_testing import PINNED_GEMM_ENV, Capture, assert_close, pinned_gemm
 
 
 def _mlp():
@@ -80,7 +80,7 @@ def test_excluded_ops_stay_in_torchscript():
 def test_save_and_load_in_fresh_process(tmp_path):
     model, x = _mlp(), torch.randn(4, 32)
     capture = Capture()
-    with torch.no_grad():
+    with torch.no_grad(), pinned_gemm():
         out = torch.compile(model, backend=capture)(x)
     module = capture.compiled[0].module
     assert 'prim::CallMethod[name="execute"]' in str(module.graph)
@@ -96,7 +96,7 @@ def test_save_and_load_in_fresh_process(tmp_path):
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={"PATH": "/nonexistent"})  # no compiler reachable: loading must not compile
+                            env={"PATH": "/nonexistent", **PINNED_GEMM_ENV})  # no compiler reachable: loading must not compile
     assert result.returncode == 0, result.stderr
     assert "ok" in result.stdout
 
@@ -178,10 +178,11 @@ def test_picker_returns_a_tuple_of_the_positions(positions):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("split", [True, False])
-def test_few_row_linears_in_column_blocks_match_eager(threads, split):
-    """An [8, 256] MLP block: its GEMMs (8 rows) run in column blocks across threads, each on its
-    own packed slice of the weight (cpp/runtime.cpp); the same numbers as eager either way."""
+@pytest.mark.parametrize("gemm, split", [("mkl", True), ("mkl", False), ("onednn", False)])
+def test_few_row_linears_match_eager_on_each_gemm_backend(threads, gemm, split):
+    """An [8, 256] MLP block: with MKL its GEMMs (8 rows) run in column blocks across threads, each
+    on its own packed slice of the weight (cpp/gemm_mkl.cpp), with oneDNN on a weight reordered
+    once (cpp/gemm_onednn.cpp); the same numbers as eager every way."""
     from blade._C import _testing
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024), torch.nn.GELU(),
@@ -190,14 +191,16 @@ def test_few_row_linears_in_column_blocks_match_eager(threads, split):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     _testing.set_gemm_column_split_rows(-1 if split else 0)
+    _testing.set_gemm_backend(gemm)
     try:
         with torch.no_grad():
             expected = model(x)
             backend = Capture()
             compiled = torch.compile(model, backend=backend, dynamic=False)
-            for _ in range(3):  # the first call packs the slices, later ones reuse them
+            for _ in range(3):  # the first call packs the weights, later ones reuse them
                 assert_close(compiled(x), expected)
         assert backend.engine_calls() >= 1
     finally:
         torch.set_num_threads(before)
         _testing.set_gemm_column_split_rows(-1)
+        _testing.set_gemm_backend("")

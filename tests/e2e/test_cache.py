@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from aot_testing import E2E_DIR
+from blade_testing import PINNED_GEMM_ENV
 
 # Compiles the Block model with tt_infer, saves its outputs, prints one JSON line of per-cluster
 # status and cache hits.
@@ -30,7 +31,7 @@ COMPILE = textwrap.dedent("""
 
 
 def start(out_path, cache_dir, cwd):
-    env = dict(os.environ, BLADE_CACHE_DIR=str(cache_dir), PYTHONPATH=E2E_DIR)
+    env = dict(os.environ, BLADE_CACHE_DIR=str(cache_dir), PYTHONPATH=E2E_DIR, **PINNED_GEMM_ENV)  # outputs compared bitwise
     return subprocess.Popen([sys.executable, "-c", COMPILE, str(out_path)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -14,6 +14,7 @@ import torch
 
 import blade
 from aot_testing import make_model_and_inputs
+from blade_testing import PINNED_GEMM_ENV, pinned_gemm
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cpp"
@@ -42,12 +43,12 @@ def test_cpp_example_loads_archive_and_matches_python(blade_run, tmp_path):
     model, inputs = make_model_and_inputs()
     compiled = blade.export(model, inputs, str(tmp_path / "block.blade.pt"))
     assert 'prim::CallMethod[name="execute"]' in str(compiled.module.graph)
-    with torch.no_grad():
+    with torch.no_grad(), pinned_gemm():  # compared bitwise with the C++ process's outputs
         expected = blade.load(str(tmp_path / "block.blade.pt"))(*inputs)
     torch.save(list(inputs), tmp_path / "inputs.pt")
 
     # no Python in the C++ process: the runtime library alone registers the Engine class
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": str(torch.get_num_threads()), **PINNED_GEMM_ENV}
     stdout = _run([blade_run, tmp_path / "block.blade.pt", tmp_path / "inputs.pt", tmp_path / "outputs.pt"],
                   env=env, timeout=300)
     got = torch.load(tmp_path / "outputs.pt")

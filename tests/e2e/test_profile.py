@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import blade
+from blade._C import _testing
 from blade.debug import CapturingBackend
 
 
@@ -33,6 +34,9 @@ def test_profile_reports_every_kernel():
     assert profile.kernel_ms <= profile.engine_ms * 1.05 + 1e-3  # kernels run inside run_engine
     assert profile.engine_ms <= profile.model_ms * 1.05 + 1e-3  # engines run inside the model call
     assert "= matmul" in text and "ms in kernels" in text
+    if _testing.gemm_onednn_usable():  # else MKL is the only candidate: nothing is timed or listed
+        assert any(c["shape"].startswith("[16, 64] @ [64, 128]^T") for c in profile.gemm_choices), text
+        assert "GEMM kernels chosen per call shape" in text
 
 
 def test_profiled_engines_match_eager_and_plain_engines_report_nothing():

@@ -6,8 +6,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from blade._C import _testing
 from blade.engine.manifest import TensorSpec
 from runtime_testing import ADD_INPUTS, ADD_OUTPUTS, ADD_SCRATCH_BYTES, compile_engine, make_engine
+
+
+# BLADE_GEMM's modes: "onednn-packed" runs oneDNN's inner product on a reordered weight where B is
+# an engine constant (a single GEMM) and oneDNN's matmul elsewhere; "auto" times every applicable
+# kernel per shape and keeps the fastest.
+@pytest.fixture(params=["mkl", "onednn-matmul", "onednn-packed", "auto"])
+def gemm_backend(request):
+    """Pins the runtime's GEMM kernels for one test (process-wide), then back to BLADE_GEMM's."""
+    _testing.set_gemm_backend(request.param)
+    yield request.param
+    _testing.set_gemm_backend("")
 
 
 @pytest.fixture(scope="session")

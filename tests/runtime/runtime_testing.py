@@ -2,14 +2,17 @@
 engine compiler does (against cpp/blade_abi.h) and wrap them into torch.classes.blade.Engine."""
 from __future__ import annotations
 
+import itertools
 import subprocess
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import blade._C  # noqa: F401  (registers torch.classes.blade.Engine)
+from blade._C import _testing
 from blade.engine.manifest import TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,3 +69,48 @@ def run_in_threads(worker, count: int = 4) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def operand(rng, batch, batch_stride, rows, cols, ld, transposed):
+    """A flat buffer holding `batch` [rows, cols] matrices laid out as the sgemm contract says, plus
+    the dense [batch, rows, cols] array it represents. Padding holds NaN so stray reads show."""
+    size = (batch - 1) * batch_stride + (cols - 1) * ld + rows if transposed else \
+        (batch - 1) * batch_stride + (rows - 1) * ld + cols
+    flat = np.full(max(size, 0), np.nan, dtype=np.float32)
+    dense = rng.standard_normal((batch, rows, cols)).astype(np.float32)
+    if batch_stride == 0:
+        dense[:] = dense[0]
+    if dense.size:
+        steps = (batch_stride, 1, ld) if transposed else (batch_stride, ld, 1)
+        view = np.lib.stride_tricks.as_strided(flat, dense.shape, [s * flat.itemsize for s in steps])
+        view[...] = dense  # a shared operand (batch stride 0) writes the same matrix each time
+    return flat, dense
+
+
+def run_sgemm(batch, m, n, k, alpha, beta, trans_a, trans_b, shared_a=False, shared_b=False, pad=3, seed=0,
+              pack=False):
+    rng = np.random.default_rng(seed)
+    lda = max(1, (m if trans_a else k) + pad)  # BLAS wants ld >= 1 even for an empty dimension
+    ldb = max(1, (k if trans_b else n) + pad)
+    ldc = n + pad
+    stride_a = 0 if shared_a else (k if trans_a else m) * lda
+    stride_b = 0 if shared_b else (n if trans_b else k) * ldb
+    stride_c = m * ldc
+    a_flat, a = operand(rng, batch, stride_a, m, k, lda, trans_a)
+    b_flat, b = operand(rng, batch, stride_b, k, n, ldb, trans_b)
+    c_flat, c = operand(rng, batch, stride_c, m, n, ldc, False)
+    if beta == 0:  # C's old contents must be ignored entirely, even NaN
+        c_flat[:] = np.nan
+    want = alpha * (a.astype(np.float64) @ b.astype(np.float64)) + (beta * c if beta != 0 else 0)
+
+    c_tensor = torch.from_numpy(c_flat)
+    _testing.sgemm(batch, m, n, k, alpha, torch.from_numpy(a_flat), lda, stride_a, trans_a,
+                   torch.from_numpy(b_flat), ldb, stride_b, trans_b, beta, c_tensor, ldc, stride_c, pack=pack)
+    got = np.stack([[c_flat[bi * stride_c + i * ldc: bi * stride_c + i * ldc + n] for i in range(m)]
+                    for bi in range(batch)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # Padding between C's rows is not C's: it must be untouched.
+    if beta != 0:
+        for bi, i in itertools.product(range(batch), range(m)):
+            row_end = bi * stride_c + i * ldc + n
+            assert np.isnan(c_flat[row_end: row_end + pad]).all()

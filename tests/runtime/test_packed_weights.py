@@ -1,6 +1,7 @@
 """The runtime packs constant GEMM/conv weights once per engine (cpp/runtime.h PackedWeights): results
 stay equal to torch on every call, from concurrent first calls, and operands computed at run time
-(which change every call) are never served from the cache."""
+(which change every call) are never served from the cache; with each GEMM kernel pinned (MKL's
+pack, oneDNN's reordered weight)."""
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +28,7 @@ def check_call(engine, constants, generator):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_packed_weights_match_torch_on_every_call(engine_dir):
+def test_packed_weights_match_torch_on_every_call(engine_dir, gemm_backend):
     constants = [torch.randn(4, 3, 3, 3), torch.randn(4), torch.randn(16, 8)]
     engine = weights_engine(engine_dir, constants)
     generator = torch.Generator().manual_seed(0)
@@ -35,7 +36,7 @@ def test_packed_weights_match_torch_on_every_call(engine_dir):
         check_call(engine, constants, generator)
 
 
-def test_concurrent_first_calls_pack_safely(engine_dir):
+def test_concurrent_first_calls_pack_safely(engine_dir, gemm_backend):
     constants = [torch.randn(4, 3, 3, 3), torch.randn(4), torch.randn(16, 8)]
     engine = weights_engine(engine_dir, constants)
     errors = []

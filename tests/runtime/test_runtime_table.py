@@ -2,56 +2,11 @@
 parallel_for's chunking on ATen's pool."""
 import itertools
 
-import numpy as np
 import pytest
 import torch
 
 from blade._C import _testing
-
-
-def operand(rng, batch, batch_stride, rows, cols, ld, transposed):
-    """A flat buffer holding `batch` [rows, cols] matrices laid out as the sgemm contract says, plus
-    the dense [batch, rows, cols] array it represents. Padding holds NaN so stray reads show."""
-    size = (batch - 1) * batch_stride + (cols - 1) * ld + rows if transposed else \
-        (batch - 1) * batch_stride + (rows - 1) * ld + cols
-    flat = np.full(max(size, 0), np.nan, dtype=np.float32)
-    dense = rng.standard_normal((batch, rows, cols)).astype(np.float32)
-    for b in range(batch):
-        for i in range(rows):
-            for j in range(cols):
-                flat[b * batch_stride + (j * ld + i if transposed else i * ld + j)] = dense[0 if batch_stride == 0 else b, i, j]
-    if batch_stride == 0:
-        dense[:] = dense[0]
-    return flat, dense
-
-
-def run_sgemm(batch, m, n, k, alpha, beta, trans_a, trans_b, shared_a=False, shared_b=False, pad=3, seed=0,
-              pack=False):
-    rng = np.random.default_rng(seed)
-    lda = max(1, (m if trans_a else k) + pad)  # BLAS wants ld >= 1 even for an empty dimension
-    ldb = max(1, (k if trans_b else n) + pad)
-    ldc = n + pad
-    stride_a = 0 if shared_a else (k if trans_a else m) * lda
-    stride_b = 0 if shared_b else (n if trans_b else k) * ldb
-    stride_c = m * ldc
-    a_flat, a = operand(rng, batch, stride_a, m, k, lda, trans_a)
-    b_flat, b = operand(rng, batch, stride_b, k, n, ldb, trans_b)
-    c_flat, c = operand(rng, batch, stride_c, m, n, ldc, False)
-    if beta == 0:  # C's old contents must be ignored entirely, even NaN
-        c_flat[:] = np.nan
-    want = alpha * (a.astype(np.float64) @ b.astype(np.float64)) + (beta * c if beta != 0 else 0)
-
-    c_tensor = torch.from_numpy(c_flat)
-    _testing.sgemm(batch, m, n, k, alpha, torch.from_numpy(a_flat), lda, stride_a, trans_a,
-                   torch.from_numpy(b_flat), ldb, stride_b, trans_b, beta, c_tensor, ldc, stride_c, pack=pack)
-    got = np.stack([[c_flat[bi * stride_c + i * ldc: bi * stride_c + i * ldc + n] for i in range(m)]
-                    for bi in range(batch)])
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    # Padding between C's rows is not C's: it must be untouched.
-    if beta != 0:
-        for bi, i in itertools.product(range(batch), range(m)):
-            row_end = bi * stride_c + i * ldc + n
-            assert np.isnan(c_flat[row_end: row_end + pad]).all()
+from runtime_testing import run_sgemm
 
 
 @pytest.mark.parametrize("trans_a, trans_b", list(itertools.product([False, True], repeat=2)))
@@ -74,13 +29,16 @@ def test_sgemm_sizes(batch, m, n, k):
 
 
 @pytest.fixture
-def two_threads():
-    """GEMMs with few rows are split into column blocks only when the pool has threads to run them."""
+def two_threads_mkl():
+    """GEMMs with few rows are split into column blocks only when the pool has threads to run them,
+    and only by the MKL kernel (pinned: left to choose, the runtime may time oneDNN faster)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    _testing.set_gemm_backend("mkl")
     yield
     torch.set_num_threads(before)
     _testing.set_gemm_column_split_rows(-1)
+    _testing.set_gemm_backend("")
 
 
 # Rows at and past the column-split limit (32), widths that divide into cache lines and ones that
@@ -90,7 +48,7 @@ def two_threads():
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("split", [True, False])
-def test_sgemm_few_rows_in_column_blocks(two_threads, m, n, trans_b, pack, split):
+def test_sgemm_few_rows_in_column_blocks(two_threads_mkl, m, n, trans_b, pack, split):
     _testing.set_gemm_column_split_rows(-1 if split else 0)
     run_sgemm(1, m, n, 24, 1.0, 0.0, False, trans_b, pack=pack)
     run_sgemm(1, m, n, 24, -2.5, 0.5, False, trans_b, pack=pack, seed=1)

@@ -1,0 +1,143 @@
+"""The runtime's GEMM kernels (cpp/gemm_*.cpp), each pinned with _testing.set_gemm_backend (BLADE_GEMM's
+values), against float64 numpy over the sgemm contract: transposed operands, padded leading
+dimensions, batch strides (shared operands, the weight shared by row-stacked batches that folds into
+one GEMM, attention's strided heads), alpha != 1, beta accumulation, K not a multiple of 16, long
+K, one row; a pinned kernel must really run (its rounding differs); BLADE_GEMM is read from the
+environment; "auto" records what it timed."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import blade._C
+from blade._C import _testing
+from runtime_testing import REPO, run_sgemm
+
+# torch's fp32 oneDNN matmul wants AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere the oneDNN
+# modes fall back to MKL, which the tests above still check, but nothing tells the kernels apart.
+needs_onednn = pytest.mark.skipif(not _testing.gemm_onednn_usable(), reason="libtorch's oneDNN matmul refuses this CPU")
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (1.0, 1.0), (-2.5, 0.5)])
+@pytest.mark.parametrize("pack", [False, True])
+def test_single_gemm(gemm_backend, trans_a, trans_b, alpha, beta, pack):
+    run_sgemm(1, 19, 23, 37, alpha, beta, trans_a, trans_b, pack=pack)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 256, 256), (1, 5, 3), (7, 1, 33), (64, 48, 1024), (33, 40, 4096)])
+@pytest.mark.parametrize("pack", [False, True])
+def test_sizes(gemm_backend, m, n, k, pack):
+    """One row (a decode step), one column, and long K: oneDNN and MKL accumulate in their own order."""
+    run_sgemm(1, m, n, k, 1.0, 0.0, False, True, pack=pack, pad=0)
+    run_sgemm(1, m, n, k, 0.5, 1.0, False, False, pack=pack, pad=2, seed=1)
+
+
+@pytest.mark.parametrize("shared_a, shared_b", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("pack", [False, True])
+def test_batches(gemm_backend, shared_a, shared_b, trans_a, trans_b, pack):
+    """Batch strides; a shared B with untransposed A folds into one GEMM of batch * m rows (pad=0:
+    the batches' rows follow on), and with padded rows (pad=3) it stays a batch."""
+    for pad in (0, 3):
+        run_sgemm(3, 6, 21, 17, 1.5, 0.0, trans_a, trans_b, shared_a=shared_a, shared_b=shared_b, pad=pad, pack=pack)
+        run_sgemm(3, 6, 21, 17, -1.0, 1.0, trans_a, trans_b, shared_a=shared_a, shared_b=shared_b, pad=pad,
+                  pack=pack, seed=1)
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.125])
+def test_attention_heads(gemm_backend, alpha):
+    """Q @ K^T and P @ V as codegen passes them for [batch, heads, seq, 64] attention: the heads of
+    one batch entry as a GEMM batch, Q/K/V read in place from the fused QKV projection's output
+    (row stride 3 * hidden, head stride 64), scores dense, the context written head-interleaved."""
+    torch.manual_seed(0)
+    heads, seq, dim = 4, 24, 64
+    hidden = heads * dim
+    qkv = torch.randn(seq, 3 * hidden)
+    scores = torch.full((heads, seq, seq), float("nan"))
+    flat = qkv.flatten()  # _testing.sgemm takes contiguous tensors: K and V start further in
+    _testing.sgemm(heads, seq, seq, dim, alpha, flat, 3 * hidden, dim, False, flat[hidden:], 3 * hidden, dim, True,
+                   0.0, scores, seq, seq * seq)
+    q, k, v = (qkv[:, i * hidden:(i + 1) * hidden].reshape(seq, heads, dim).transpose(0, 1).double() for i in range(3))
+    torch.testing.assert_close(scores.double(), alpha * q @ k.transpose(1, 2), rtol=1e-4, atol=1e-4)
+    probs = torch.softmax(scores, -1).contiguous()
+    context = torch.full((seq, hidden), float("nan"))
+    _testing.sgemm(heads, seq, dim, seq, 1.0, probs, seq, seq * seq, False, flat[2 * hidden:], 3 * hidden, dim, False,
+                   0.0, context, hidden, dim)
+    want = (probs.double() @ v).transpose(0, 1).reshape(seq, hidden)
+    torch.testing.assert_close(context.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def gemm_with(backend_name, m=64, n=96, k=1024, pack=False):
+    """C = A @ B^T on fixed operands with the kernels of backend_name (None: as currently set)."""
+    generator = torch.Generator().manual_seed(3)
+    a, b = torch.randn(m, k, generator=generator), torch.randn(n, k, generator=generator)
+    c = torch.full((m, n), float("nan"))
+    if backend_name is not None:
+        _testing.set_gemm_backend(backend_name)
+    try:
+        _testing.sgemm(1, m, n, k, 1.0, a, k, 0, False, b, k, 0, True, 0.0, c, n, 0, pack=pack)
+    finally:
+        if backend_name is not None:
+            _testing.set_gemm_backend("")
+    torch.testing.assert_close(c.double(), a.double() @ b.double().T, rtol=1e-4, atol=1e-4)
+    return c
+
+
+@needs_onednn
+def test_pinned_kernels_really_run():
+    """Over K = 1024 each library rounds its own way: the pinned kernels must not all agree bitwise,
+    or the pin did not reach the GEMM."""
+    mkl = gemm_with("mkl")
+    matmul, packed = gemm_with("onednn-matmul"), gemm_with("onednn-packed", pack=True)
+    assert not torch.equal(mkl, matmul)
+    assert not torch.equal(mkl, packed)
+
+
+@needs_onednn
+def test_auto_records_what_it_timed():
+    _testing.set_gemm_backend("auto")
+    try:
+        gemm_with(None, m=40, n=72, k=200, pack=True)
+        choices = [c for c in blade._C.gemm_choices() if c["shape"].startswith("[40, 200] @ [200, 72]^T")]
+    finally:
+        _testing.set_gemm_backend("")
+    assert len(choices) == 1, blade._C.gemm_choices()
+    timed = dict(choices[0]["microseconds"])
+    assert choices[0]["kernel"] in timed and "B constant" in choices[0]["shape"]
+    assert {"mkl", "onednn-packed"} <= set(timed) and all(us > 0 for us in timed.values())
+    assert timed[choices[0]["kernel"]] == min(timed.values()) and choices[0]["timings"] >= 1
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(RuntimeError, match="BLADE_GEMM=blas: expected one of auto, mkl, onednn"):
+        _testing.set_gemm_backend("blas")
+
+
+SUBPROCESS_GEMM = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from test_gemm_backends import gemm_with
+torch.set_num_threads(2)
+print(json.dumps(gemm_with("").flatten().tolist()))
+"""
+
+
+@needs_onednn
+@pytest.mark.parametrize("env_value", ["mkl", "onednn-matmul"])
+def test_blade_gemm_environment_variable(env_value):
+    """BLADE_GEMM pins the kernel of a fresh process: its result is bitwise the one pinned here."""
+    env = {**os.environ, "BLADE_GEMM": env_value, "PYTHONPATH": str(REPO)}
+    script = SUBPROCESS_GEMM.format(tests=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        here = gemm_with(env_value)
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(np.array(json.loads(out), dtype=np.float32), here.flatten().numpy())
