@@ -59,6 +59,12 @@ class Case:
 # The artifact under test
 
 
+# The runtime picks each GEMM shape's kernel by timing it in each process, and kernels round
+# differently: the reference and every worker pin one (BLADE_GEMM) so an undamaged archive
+# reproduces its outputs bit for bit.
+PINNED_GEMM = "mkl"
+
+
 def export_small_model(directory: Path) -> tuple[Path, Path]:
     """(archive, reference): the archive of a small model, and its inputs with the outputs the
     undamaged archive gives (torch.save'd)."""
@@ -84,8 +90,13 @@ def export_small_model(directory: Path) -> tuple[Path, Path]:
         compiled = blade.export(model, inputs, str(archive))
     if not any(c.status == "compiled" for c in compiled.report.clusters):
         raise RuntimeError("the fuzz model compiled no engine: nothing to fuzz")
-    with torch.no_grad():
-        torch.save({"inputs": inputs, "outputs": list(blade.load(str(archive))(*inputs))}, reference)
+    from blade._C import _testing
+    _testing.set_gemm_backend(PINNED_GEMM)  # as in the workers: outputs are compared bitwise
+    try:
+        with torch.no_grad():
+            torch.save({"inputs": inputs, "outputs": list(blade.load(str(archive))(*inputs))}, reference)
+    finally:
+        _testing.set_gemm_backend("")
     return archive, reference
 
 
@@ -202,7 +213,8 @@ class Worker:
 
     def _start(self):
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+                                     stderr=subprocess.DEVNULL, text=True, bufsize=1,
+                                     env={**os.environ, "BLADE_GEMM": PINNED_GEMM})
 
     def stop(self):
         if self.proc:
