@@ -42,6 +42,7 @@ import zipfile
 from pathlib import Path
 
 VERDICT_PREFIX = "FUZZ "
+PINNED_GEMM = "mkl"  # BLADE_GEMM of the reference run and the workers
 LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip local file header: signature, ..., name and extra lengths
 BAD_CLASSES = ("crash", "hang", "wrong")
 SENSITIVE_REGIONS = ("so", "tensor", "ts_constant", "pickle", "code", "zip_header", "central_directory")
@@ -57,12 +58,6 @@ class Case:
 
 # ---------------------------------------------------------------------------------------------
 # The artifact under test
-
-
-# The runtime picks each GEMM shape's kernel by timing it in each process, and kernels round
-# differently: the reference and every worker pin one (BLADE_GEMM) so an undamaged archive
-# reproduces its outputs bit for bit.
-PINNED_GEMM = "mkl"
 
 
 def export_small_model(directory: Path) -> tuple[Path, Path]:
@@ -90,13 +85,14 @@ def export_small_model(directory: Path) -> tuple[Path, Path]:
         compiled = blade.export(model, inputs, str(archive))
     if not any(c.status == "compiled" for c in compiled.report.clusters):
         raise RuntimeError("the fuzz model compiled no engine: nothing to fuzz")
-    from blade._C import _testing
-    _testing.set_gemm_backend(PINNED_GEMM)  # as in the workers: outputs are compared bitwise
+    # Workers compare bit for bit: the GEMM kernel is pinned here and in them (Worker's PINNED_GEMM;
+    # the runtime may otherwise time its kernels differently in each process).
+    blade._C._testing.set_gemm_backend(PINNED_GEMM)
     try:
         with torch.no_grad():
             torch.save({"inputs": inputs, "outputs": list(blade.load(str(archive))(*inputs))}, reference)
     finally:
-        _testing.set_gemm_backend("")
+        blade._C._testing.set_gemm_backend("")
     return archive, reference
 
 

@@ -94,11 +94,19 @@ unsigned allowed_kernels() {
   return *t.mode;
 }
 
+// oneDNN through libtorch costs 10-15 us a call (torch re-creates its primitive descriptor every
+// call), the time MKL needs for about 2 MFLOP even on its slow path: below that "auto" takes MKL
+// untimed. That also spares tiny GEMMs a timing whose outcome would be noise, and keeps their
+// rounding the same in every process.
+constexpr double kTinyFlops = 2e6;
+
 // The kernels that can run g (k > 0 and alpha != 0 here), narrowed to `allowed`. A oneDNN mode
 // falls back to oneDNN's matmul where its kernel does not apply, and to MKL where oneDNN does not
 // run on this CPU.
 unsigned candidates(const GemmArgs& g, bool b_constant, unsigned allowed) {
   unsigned applicable = bit(kMkl);
+  const bool tiny = 2.0 * g.batch * g.m * g.n * g.k < kTinyFlops;
+  if (tiny && (allowed & bit(kMkl))) return bit(kMkl);
   if (onednn_usable()) {
     applicable |= bit(kOnednnMatmul);
     if (g.batch == 1 && b_constant) applicable |= bit(kOnednnPacked);

@@ -24,7 +24,7 @@ class Block(torch.nn.Module):
 
 def test_profile_reports_every_kernel():
     torch.manual_seed(0)
-    model, x = Block().eval(), torch.randn(16, 64)
+    model, x = Block().eval(), torch.randn(256, 64)  # a GEMM big enough for the runtime to time kernels
     profile = blade.profile(model, x, runs=5, warmup=2)
     text = str(profile)
     print("\n" + text)
@@ -35,7 +35,7 @@ def test_profile_reports_every_kernel():
     assert profile.engine_ms <= profile.model_ms * 1.05 + 1e-3  # engines run inside the model call
     assert "= matmul" in text and "ms in kernels" in text
     if _testing.gemm_onednn_usable():  # else MKL is the only candidate: nothing is timed or listed
-        assert any(c["shape"].startswith("[16, 64] @ [64, 128]^T") for c in profile.gemm_choices), text
+        assert any(c["shape"].startswith("[256, 64] @ [64, 128]^T") for c in profile.gemm_choices), text
         assert "GEMM kernels chosen per call shape" in text
 
 

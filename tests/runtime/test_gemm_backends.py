@@ -102,8 +102,8 @@ def test_pinned_kernels_really_run():
 def test_auto_records_what_it_timed():
     _testing.set_gemm_backend("auto")
     try:
-        gemm_with(None, m=40, n=72, k=200, pack=True)
-        choices = [c for c in blade._C.gemm_choices() if c["shape"].startswith("[40, 200] @ [200, 72]^T")]
+        gemm_with(None, m=40, n=136, k=200, pack=True)
+        choices = [c for c in blade._C.gemm_choices() if c["shape"].startswith("[40, 200] @ [200, 136]^T")]
     finally:
         _testing.set_gemm_backend("")
     assert len(choices) == 1, blade._C.gemm_choices()
@@ -111,6 +111,17 @@ def test_auto_records_what_it_timed():
     assert choices[0]["kernel"] in timed and "B constant" in choices[0]["shape"]
     assert {"mkl", "onednn-packed"} <= set(timed) and all(us > 0 for us in timed.values())
     assert timed[choices[0]["kernel"]] == min(timed.values()) and choices[0]["timings"] >= 1
+
+
+def test_auto_takes_mkl_for_tiny_gemms_untimed():
+    """Under 2 MFLOP oneDNN's per-call overhead cannot win: MKL, no timing, the same bits as MKL's."""
+    _testing.set_gemm_backend("auto")
+    try:
+        auto = gemm_with(None, m=8, n=32, k=1024)
+        assert blade._C.gemm_choices() == []
+    finally:
+        _testing.set_gemm_backend("")
+    assert torch.equal(auto, gemm_with("mkl", m=8, n=32, k=1024))
 
 
 def test_unknown_backend_is_refused():
