@@ -153,7 +153,9 @@ def compile_onnx(onnx_path, out_dir, options: dict | None = None) -> Manifest:
     value, symbols = onnx_path, False
     for name, (stage, dump) in STAGES.items():
         value = _run_stage(name, stage, value, symbols)
-        symbols = symbols or (name == "ir" and bool(value.symbols))
+        # from the ONNX model on: its metadata declares run-time sizes (the ir stage's rules too
+        # refuse what they cannot compute from a symbolic size)
+        symbols = symbols or (name == "onnx" and any(p.key == ir.SIZE_RANGES_KEY for p in value.metadata_props))
         if dump:
             filename, text = dump
             (out_dir / filename).write_text(text(value))

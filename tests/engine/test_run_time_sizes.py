@@ -127,3 +127,13 @@ def test_the_engine_class_binds_and_checks_sizes(compiled):
         torch.testing.assert_close(engine.execute([x])[0], x @ torch.from_numpy(W), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match=r"input 0 \('x'\) dim 1 is size symbol 'seq' with range \[1, 32\], got 33"):
         engine.execute([torch.randn(2, 33, 16)])
+
+
+def test_a_rule_that_computes_from_a_run_time_size_refuses(tmp_path):
+    """Slice clamps its bounds to the dim: with a run-time dim the ir stage refuses the cluster."""
+    model = dynamic_model([helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["out"])],
+                          {"x": ["batch", 16]}, {"out": [None, 16]},
+                          {"starts": np.array([1], np.int64), "ends": np.array([100], np.int64),
+                           "axes": np.array([0], np.int64)})
+    with pytest.raises(UnsupportedOnnxOp, match="run-time sizes"):
+        compile_onnx(model, tmp_path / "refused")
