@@ -21,10 +21,11 @@ def make_engine(name: str, so_bytes: bytes, manifest: Manifest, onnx_model, info
     return torch.classes.blade.Engine(
         name, so_tensor, manifest.isa, manifest.abi_version,
         [t.name for t in manifest.inputs], [t.dtype for t in manifest.inputs],
-        [list(t.shape) for t in manifest.inputs],
+        [manifest.shape_codes(t) for t in manifest.inputs],
         [t.name for t in manifest.outputs], [t.dtype for t in manifest.outputs],
-        [list(t.shape) for t in manifest.outputs],
+        [manifest.shape_codes(t) for t in manifest.outputs],
         constants, manifest.scratch_bytes, json.dumps(info),
         torch.frombuffer(bytearray(fallback_module), dtype=torch.uint8) if fallback_module
         else torch.empty(0, dtype=torch.uint8),
-        fallback_mode, rtol, atol, ops_source)
+        fallback_mode, rtol, atol, ops_source,
+        [s.name for s in manifest.symbols], [[s.min, s.max] for s in manifest.symbols])

@@ -13,7 +13,7 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 3
+#define BLADE_ABI_VERSION 4
 
 extern "C" {
 
@@ -56,12 +56,15 @@ struct BladeRuntime {
 //   blade_engine_abi_version(): the BLADE_ABI_VERSION it was compiled against.
 //   blade_engine_run(): computes the cluster. inputs/outputs/constants are data pointers of
 //     contiguous, densely packed tensors in the manifest's order, with the manifest's dtypes and
-//     shapes; outputs are allocated by the caller. scratch points to manifest.scratch_bytes bytes,
+//     shapes; outputs are allocated by the caller. sizes holds the values of the manifest's size
+//     symbols (the run-time dims, in manifest.symbols order; none for a static engine), bound by the
+//     caller from the inputs' shapes and checked against the symbols' ranges and each other.
+//     scratch points to manifest.scratch_bytes bytes (planned at the symbols' upper bounds),
 //     64-byte aligned, owned by this call alone (concurrent calls get distinct scratch).
 //     Returns 0 on success; otherwise a BLADE_ERR_* code (no exceptions cross this boundary).
 int32_t blade_engine_abi_version(void);
 int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void* const* outputs,
-                         const void* const* constants, void* scratch);
+                         const void* const* constants, const int64_t* sizes, void* scratch);
 
 }  // extern "C"
 

@@ -102,6 +102,18 @@ Engine::Engine(EngineDefinition definition) : def_(std::move(definition)) {
   }
   def_.so_bytes = bytes.contiguous();
   if (def_.scratch_bytes < 0) throw_engine_error(def_.name, "negative scratch_bytes");
+  // Every symbol must be bound by some input dim, or an output's size would be unknown.
+  std::vector<bool> bound(def_.symbols.size(), false);
+  for (const TensorSpec& spec : def_.inputs) {
+    for (int64_t dim : spec.shape) {
+      if (symbol_of(dim) >= 0) bound[static_cast<size_t>(symbol_of(dim))] = true;
+    }
+  }
+  for (size_t k = 0; k < bound.size(); ++k) {
+    if (!bound[k]) {
+      throw_engine_error(def_.name, "size symbol '" + def_.symbols[k].name + "' is no input's dim, so no call could bind it");
+    }
+  }
   for (size_t i = 0; i < def_.constants.size(); ++i) {
     at::Tensor& constant = def_.constants[i];
     if (!constant.defined() || !constant.device().is_cpu() || constant.layout() != c10::kStrided) {
@@ -258,11 +270,13 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
   const size_t num_inputs = def_.inputs.size();
   if (inputs.size() != num_inputs) throw_input_count(inputs.size());
 
+  c10::SmallVector<int64_t, 4> sizes(def_.symbols.size(), -1);
+  if (!sizes.empty()) bind_sizes(inputs, sizes);
   c10::SmallVector<const void*, 8> input_data(num_inputs);
   c10::SmallVector<at::Tensor, 2> contiguous_copies;  // keep copies alive through the run
   for (size_t i = 0; i < num_inputs; ++i) {
     const at::Tensor& input = inputs[i];
-    if (!def_.inputs[i].accepts(input)) throw_input_mismatch(i, input);
+    if (sizes.empty() && !def_.inputs[i].accepts(input)) throw_input_mismatch(i, input);
     if (input.is_contiguous()) {
       input_data[i] = input.const_data_ptr();
     } else {
@@ -274,14 +288,20 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
   std::vector<at::Tensor> outputs;
   outputs.reserve(def_.outputs.size());
   c10::SmallVector<void*, 8> output_data;
+  c10::SmallVector<int64_t, 6> shape;
   for (const TensorSpec& spec : def_.outputs) {
-    outputs.push_back(at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype)));
+    shape.assign(spec.shape.begin(), spec.shape.end());
+    for (int64_t& dim : shape) {
+      if (symbol_of(dim) >= 0) dim = sizes[static_cast<size_t>(symbol_of(dim))];
+    }
+    outputs.push_back(at::empty(shape, at::TensorOptions().dtype(spec.dtype)));
     output_data.push_back(outputs.back().mutable_data_ptr());
   }
 
   const ScratchLease scratch(static_cast<size_t>(def_.scratch_bytes));
   const PackingScope packing(&packed_weights_);
-  int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), scratch.data());
+  int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), sizes.data(),
+                      scratch.data());
   if (code != BLADE_OK) throw_run_failure(code);
   if (profile_) {
     call_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -298,7 +318,46 @@ void Engine::throw_input_count(size_t got) const {
 void Engine::throw_input_mismatch(size_t index, const at::Tensor& got) const {
   const TensorSpec& spec = def_.inputs[index];
   throw_engine_error(def_.name, "input " + std::to_string(index) + " ('" + spec.name + "') expected " +
-                                    spec.describe() + ", got " + describe(got));
+                                    spec.describe(def_.symbols) + ", got " + describe(got));
+}
+
+template <class Sizes>
+void Engine::bind_sizes(const std::vector<at::Tensor>& inputs, Sizes& sizes) const {
+  // Where each symbol was bound, for the message of a later dim that differs: (input, dim).
+  c10::SmallVector<std::pair<size_t, size_t>, 4> bound_at(sizes.size(), std::pair<size_t, size_t>(0, 0));
+  for (size_t i = 0; i < def_.inputs.size(); ++i) {
+    const TensorSpec& spec = def_.inputs[i];
+    const at::Tensor& input = inputs[i];
+    if (!spec.accepts_kind(input) || input.dim() != static_cast<int64_t>(spec.shape.size())) {
+      throw_input_mismatch(i, input);
+    }
+    for (size_t d = 0; d < spec.shape.size(); ++d) {
+      const int64_t value = input.size(static_cast<int64_t>(d));
+      const int64_t symbol = symbol_of(spec.shape[d]);
+      if (symbol < 0) {
+        if (value != spec.shape[d]) throw_input_mismatch(i, input);
+        continue;
+      }
+      const SizeSymbol& s = def_.symbols[static_cast<size_t>(symbol)];
+      const std::string where = "input " + std::to_string(i) + " ('" + spec.name + "') dim " + std::to_string(d);
+      int64_t& size = sizes[static_cast<size_t>(symbol)];
+      if (size < 0) {
+        if (value < s.min || value > s.max) {
+          throw_engine_error(def_.name, where + " is size symbol '" + s.name + "' with range [" +
+                                            std::to_string(s.min) + ", " + std::to_string(s.max) + "], got " +
+                                            std::to_string(value) + " (input " + describe(input) + ")");
+        }
+        size = value;
+        bound_at[static_cast<size_t>(symbol)] = {i, d};
+      } else if (value != size) {
+        const auto [first, first_dim] = bound_at[static_cast<size_t>(symbol)];
+        throw_engine_error(def_.name, where + " is size symbol '" + s.name + "', which input " +
+                                          std::to_string(first) + " ('" + def_.inputs[first].name + "') dim " +
+                                          std::to_string(first_dim) + " set to " + std::to_string(size) +
+                                          ", got " + std::to_string(value) + " (input " + describe(input) + ")");
+      }
+    }
+  }
 }
 
 void Engine::throw_run_failure(int32_t code) const {

@@ -28,10 +28,11 @@ struct EngineDefinition {
   at::Tensor so_bytes;               // the engine .so, uint8 1-D
   std::string isa;                   // x86-64 level the .so was compiled for (isa.h)
   int64_t abi_version = 0;           // BLADE_ABI_VERSION the .so was compiled against
+  std::vector<SizeSymbol> symbols;   // run-time dims, in the order blade_engine_run's sizes holds them
   std::vector<TensorSpec> inputs;    // in the order blade_engine_run takes them
   std::vector<TensorSpec> outputs;
   std::vector<at::Tensor> constants;  // in the manifest's order
-  int64_t scratch_bytes = 0;         // per-call workspace the engine needs
+  int64_t scratch_bytes = 0;         // per-call workspace the engine needs (at the symbols' maxima)
   std::string info_json;             // opaque metadata for reports (manifest, source locations)
   // Debugging (state format 2): a torch.jit.save'd module, forward(List[Tensor]) -> List[Tensor],
   // computing the cluster in TorchScript; undefined or empty when compiled with fallback off.
@@ -55,7 +56,9 @@ class Engine : public torch::CustomClassHolder {
   std::vector<at::Tensor> execute(const std::vector<at::Tensor>& inputs) const;
 
   // The compiled engine alone. Lock-free: every call has its own outputs and scratch. Inputs must
-  // match the specs in dtype, shape and device; non-contiguous ones are copied.
+  // match the specs in dtype, shape and device (a size symbol takes its value from the first input
+  // dim that has it, within its range, and every other dim with it must be equal); non-contiguous
+  // ones are copied.
   std::vector<at::Tensor> run_engine(const std::vector<at::Tensor>& inputs) const;
 
   // The TorchScript subgraph alone; throws when the engine was compiled without one.
@@ -87,6 +90,10 @@ class Engine : public torch::CustomClassHolder {
   std::vector<at::Tensor> fall_back(const std::vector<at::Tensor>& inputs, const std::string& reason) const;
   [[noreturn]] void throw_input_count(size_t got) const;
   [[noreturn]] void throw_input_mismatch(size_t index, const at::Tensor& got) const;
+  // Binds the size symbols from the inputs' shapes into `sizes`; throws naming the dim that is out
+  // of its symbol's range or differs from the dim that bound the symbol.
+  template <class Sizes>
+  void bind_sizes(const std::vector<at::Tensor>& inputs, Sizes& sizes) const;
   [[noreturn]] void throw_run_failure(int32_t code) const;
 
   EngineDefinition def_;

@@ -51,6 +51,7 @@ std::string fields_digest(const EngineState& s) {
   hash_specs(hash, std::get<8>(s), std::get<9>(s), std::get<10>(s));
   hash.integer(std::get<12>(s)).text(std::get<13>(s)).text(std::get<15>(s));
   hash.real(std::get<16>(s)).real(std::get<17>(s)).text(std::get<18>(s));
+  hash_specs(hash, std::get<19>(s), {}, std::get<20>(s));
   return hash.hex();
 }
 
@@ -60,7 +61,7 @@ std::string describe_part(const std::string& digest) {
       {"so", "its .so"},
       {"fallback_module", "its TorchScript fallback subgraph"},
       {"fields", "its specs and settings (name, ISA, ABI version, input/output names, dtypes and shapes, "
-                 "scratch size, info, fallback mode, tolerances, ops)"},
+                 "scratch size, info, fallback mode, tolerances, ops, size symbols)"},
   };
   const std::string part = digest.substr(0, digest.rfind(' '));
   auto known = kParts.find(part);
@@ -117,11 +118,13 @@ c10::intrusive_ptr<Engine> make_engine(std::string name, at::Tensor so_bytes, st
                                        std::vector<at::Tensor> constants, int64_t scratch_bytes,
                                        std::string info_json, at::Tensor fallback_module,
                                        std::string fallback_mode, double rtol, double atol,
-                                       std::string ops_source) {
+                                       std::string ops_source, std::vector<std::string> symbol_names,
+                                       std::vector<std::vector<int64_t>> symbol_ranges) {
   EngineDefinition def;
   try {
-    def.inputs = make_specs("input", input_names, input_dtypes, input_shapes);
-    def.outputs = make_specs("output", output_names, output_dtypes, output_shapes);
+    def.symbols = make_symbols(symbol_names, symbol_ranges);
+    def.inputs = make_specs("input", input_names, input_dtypes, input_shapes, def.symbols.size());
+    def.outputs = make_specs("output", output_names, output_dtypes, output_shapes, def.symbols.size());
   } catch (const std::invalid_argument& e) {
     throw_engine_error(name, e.what());
   }
@@ -144,12 +147,19 @@ EngineState to_state(const Engine& engine) {
   const EngineDefinition& def = engine.definition();
   SpecColumns inputs = to_columns(def.inputs);
   SpecColumns outputs = to_columns(def.outputs);
+  std::vector<std::string> symbol_names;
+  std::vector<std::vector<int64_t>> symbol_ranges;
+  for (const SizeSymbol& symbol : def.symbols) {
+    symbol_names.push_back(symbol.name);
+    symbol_ranges.push_back({symbol.min, symbol.max});
+  }
   EngineState state(kEngineStateFormat, def.name, def.so_bytes, def.isa, def.abi_version,
                     std::move(inputs.names), std::move(inputs.dtypes), std::move(inputs.shapes),
                     std::move(outputs.names), std::move(outputs.dtypes), std::move(outputs.shapes),
                     def.constants, def.scratch_bytes, def.info_json,
                     def.fallback_module.defined() ? def.fallback_module : at::empty({0}, at::kByte),
-                    engine.fallback_mode(), def.rtol, def.atol, def.ops_source, std::vector<std::string>());
+                    engine.fallback_mode(), def.rtol, def.atol, def.ops_source, std::move(symbol_names),
+                    std::move(symbol_ranges), std::vector<std::string>());
   std::get<kDigestsField>(state) = content_digests(state);
   return state;
 }
@@ -161,6 +171,10 @@ c10::intrusive_ptr<Engine> from_state(const c10::IValue& state) {
     throw_engine_error(name, "the serialized state is not a blade Engine state (" + state.tagKind() + ")");
   }
   const int64_t format = fields[0].toInt();
+  if (format == 3) {
+    throw_engine_error(name, "saved with Engine state format 3 (runtime ABI version 3), whose engines this "
+                             "runtime (ABI version " + std::to_string(BLADE_ABI_VERSION) + ") cannot run: re-export the model");
+  }
   if (format == 1 || format == 2) {
     throw_engine_error(name, "saved with Engine state format " + std::to_string(format) +
                                  ", which carries no content hashes; this blade reads format " +

@@ -1,12 +1,15 @@
 // The two outside views of an Engine: the constructor's argument list (what the torch side calls
 // with a manifest in hand) and the pickled state torch.jit.save stores.
 //
-// State layout (format 3), a tuple:
-//   (format_version=3, name, so_bytes: uint8 Tensor, isa, abi_version,
+// State layout (format 4), a tuple:
+//   (format_version=4, name, so_bytes: uint8 Tensor, isa, abi_version,
 //    input_names, input_dtypes, input_shapes, output_names, output_dtypes, output_shapes,
 //    constants: Tensor[], scratch_bytes, info_json,
 //    fallback_module: uint8 Tensor (empty: none), fallback_mode, rtol, atol, ops_source,
+//    symbol_names, symbol_ranges: [[min, max], ...],
 //    digests: ["<part> <sha256 hex>", ...])
+// (a shape dim -1 - k is the k-th size symbol, tensor_spec.h; format 4 added the symbols with ABI
+// version 4, so a format-3 state's engine could not load anyway).
 // i.e. the format version, the constructor's arguments, and SHA-256 hashes of the parts (the .so,
 // the fallback subgraph, each constant, and all the other fields together; content_digests).
 // The .so bytes, constants and the fallback subgraph are tensors so torch.jit.save writes them as
@@ -30,7 +33,7 @@
 
 namespace blade {
 
-constexpr int64_t kEngineStateFormat = 3;
+constexpr int64_t kEngineStateFormat = 4;
 
 using EngineState = std::tuple<int64_t,                            // kEngineStateFormat
                                std::string,                        // name
@@ -51,6 +54,8 @@ using EngineState = std::tuple<int64_t,                            // kEngineSta
                                double,                             // rtol
                                double,                             // atol
                                std::string,                        // ops_source
+                               std::vector<std::string>,           // symbol_names
+                               std::vector<std::vector<int64_t>>,  // symbol_ranges
                                std::vector<std::string>>;          // digests
 
 // "<part> <sha256 hex>" for each part of a state: "so", "fallback_module", "fields" (every field
@@ -69,7 +74,8 @@ c10::intrusive_ptr<Engine> make_engine(std::string name, at::Tensor so_bytes, st
                                        std::vector<at::Tensor> constants, int64_t scratch_bytes,
                                        std::string info_json, at::Tensor fallback_module,
                                        std::string fallback_mode, double rtol, double atol,
-                                       std::string ops_source);
+                                       std::string ops_source, std::vector<std::string> symbol_names,
+                                       std::vector<std::vector<int64_t>> symbol_ranges);
 
 EngineState to_state(const Engine& engine);
 

@@ -40,9 +40,20 @@ std::string dtype_name(c10::ScalarType dtype) {
   return c10::toString(dtype);
 }
 
-std::string TensorSpec::describe() const {
+std::string TensorSpec::describe(const std::vector<SizeSymbol>& symbols) const {
   std::ostringstream out;
-  out << dtype_name(dtype) << c10::IntArrayRef(shape) << " on cpu";
+  out << dtype_name(dtype) << "[";
+  for (size_t d = 0; d < shape.size(); ++d) {
+    const int64_t symbol = symbol_of(shape[d]);
+    out << (d ? ", " : "");
+    if (symbol < 0) {
+      out << shape[d];
+    } else {
+      const SizeSymbol& s = symbols.at(static_cast<size_t>(symbol));
+      out << s.name << " in " << s.min << ".." << s.max;
+    }
+  }
+  out << "] on cpu";
   return out.str();
 }
 
@@ -56,7 +67,7 @@ std::string describe(const at::Tensor& t) {
 
 std::vector<TensorSpec> make_specs(const std::string& what, const std::vector<std::string>& names,
                                    const std::vector<std::string>& dtypes,
-                                   const std::vector<std::vector<int64_t>>& shapes) {
+                                   const std::vector<std::vector<int64_t>>& shapes, size_t num_symbols) {
   if (dtypes.size() != names.size() || shapes.size() != names.size()) {
     throw std::invalid_argument(what + " names, dtypes and shapes differ in length (" +
                                 std::to_string(names.size()) + ", " + std::to_string(dtypes.size()) +
@@ -66,9 +77,10 @@ std::vector<TensorSpec> make_specs(const std::string& what, const std::vector<st
   specs.reserve(names.size());
   for (size_t i = 0; i < names.size(); ++i) {
     for (int64_t dim : shapes[i]) {
-      if (dim < 0) {
+      if (dim < 0 && symbol_of(dim) >= static_cast<int64_t>(num_symbols)) {
         throw std::invalid_argument(what + " " + std::to_string(i) + " ('" + names[i] +
-                                    "') has a negative dimension");
+                                    "') has a negative dimension that names no size symbol (" +
+                                    std::to_string(num_symbols) + " declared)");
       }
     }
     try {
@@ -78,6 +90,24 @@ std::vector<TensorSpec> make_specs(const std::string& what, const std::vector<st
     }
   }
   return specs;
+}
+
+std::vector<SizeSymbol> make_symbols(const std::vector<std::string>& names,
+                                     const std::vector<std::vector<int64_t>>& ranges) {
+  if (names.size() != ranges.size()) {
+    throw std::invalid_argument("size symbol names and ranges differ in length (" + std::to_string(names.size()) +
+                                ", " + std::to_string(ranges.size()) + ")");
+  }
+  std::vector<SizeSymbol> symbols;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto& range = ranges[i];
+    if (range.size() != 2 || range[0] < 0 || range[0] > range[1]) {
+      throw std::invalid_argument("size symbol '" + names[i] + "' needs a range [min, max] with 0 <= min <= max, got " +
+                                  c10::str(c10::IntArrayRef(range)));
+    }
+    symbols.push_back({names[i], range[0], range[1]});
+  }
+  return symbols;
 }
 
 }  // namespace blade

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from . import views
 from .ir import Graph, Node
 from .manifest import DTYPES
-from .symbolic import Expr
+from .symbolic import Expr, as_expr, proves_nonnegative
 from .views import Layout, contiguous_strides, linear_index
 
 INLINE_CONST_MAX = 64          # constants with at most this many elements are compiled into the code
@@ -105,7 +105,14 @@ def unpermuted(idx, order) -> list:
 def memory_order(s: Strided) -> tuple:
     """s's dims from the largest stride to the smallest (the order of a loop nest that walks its
     memory forward); size-1 dims keep their place."""
-    moving = sorted((d for d, n in enumerate(s.shape) if n != 1), key=lambda d: -s.layout.strides[d])
+    moving = [d for d, n in enumerate(s.shape) if n != 1]
+    strides = [s.layout.strides[d] for d in moving]
+    if any(isinstance(x, Expr) for x in strides):
+        # run-time strides: only the order they provably have (row-major) is known
+        if all(proves_nonnegative(as_expr(a) - b) for a, b in zip(strides, strides[1:])):
+            return tuple(range(len(s.shape)))
+        raise TypeError(f"the memory order of strides {strides} depends on run-time sizes")
+    moving.sort(key=lambda d: -s.layout.strides[d])
     it = iter(moving)
     return tuple(d if n == 1 else next(it) for d, n in enumerate(s.shape))
 
@@ -177,13 +184,15 @@ class Memory:
 
 def plan_arena(buffers) -> int:
     """Arena offsets for scratch buffers: buffers whose live ranges overlap never share bytes.
-    Greedy, largest first, lowest fitting offset. Returns the arena size."""
+    Greedy, largest first, lowest fitting offset. Returns the arena size. A buffer with run-time
+    dims is planned at its size symbols' maxima: one arena serves every size in range."""
     placed = []
-    for buf in sorted(buffers, key=lambda b: -b.nbytes):
+    nbytes = {buf: as_expr(buf.nbytes).bounds()[1] for buf in buffers}
+    for buf in sorted(buffers, key=lambda b: -nbytes[b]):
         if buf.first < 0:
             buf.first = buf.last = max(buf.last, 0)
-        size = -(-max(buf.nbytes, 1) // ALIGN) * ALIGN
-        conflicts = sorted((p.offset, p.offset + -(-max(p.nbytes, 1) // ALIGN) * ALIGN) for p in placed
+        size = -(-max(nbytes[buf], 1) // ALIGN) * ALIGN
+        conflicts = sorted((p.offset, p.offset + -(-max(nbytes[p], 1) // ALIGN) * ALIGN) for p in placed
                            if p.first <= buf.last and buf.first <= p.last)
         offset = 0
         for start, end in conflicts:
@@ -192,4 +201,4 @@ def plan_arena(buffers) -> int:
             offset = max(offset, end)
         buf.offset = offset
         placed.append(buf)
-    return max((b.offset + b.nbytes for b in placed), default=0)
+    return max((b.offset + nbytes[b] for b in placed), default=0)

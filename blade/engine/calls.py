@@ -11,10 +11,16 @@ from .buffers import CHANNELS_LAST, Strided, same_strides, strides_in_order
 from .ir import Node
 from .lines import DECLS, for_loop, indent
 from .optable import literal
-from .symbolic import Var, add
+from .symbolic import Expr, Var, add
 from .views import Layout, contiguous_strides
 
 CHANNELS_LAST_MIN_INPUT_CHANNELS = 8   # fewer (an RGB image): a channels-last conv still reads NCHW
+
+
+def _may_exceed_one(n) -> bool:
+    """Whether a GEMM dim can be larger than 1: a run-time dim (an Expr) counts as one that can,
+    so its operand's leading dimension is its row stride, which is a valid one at size 1 too."""
+    return isinstance(n, Expr) or n > 1
 
 
 def _gemm_operand(em, node: Node):
@@ -24,9 +30,9 @@ def _gemm_operand(em, node: Node):
         rows, cols = s.shape[-2:]
         rs, cs = s.layout.strides[-2:]
         if (cols == 1 or cs == 1) and (rows == 1 or rs >= cols):
-            return s, 0, rs if rows > 1 else max(cols, 1)
+            return s, 0, rs if _may_exceed_one(rows) else max(cols, 1)
         if (rows == 1 or rs == 1) and (cols == 1 or cs >= rows):
-            return s, 1, cs if cols > 1 else max(rows, 1)
+            return s, 1, cs if _may_exceed_one(cols) else max(rows, 1)
     copy = em.memory.new_scratch(node.dtype, node.shape)
     em.kernels.emit_loop(f"contiguous copy of {node!r} for GEMM", copy,
                          lambda scope, idx: em.values.value(node, idx, scope))
@@ -45,7 +51,7 @@ def emit_matmul(em, node, dest):
     (a, ta, lda), (b, tb, ldb) = _gemm_operand(em, a_node), _gemm_operand(em, b_node)
     # C rows may be strided (a permuted output, plan._permuted_matmul_output); columns are dense.
     assert dest.layout.strides[-1] == 1 or n == 1, "matmul output columns must be dense"
-    ldc = dest.layout.strides[-2] if m > 1 else n
+    ldc = dest.layout.strides[-2] if _may_exceed_one(m) else n
     kernel = em.kernels.begin_call(f"{node!r} = matmul {a_node!r} @ {b_node!r}")
     names = [kernel.use(a.buf), kernel.use(b.buf), kernel.use(dest.buf, write=True)]
     operands = (a, b, dest)

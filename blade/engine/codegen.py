@@ -13,14 +13,15 @@ How a planned graph (plan.py) becomes code, one module per job:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .buffers import Buffer, Memory, Strided, plan_arena
+from .ir import UnsupportedOnnxOp
 from .calls import emit_conv, emit_matmul
 from .expressions import Values
 from .lines import Names
 from .loops import Kernels, emit_concat, emit_elementwise, emit_pad, emit_reduce
-from .manifest import TensorSpec
+from .manifest import SizeSymbol, TensorSpec
 from .plan import Plan
 from .render import keep_rows_on_stack, render_source
 
@@ -31,7 +32,16 @@ class Program:
     inputs: list
     outputs: list
     constants: list          # TensorSpec of run-time constants, in `constants` pointer order
-    scratch_bytes: int
+    scratch_bytes: int       # at the size symbols' maxima
+    symbols: list = field(default_factory=list)   # SizeSymbol of each run-time dim, in `sizes` order
+
+
+def _spec(name: str, node, names: dict) -> TensorSpec:
+    """A graph input's or output's spec: its run-time dims by their symbol's name."""
+    if any(d not in names for d in node.shape if not isinstance(d, int)):
+        raise UnsupportedOnnxOp(f"{name!r} has the shape {list(node.shape)}: a run-time dim that is not "
+                                f"one size symbol")
+    return TensorSpec(name, node.dtype, [d if isinstance(d, int) else names[d] for d in node.shape])
 
 
 MATERIALIZE = {
@@ -77,11 +87,14 @@ class Emitter:
         rows_on_stack = keep_rows_on_stack(self.kernels.blocks)
         scratch_bytes = plan_arena([b for b in memory.scratch if b not in rows_on_stack])
         graph = plan.graph
-        return Program(render_source(self.kernels.blocks, memory.inline_consts, rows_on_stack),
-                       [TensorSpec(n.name, n.dtype, list(n.shape)) for n in graph.inputs],
-                       [TensorSpec(name, n.dtype, list(n.shape)) for name, n in graph.outputs],
+        names = {var: name for name, var in graph.symbols}
+        return Program(render_source(self.kernels.blocks, memory.inline_consts, rows_on_stack,
+                                     [var for _, var in graph.symbols]),
+                       [_spec(n.name, n, names) for n in graph.inputs],
+                       [_spec(name, n, names) for name, n in graph.outputs],
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in memory.runtime_consts],
-                       scratch_bytes)
+                       scratch_bytes,
+                       [SizeSymbol(name, *var.bounds()) for name, var in graph.symbols])
 
 
 def generate(plan: Plan) -> Program:

@@ -131,15 +131,31 @@ STAGES = {
 }
 
 
+def _run_stage(name: str, stage, value, symbols: bool):
+    """One stage. With run-time sizes (size symbols), a stage that meets a decision it cannot make
+    on a symbolic size (a comparison or a truth value of an expression: TypeError; a division by a
+    size that may be 0: ValueError) refuses the cluster rather than guessing."""
+    if not symbols:
+        return stage(value)
+    try:
+        return stage(value)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedOnnxOp(f"the {name} stage does not handle this cluster with run-time sizes yet: "
+                                f"{type(e).__name__}: {e}") from e
+
+
 def compile_onnx(onnx_path, out_dir, options: dict | None = None) -> Manifest:
     """Compiles one cluster; writes plan.txt, engine.cpp, compile_command.txt, compile.log,
     engine.so and manifest.json into out_dir and returns the manifest."""
     options = resolve_options(options)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    value = onnx_path
+    value, symbols = onnx_path, False
     for name, (stage, dump) in STAGES.items():
-        value = stage(value)
+        value = _run_stage(name, stage, value, symbols)
+        # from the ONNX model on: its metadata declares run-time sizes (the ir stage's rules too
+        # refuse what they cannot compute from a symbolic size)
+        symbols = symbols or (name == "onnx" and any(p.key == ir.SIZE_RANGES_KEY for p in value.metadata_props))
         if dump:
             filename, text = dump
             (out_dir / filename).write_text(text(value))
@@ -160,7 +176,7 @@ def compile_onnx(onnx_path, out_dir, options: dict | None = None) -> Manifest:
                                  f"reproduce with: {' '.join(command)}\n{tail}")
     manifest = Manifest(abi_version=abi_version(), isa=options["isa"], inputs=program.inputs,
                         outputs=program.outputs, constants=program.constants,
-                        scratch_bytes=program.scratch_bytes, compile_command=command,
+                        scratch_bytes=program.scratch_bytes, symbols=program.symbols, compile_command=command,
                         compiler_version=version)
     (out_dir / "manifest.json").write_text(manifest.to_json())
     return manifest

@@ -19,6 +19,7 @@ rule, so code generation only ever sees the primitives above.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -27,16 +28,33 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .manifest import DTYPES
+from .symbolic import Expr, Var, constant
+
+# ONNX model metadata naming the ranges of its dim_params: {"seq": [1, 512], ...} as JSON. A graph
+# input dim that is a dim_param becomes a size symbol of the engine (a run-time dim in that range).
+SIZE_RANGES_KEY = "blade.size_ranges"
 
 
 class UnsupportedOnnxOp(Exception):
     """The cluster contains an ONNX op (or an attribute value) the engine cannot compile."""
 
 
+def _dim(d):
+    """A dim of a shape: an int, or an Expr over size symbols when it is not a constant."""
+    if isinstance(d, Expr):
+        value = constant(d)
+        return d if value is None else int(value)
+    return int(d)
+
+
+def is_static(shape) -> bool:
+    return not any(isinstance(d, Expr) for d in shape)
+
+
 @dataclass(eq=False)
 class Node:
     op: str
-    shape: tuple
+    shape: tuple          # ints, and Exprs over the graph's size symbols (run-time dims)
     dtype: str
     args: tuple = ()
     attrs: dict = field(default_factory=dict)
@@ -59,6 +77,7 @@ class Graph:
     inputs: list        # Node(op="input"), in ONNX graph-input order
     outputs: list       # (onnx name, Node), in ONNX graph-output order
     nodes: list         # every IR node, topologically sorted
+    symbols: list = field(default_factory=list)   # (dim_param name, Var) of each size symbol
 
 
 # ONNX elementwise op -> result dtype rule ("same": the first argument's, "bool", "cast": attrs["to"]).
@@ -77,6 +96,9 @@ def broadcast_shapes(*shapes) -> tuple:
     out = []
     for d in range(rank):
         dims = {s[d - rank + len(s)] for s in shapes if d - rank + len(s) >= 0} - {1}
+        if len(dims) > 1 and any(isinstance(n, Expr) for n in dims):
+            # a run-time dim against another dim: equal or 1 only at some sizes
+            raise UnsupportedOnnxOp(f"broadcasting run-time dims of shapes {shapes} (equal only at some sizes)")
         if len(dims) > 1:
             raise ValueError(f"shapes {shapes} do not broadcast")
         out.append(dims.pop() if dims else 1)
@@ -96,7 +118,7 @@ class Builder:
         self.nodes: list[Node] = []
 
     def _add(self, op, shape, dtype, args=(), **attrs) -> Node:
-        node = Node(op, tuple(int(d) for d in shape), dtype, tuple(args), attrs, f"v{len(self.nodes)}")
+        node = Node(op, tuple(_dim(d) for d in shape), dtype, tuple(args), attrs, f"v{len(self.nodes)}")
         self.nodes.append(node)
         return node
 
@@ -226,7 +248,7 @@ class Builder:
                          strides=list(strides), dilations=list(dilations))
 
     def reshape(self, x, shape) -> Node:
-        shape = tuple(int(d) for d in shape)
+        shape = tuple(_dim(d) for d in shape)
         if math.prod(shape) != x.numel:
             raise ValueError(f"cannot reshape {x.shape} to {shape}")
         if shape == x.shape:
@@ -571,13 +593,6 @@ def _np_dtype(elem_type: int) -> str:
     return helper.tensor_dtype_to_np_dtype(elem_type).name
 
 
-def _static_shape(value_info) -> tuple:
-    dims = value_info.type.tensor_type.shape.dim
-    if any(not d.HasField("dim_value") for d in dims):
-        raise ValueError(f"value {value_info.name!r} has no static shape")
-    return tuple(d.dim_value for d in dims)
-
-
 def constant_tensors(model: onnx.ModelProto) -> dict:
     """Every constant of the graph by value name: initializers and Constant-node outputs."""
     values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -603,6 +618,7 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
     typed = {v.name: v for v in list(inferred.value_info) + list(inferred.output)}
     constants = constant_tensors(model)
     graph = model.graph
+    symbols = _size_symbols(model)
     b = Builder()
     env: dict[str, Node] = {"": None}
     for name, value in constants.items():
@@ -616,7 +632,7 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
         dtype = _np_dtype(value.type.tensor_type.elem_type)
         if dtype not in DTYPES:
             raise UnsupportedOnnxOp(f"graph input {value.name!r} of dtype {dtype}")
-        env[value.name] = b.input(value.name, _static_shape(value), dtype)
+        env[value.name] = b.input(value.name, _input_shape(value, symbols), dtype)
         inputs.append(env[value.name])
     for node in graph.node:
         if node.op_type == "Constant":
@@ -630,17 +646,50 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
         for name, out in zip(node.output, outs):
             if not name:
                 continue
-            _check_against_inference(node, name, out, typed.get(name))
+            _check_against_inference(node, name, out, typed.get(name), symbols)
             env[name] = out
     outputs = [(v.name, env[v.name]) for v in graph.output]
-    return Graph(inputs, outputs, b.nodes)
+    used = {d for node in inputs for d in node.shape if isinstance(d, Var)}
+    return Graph(inputs, outputs, b.nodes, [(name, var) for name, var in symbols.items() if var in used])
 
 
-def _check_against_inference(node, name, out: Node, value_info) -> None:
-    """Our shape rules must agree with ONNX's: a mismatch is a bug in a rule, caught at compile time."""
+def _size_symbols(model: onnx.ModelProto) -> dict:
+    """dim_param name -> its size symbol (Var "size<k>" in its declared range), from the model's
+    metadata (SIZE_RANGES_KEY)."""
+    props = {p.key: p.value for p in model.metadata_props}
+    ranges = json.loads(props.get(SIZE_RANGES_KEY, "{}"))
+    symbols = {}
+    for k, (name, (lo, hi)) in enumerate(ranges.items()):
+        if not 0 <= lo <= hi:
+            raise ValueError(f"size symbol {name!r} has the range [{lo}, {hi}]")
+        symbols[name] = Var(f"size{k}", int(lo), int(hi))
+    return symbols
+
+
+def _input_shape(value_info, symbols: dict) -> tuple:
+    """A graph input's shape: its dim_params as size symbols (each must have a declared range)."""
+    shape = []
+    for d in value_info.type.tensor_type.shape.dim:
+        if d.HasField("dim_value"):
+            shape.append(d.dim_value)
+        elif d.HasField("dim_param") and d.dim_param in symbols:
+            shape.append(symbols[d.dim_param])
+        elif d.HasField("dim_param"):
+            raise UnsupportedOnnxOp(f"input {value_info.name!r} dim {d.dim_param!r} has no declared range "
+                                    f"(model metadata {SIZE_RANGES_KEY})")
+        else:
+            raise ValueError(f"value {value_info.name!r} has no static shape")
+    return tuple(shape)
+
+
+def _check_against_inference(node, name, out: Node, value_info, symbols: dict) -> None:
+    """Our shape rules must agree with ONNX's: a mismatch is a bug in a rule, caught at compile time.
+    ONNX names a run-time dim by its dim_param where it can, else leaves it unknown (not compared)."""
     if value_info is None:
         return
-    shape, dtype = _static_shape(value_info), _np_dtype(value_info.type.tensor_type.elem_type)
-    if tuple(shape) != out.shape or dtype != out.dtype:
+    dims, dtype = value_info.type.tensor_type.shape.dim, _np_dtype(value_info.type.tensor_type.elem_type)
+    shape = [d.dim_value if d.HasField("dim_value") else symbols.get(d.dim_param) for d in dims]
+    if len(shape) != out.rank or dtype != out.dtype or any(
+            n is not None and n != m for n, m in zip(shape, out.shape)):
         raise AssertionError(f"{node.op_type} rule for {name!r} gives {out.shape} {out.dtype}, "
                              f"ONNX infers {shape} {dtype}")

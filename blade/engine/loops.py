@@ -19,7 +19,7 @@ from .buffers import Buffer, Strided, memory_order, permuted, unpermuted
 from .lines import Access, Names, Scope, declare, for_loop
 from .optable import REDUCE, CType, literal
 from .plan import stored_pad
-from .symbolic import Const, Expr, Var, add
+from .symbolic import Const, Expr, Var, add, as_expr, constant
 from .views import Layout
 
 
@@ -154,8 +154,8 @@ def row_address(s: Strided, idx, rows) -> Expr | None:
     """The address of s[idx] relative to the current row, when it provably lies inside that
     row of s's buffer (row r spans elements [r * row_numel, (r + 1) * row_numel)); else None."""
     row_vars = [(var, n) for var, n in zip(loop_vars(rows), rows) if n != 1]
-    row_numel, rem = divmod(s.buf.numel, math.prod(rows))
-    if not row_vars or rem:
+    row_numel, rem = _divmod(s.buf.numel, math.prod(rows))
+    if not row_vars or rem != 0:
         return None  # no row loop: loads would be hoisted above the kernels that write them
     want, step = {}, row_numel
     for var, n in reversed(row_vars):
@@ -172,6 +172,15 @@ def row_address(s: Strided, idx, rows) -> Expr | None:
     if got != want or low < 0 or high >= row_numel:
         return None
     return add(s.layout.offset, *rest)
+
+
+def _divmod(a, b) -> tuple:
+    """divmod of sizes that may be expressions over size symbols; a constant result as an int
+    (a row of a buffer with run-time dims usually has a static size)."""
+    if not isinstance(a, Expr) and not isinstance(b, Expr):
+        return divmod(a, b)
+    q, r = (a // b, a % b) if isinstance(a, Expr) else (as_expr(a) // b, as_expr(a) % b)
+    return tuple(int(constant(e)) if constant(e) is not None else e for e in (q, r))
 
 
 def row_local(kernel: Kernel, group: RowGroup) -> bool:
@@ -191,7 +200,7 @@ def stack_rows(group: RowGroup, budget: int) -> dict:
             continue
         accesses = [(s, idx) for k in group.kernels for s, idx, _ in k.accesses if s.buf is buf]
         rows = [row_address(s, idx, group.rows) for s, idx in accesses]
-        row_bytes = buf.nbytes // math.prod(group.rows)
+        row_bytes = _divmod(buf.nbytes, math.prod(group.rows))[0]
         if None in rows or row_bytes > budget:
             continue
         budget -= row_bytes
@@ -221,7 +230,7 @@ def emit_pad(em, node, dest):
 
 def emit_reduce(em, node, dest):
     src = node.args[0]
-    work = max(1, src.numel // max(node.numel, 1))
+    work = max(1, _divmod(src.numel, node.numel)[0] if isinstance(node.numel, Expr) else src.numel // max(node.numel, 1))
     loop_dims = [d for d, n in enumerate(node.shape) if n != 1]
     comment = f"{node!r} = reduce {node.attrs['kind']} over axes {node.attrs['axes']}"
     if node in em.plan.window_form:

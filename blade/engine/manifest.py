@@ -1,7 +1,9 @@
 """The engine manifest: what a compiled cluster .so expects and produces (torch-free).
 
 Written by the engine compiler next to each ``engine_<k>.so`` as JSON, read by the torch side to
-build an Engine. Tensors are described by dtype name (numpy spelling) and static shape.
+build an Engine. Tensors are described by dtype name (numpy spelling) and shape; a dim of a shape
+is a size or the name of one of the manifest's size symbols (a dim whose value the host binds from
+the inputs at run time, within the symbol's [min, max], and passes to the engine).
 """
 from __future__ import annotations
 
@@ -25,14 +27,23 @@ DTYPES = {
 class TensorSpec:
     name: str
     dtype: str
-    shape: list[int]
+    shape: list          # ints, and names of size symbols
 
     @property
     def numel(self) -> int:
         n = 1
         for d in self.shape:
+            if isinstance(d, str):
+                raise ValueError(f"{self.name} has a run-time dim {d!r}: no static element count")
             n *= d
         return n
+
+
+@dataclass
+class SizeSymbol:
+    name: str
+    min: int
+    max: int
 
 
 @dataclass
@@ -42,7 +53,8 @@ class Manifest:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     constants: list[TensorSpec]   # ONNX initializers passed at run time, in this order
-    scratch_bytes: int
+    scratch_bytes: int            # at the size symbols' maxima
+    symbols: list[SizeSymbol] = field(default_factory=list)
     entry: str = ENTRY_SYMBOL
     format: int = MANIFEST_FORMAT
     compile_command: list[str] = field(default_factory=list)
@@ -58,4 +70,10 @@ class Manifest:
             raise ValueError(f"manifest format {raw.get('format')} is not {MANIFEST_FORMAT}")
         for key in ("inputs", "outputs", "constants"):
             raw[key] = [TensorSpec(**t) for t in raw[key]]
+        raw["symbols"] = [SizeSymbol(**s) for s in raw.get("symbols", [])]
         return cls(**raw)
+
+    def shape_codes(self, spec: TensorSpec) -> list[int]:
+        """spec's shape as the Engine constructor takes it: a size symbol k is -1 - k."""
+        index = {s.name: k for k, s in enumerate(self.symbols)}
+        return [-1 - index[d] if isinstance(d, str) else d for d in spec.shape]

@@ -129,7 +129,7 @@ class NumpyEngine:
             raise RuntimeError(f"{so_path}: ABI {self.lib.blade_engine_abi_version()} != manifest {manifest.abi_version}")
         self.run = self.lib.blade_engine_run
         self.run.restype = ctypes.c_int32
-        self.run.argtypes = [ctypes.POINTER(BladeRuntime)] + [ctypes.c_void_p] * 4
+        self.run.argtypes = [ctypes.POINTER(BladeRuntime)] + [ctypes.c_void_p] * 5
         self.constants = [np.require(np.asarray(c, dtype=s.dtype), requirements="C") for c, s in zip(constants, manifest.constants)]
         if len(self.constants) != len(manifest.constants):
             raise ValueError(f"engine needs {len(manifest.constants)} constants, got {len(self.constants)}")
@@ -144,19 +144,27 @@ class NumpyEngine:
         specs = self.manifest.inputs
         if len(inputs) != len(specs):
             raise ValueError(f"expected {len(specs)} inputs, got {len(inputs)}")
-        args = []
+        args, sizes = [], {}
+        ranges = {s.name: (s.min, s.max) for s in self.manifest.symbols}
         for spec, value in zip(specs, inputs):
             value = np.require(np.asarray(value, dtype=spec.dtype), requirements="C")
-            if list(value.shape) != spec.shape:
-                raise ValueError(f"input {spec.name!r}: shape {list(value.shape)}, expected {spec.shape}")
+            # a size symbol takes the first value it meets (in its range); later dims must agree
+            bound = [sizes.setdefault(d, n) if isinstance(d, str) else d for d, n in zip(spec.shape, value.shape)]
+            if value.ndim != len(spec.shape) or list(value.shape) != bound or not all(
+                    ranges[d][0] <= sizes[d] <= ranges[d][1] for d in spec.shape if isinstance(d, str)):
+                raise ValueError(f"input {spec.name!r}: shape {list(value.shape)}, expected {spec.shape} "
+                                 f"(size symbols {ranges}, bound {sizes})")
             args.append(value)
-        outputs = [np.empty(s.shape, s.dtype) for s in self.manifest.outputs]
+        outputs = [np.empty([sizes[d] if isinstance(d, str) else d for d in s.shape], s.dtype)
+                   for s in self.manifest.outputs]
+        size_values = (ctypes.c_int64 * max(len(ranges), 1))(*[sizes[name] for name in ranges])
         # 64-byte aligned scratch, poisoned so that reads of never-written scratch show up as NaNs.
         raw = np.full(self.manifest.scratch_bytes + 64, 0xFF, np.uint8)
         start = (-raw.ctypes.data) % 64
         scratch = raw[start:start + self.manifest.scratch_bytes]
         code = self.run(ctypes.byref(self.runtime), self._pointers(args), self._pointers(outputs),
-                        self._pointers(self.constants), scratch.ctypes.data if scratch.size else None)
+                        self._pointers(self.constants), ctypes.addressof(size_values),
+                        scratch.ctypes.data if scratch.size else None)
         if code != 0:
             raise EngineRunError(code)
         return outputs

@@ -26,6 +26,7 @@ from . import views
 from .buffers import CHANNELS_LAST, channels_last_order, same_strides, strides_in_order
 from .ir import Graph, Node
 from .optable import EXPENSIVE_OPS
+from .symbolic import proves_less
 from .views import contiguous_strides
 
 COMPUTED = ("ew", "gather", "pad")       # computed per element: inlined into consumers or stored
@@ -112,8 +113,9 @@ def stored_pad(node: Node) -> bool:
 
 def window_form(node: Node) -> bool:
     """Whether a reduce node is emitted in window form (a small window per output, along a long
-    enough output row: loops.emit_reduce)."""
-    src, dims = node.args[0], [n for n in node.shape if n != 1]
+    enough output row: loops.emit_reduce). Run-time dims do not count as long: the window form's
+    loops are planned on static rows only."""
+    src, dims = node.args[0], [n for n in node.shape if n != 1 and isinstance(n, int)]
     window = math.prod(src.shape[a] for a in node.attrs["axes"])
     return bool(dims) and window <= WINDOW_REDUCE_MAX and max(dims) >= WINDOW_REDUCE_MIN_ROW
 
@@ -175,7 +177,7 @@ def _materialized(graph: Graph, live: list) -> dict:
     for node in reversed(live):
         for arg in node.args:
             if node.op == "view":
-                grows = node.attrs["view"] == "expand" and node.numel > arg.numel
+                grows = node.attrs["view"] == "expand" and proves_less(arg.numel, node.numel)
                 reads[arg] += max(reads[node], 2) if grows and reads[node] else reads[node]
                 if node.attrs["view"] == "reshape" and not views.only_unit_dims_change(arg.shape, node.shape):
                     must_store.setdefault(arg, "feeds a reshape strides cannot express")

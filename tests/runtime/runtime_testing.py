@@ -13,7 +13,7 @@ import torch
 
 import blade._C  # noqa: F401  (registers torch.classes.blade.Engine)
 from blade._C import _testing
-from blade.engine.manifest import TensorSpec
+from blade.engine.manifest import Manifest, SizeSymbol, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_SOURCES = Path(__file__).resolve().parent / "engines"
@@ -36,20 +36,24 @@ def compile_engine(source: str, out_dir: Path, defines: dict[str, str] | None = 
 def engine_args(name: str, so_bytes: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec],
                 constants: list[torch.Tensor] = (), scratch_bytes: int = 0, isa: str | None = None,
                 abi_version: int | None = None, info_json: str = "{}", fallback_module: bytes = b"",
-                fallback_mode: str = "off", rtol: float = 1e-4, atol: float = 1e-5, ops_source: str = "") -> list:
-    """The Engine constructor's arguments, in order; tests change single entries to break them."""
+                fallback_mode: str = "off", rtol: float = 1e-4, atol: float = 1e-5, ops_source: str = "",
+                symbols: list[SizeSymbol] = ()) -> list:
+    """The Engine constructor's arguments, in order; tests change single entries to break them.
+    A dim of a spec's shape may name one of `symbols`."""
+    codes = Manifest(0, "", [], [], [], 0, symbols=list(symbols)).shape_codes
     return [
         name,
         torch.tensor(list(so_bytes), dtype=torch.uint8),
         blade._C.host_isa() if isa is None else isa,
         blade._C.abi_version() if abi_version is None else abi_version,
-        [t.name for t in inputs], [t.dtype for t in inputs], [list(t.shape) for t in inputs],
-        [t.name for t in outputs], [t.dtype for t in outputs], [list(t.shape) for t in outputs],
+        [t.name for t in inputs], [t.dtype for t in inputs], [codes(t) for t in inputs],
+        [t.name for t in outputs], [t.dtype for t in outputs], [codes(t) for t in outputs],
         list(constants),
         scratch_bytes,
         info_json,
         torch.tensor(list(fallback_module), dtype=torch.uint8),
         fallback_mode, rtol, atol, ops_source,
+        [s.name for s in symbols], [[s.min, s.max] for s in symbols],
     ]
 
 

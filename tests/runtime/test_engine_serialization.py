@@ -35,8 +35,9 @@ def test_state_layout(add_engine, add_bias):
     state = engine_state(add_engine)
     (version, name, so_bytes, isa, abi_version, input_names, input_dtypes, input_shapes,
      output_names, output_dtypes, output_shapes, constants, scratch_bytes, info_json,
-     fallback_module, fallback_mode, rtol, atol, ops_source, digests) = state
-    assert version == 3
+     fallback_module, fallback_mode, rtol, atol, ops_source, symbol_names, symbol_ranges, digests) = state
+    assert version == 4
+    assert (symbol_names, symbol_ranges) == ([], [])  # a static engine
     assert name == "cluster_add"
     assert so_bytes.dtype == torch.uint8 and so_bytes.dim() == 1 and bytes(so_bytes[:4].tolist()) == b"\x7fELF"
     assert (isa, abi_version) == (blade._C.host_isa(), blade._C.abi_version())
@@ -52,6 +53,12 @@ def test_state_layout(add_engine, add_bias):
     assert all(len(d.rsplit(" ", 1)[1]) == 64 for d in digests)  # SHA-256 in hex
 
 
+def test_format_3_state_asks_for_a_re_export(add_engine):
+    old_state = (3,) + tuple(engine_state(add_engine)[1:19]) + (engine_state(add_engine)[-1],)
+    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state format 3 .*ABI version 3.*re-export"):
+        add_engine._get_method("__setstate__")(old_state)
+
+
 @pytest.mark.parametrize("old_format, fields", [(1, 14), (2, 19)])
 def test_states_without_content_hashes_are_rejected(add_engine, old_format, fields):
     """Formats 1 and 2 carry no hashes: loading them unchecked could dlopen a damaged .so."""
@@ -62,10 +69,10 @@ def test_states_without_content_hashes_are_rejected(add_engine, old_format, fiel
 
 
 def test_state_of_another_format_is_rejected(add_engine):
-    future_state = (4,) + tuple(engine_state(add_engine)[1:]) + ("something new",)
-    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state format 4, this blade reads format 3"):
+    future_state = (5,) + tuple(engine_state(add_engine)[1:19]) + ("something new",)  # no empty lists: untyped here
+    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state format 5, this blade reads format 4"):
         add_engine._get_method("__setstate__")(future_state)
-    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state has 15 fields, format 3 has 20"):
+    with pytest.raises(RuntimeError, match="blade engine 'cluster_add'.*state has 15 fields, format 4 has 22"):
         add_engine._get_method("__setstate__")(tuple(engine_state(add_engine)[:15]))
     with pytest.raises(RuntimeError, match="not a blade Engine state"):
         add_engine._get_method("__setstate__")("cluster_add")

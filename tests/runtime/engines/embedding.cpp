@@ -7,7 +7,7 @@
 extern "C" int32_t blade_engine_abi_version(void) { return BLADE_ABI_VERSION; }
 
 extern "C" int32_t blade_engine_run(const BladeRuntime* /*rt*/, const void* const* inputs, void* const* outputs,
-                                    const void* const* constants, void* /*scratch*/) {
+                                    const void* const* constants, const int64_t* /*sizes*/, void* /*scratch*/) {
   constexpr int64_t kIds = 4, kRows = 10, kDim = 3;
   const int64_t* ids = static_cast<const int64_t*>(inputs[0]);
   const float* table = static_cast<const float*>(constants[0]);

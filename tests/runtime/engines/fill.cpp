@@ -9,7 +9,7 @@
 extern "C" int32_t blade_engine_abi_version(void) { return ABI_VERSION; }
 
 extern "C" int32_t blade_engine_run(const BladeRuntime* /*rt*/, const void* const* /*inputs*/,
-                                    void* const* outputs, const void* const* /*constants*/, void* /*scratch*/) {
+                                    void* const* outputs, const void* const* /*constants*/, const int64_t* /*sizes*/, void* /*scratch*/) {
   float* out = static_cast<float*>(outputs[0]);
   for (int i = 0; i < 4; ++i) out[i] = FILL_VALUE;
   return BLADE_OK;

@@ -5,7 +5,7 @@
 extern "C" int32_t blade_engine_abi_version(void) { return BLADE_ABI_VERSION; }
 
 extern "C" int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void* const* outputs,
-                                    const void* const* constants, void* /*scratch*/) {
+                                    const void* const* constants, const int64_t* /*sizes*/, void* /*scratch*/) {
   constexpr int64_t B = 2, M = 8, K = 16, N = 4;
   rt->sgemm(B, M, N, K, 1.0f, static_cast<const float*>(inputs[0]), K, M * K, 0,
             static_cast<const float*>(constants[0]), N, 0, 0, 0.0f, static_cast<float*>(outputs[0]), N, M * N);

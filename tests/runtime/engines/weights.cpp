@@ -8,7 +8,7 @@
 extern "C" int32_t blade_engine_abi_version(void) { return BLADE_ABI_VERSION; }
 
 extern "C" int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void* const* outputs,
-                                    const void* const* constants, void* scratch) {
+                                    const void* const* constants, const int64_t* /*sizes*/, void* scratch) {
   const float* x = static_cast<const float*>(inputs[0]);
   const float* y = static_cast<const float*>(inputs[1]);
   const float* v = static_cast<const float*>(inputs[2]);

@@ -1,0 +1,139 @@
+"""Engines with run-time sizes: ONNX inputs whose dims are dim_params (ranges in the model's
+metadata, ir.SIZE_RANGES_KEY) compile to ONE engine whose outer loop bounds, offsets and GEMM M
+are expressions of the sizes passed at run time; checked at several sizes (1 and the maximum
+included) against onnx's reference. What the slice does not handle is refused, never guessed."""
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from blade.engine.compiler import compile_onnx, load_constants
+from blade.engine.ir import SIZE_RANGES_KEY, UnsupportedOnnxOp
+from blade.engine.npruntime import NumpyEngine
+
+F = TensorProto.FLOAT
+RANGES = {"batch": [1, 16], "seq": [1, 32]}
+
+
+def dynamic_model(nodes, inputs, outputs, inits=(), ranges=RANGES):
+    """inputs/outputs: {name: shape with dim_param names}; float32 throughout."""
+    graph = helper.make_graph(nodes, "cluster", [helper.make_tensor_value_info(n, F, s) for n, s in inputs.items()],
+                              [helper.make_tensor_value_info(n, F, s) for n, s in outputs.items()],
+                              initializer=[numpy_helper.from_array(v, n) for n, v in dict(inits).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    model.metadata_props.add(key=SIZE_RANGES_KEY, value=json.dumps(ranges))
+    return model
+
+
+rng = np.random.default_rng(0)
+W = rng.standard_normal((16, 24)).astype(np.float32)
+GAMMA, BETA = rng.standard_normal(16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+
+CASES = {
+    "broadcast-add-relu": dynamic_model(
+        [helper.make_node("Add", ["x", "y"], ["a"]), helper.make_node("Relu", ["a"], ["out"])],
+        {"x": ["batch", 16], "y": [16]}, {"out": ["batch", 16]}),
+    "same-symbol-operands": dynamic_model(
+        [helper.make_node("Mul", ["x", "y"], ["m"]), helper.make_node("Tanh", ["m"], ["out"])],
+        {"x": ["batch", 3, 16], "y": ["batch", 1, 16]}, {"out": ["batch", 3, 16]}),
+    "softmax": dynamic_model([helper.make_node("Softmax", ["x"], ["out"], axis=-1)],
+                             {"x": ["batch", 3, 16]}, {"out": ["batch", 3, 16]}),
+    "layer-norm": dynamic_model([helper.make_node("LayerNormalization", ["x", "g", "b"], ["out"], axis=-1)],
+                                {"x": ["batch", "seq", 16]}, {"out": ["batch", "seq", 16]},
+                                {"g": GAMMA, "b": BETA}),
+    "reduce-mean-static-axis": dynamic_model(
+        [helper.make_node("ReduceMean", ["x", "axes"], ["out"], keepdims=1)],
+        {"x": ["batch", 16]}, {"out": ["batch", 1]}, {"axes": np.array([1], np.int64)}),
+    "matmul-weight": dynamic_model(
+        [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Relu", ["mm"], ["out"])],
+        {"x": ["batch", 16]}, {"out": ["batch", 24]}, {"w": W}),
+    "matmul-batched-rows": dynamic_model(
+        [helper.make_node("MatMul", ["x", "w"], ["out"])],
+        {"x": ["batch", "seq", 16]}, {"out": ["batch", "seq", 24]}, {"w": W}),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dynamic")
+    return {name: (root / name / "engine.so", compile_onnx(model, root / name)) for name, model in CASES.items()}
+
+
+def feeds_at(model, sizes):
+    feeds = {}
+    for value in model.graph.input:
+        shape = [sizes[d.dim_param] if d.dim_param else d.dim_value for d in value.type.tensor_type.shape.dim]
+        feeds[value.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_one_engine_serves_every_size(compiled, name):
+    so_path, manifest = compiled[name]
+    model = CASES[name]
+    assert [s.name for s in manifest.symbols] == [n for n in RANGES if any(
+        d.dim_param == n for v in model.graph.input for d in v.type.tensor_type.shape.dim)]
+    engine = NumpyEngine(so_path, manifest, load_constants(model, manifest))
+    for batch, seq in [(1, 1), (3, 7), (16, 32)]:
+        feeds = feeds_at(model, {"batch": batch, "seq": seq})
+        got = engine(*(feeds[spec.name] for spec in manifest.inputs))
+        want = ReferenceEvaluator(model).run(None, feeds)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"{name} at batch={batch} seq={seq}")
+
+
+def test_static_dims_stay_constants_and_sizes_come_from_the_call(compiled):
+    so_path, manifest = compiled["broadcast-add-relu"]
+    source = (so_path.parent / "engine.cpp").read_text()
+    assert "const int64_t size0 = sizes[0];  // in [1, 16]" in source
+    assert "blade::parallel_for(rt, 0, size0," in source
+    assert "for (int64_t i1 = 0; i1 < 16; ++i1)" in source  # the inner loop keeps its static trip count
+    assert manifest.inputs[0].shape == ["batch", 16] and manifest.outputs[0].shape == ["batch", 16]
+    assert "rt->sgemm(1, size0, 24, 16," in (compiled["matmul-weight"][0].parent / "engine.cpp").read_text()
+
+
+def test_scratch_is_planned_at_the_maxima(compiled):
+    so_path, manifest = compiled["layer-norm"]
+    engine = NumpyEngine(so_path, manifest, load_constants(CASES["layer-norm"], manifest))
+    assert manifest.scratch_bytes >= 0
+    feeds = feeds_at(CASES["layer-norm"], {"batch": 16, "seq": 32})
+    assert engine(*(feeds[s.name] for s in manifest.inputs))[0].shape == (16, 32, 16)
+
+
+@pytest.mark.parametrize("model, reason", [
+    (dynamic_model([helper.make_node("Add", ["x", "y"], ["out"])], {"x": ["batch", 16], "y": [4, 16]},
+                   {"out": [4, 16]}), "broadcasting run-time dims"),
+    (dynamic_model([helper.make_node("Relu", ["x"], ["out"])], {"x": ["n", 16]}, {"out": ["n", 16]}),
+     "dim 'n' has no declared range"),
+    (dynamic_model([helper.make_node("Concat", ["x", "x"], ["out"], axis=0)], {"x": ["batch", 16]},
+                   {"out": [None, 16]}), "run-time"),
+])
+def test_what_the_slice_does_not_handle_is_refused(tmp_path, model, reason):
+    with pytest.raises(UnsupportedOnnxOp, match=reason):
+        compile_onnx(model, tmp_path / "refused")
+
+
+def test_the_engine_class_binds_and_checks_sizes(compiled):
+    """The torch-side Engine (cpp/engine.cpp) runs the same .so: sizes bound from the inputs."""
+    from blade.runtime import make_engine
+    so_path, manifest = compiled["matmul-batched-rows"]
+    engine = make_engine("cluster_dyn", so_path.read_bytes(), manifest, CASES["matmul-batched-rows"], {})
+    for batch, seq in [(1, 1), (2, 5), (16, 32)]:
+        x = torch.randn(batch, seq, 16)
+        torch.testing.assert_close(engine.execute([x])[0], x @ torch.from_numpy(W), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"input 0 \('x'\) dim 1 is size symbol 'seq' with range \[1, 32\], got 33"):
+        engine.execute([torch.randn(2, 33, 16)])
+
+
+def test_a_rule_that_computes_from_a_run_time_size_refuses(tmp_path):
+    """Slice clamps its bounds to the dim: with a run-time dim the ir stage refuses the cluster."""
+    model = dynamic_model([helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["out"])],
+                          {"x": ["batch", 16]}, {"out": [None, 16]},
+                          {"starts": np.array([1], np.int64), "ends": np.array([100], np.int64),
+                           "axes": np.array([0], np.int64)})
+    with pytest.raises(UnsupportedOnnxOp, match="run-time sizes"):
+        compile_onnx(model, tmp_path / "refused")
