@@ -6,16 +6,11 @@
 #include <cstring>
 
 #include "blade_abi.h"
+#include "isa_clones.h"
 #include "runtime.h"
 
 namespace blade {
 namespace {
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BLADE_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define BLADE_ISA_CLONES
-#endif
 
 // Rows [begin, end) of the output seen as [rows, width]: the bias broadcast along a row (channels
 // last: one bias per column) or down it (NCHW: one bias per row), plus the residual. Each case is

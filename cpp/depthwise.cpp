@@ -1,4 +1,5 @@
 #include "depthwise.h"
+#include "isa_clones.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -7,14 +8,6 @@
 
 namespace blade {
 namespace {
-
-// Cloned per ISA level (x86-64-v4: AVX-512; v3: AVX2 with FMA), as the extension builds for
-// baseline x86-64 and the tap loops are the whole kernel.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BLADE_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define BLADE_ISA_CLONES
-#endif
 
 // 16 floats, unaligned: GCC lowers it to one AVX-512 register, two AVX2 ones or four SSE ones in
 // each clone, and keeps a block's sums in registers across the taps (an array with `omp simd`
@@ -26,6 +19,22 @@ constexpr int64_t kBlock = 16 * kVectors;     // channels per block
 __attribute__((always_inline)) inline Floats16 load16(const float* p) { return *reinterpret_cast<const Floats16*>(p); }
 __attribute__((always_inline)) inline void store16(float* p, Floats16 v) { *reinterpret_cast<Floats16*>(p) = v; }
 
+// Calls tap(x, w) for each tap of output pixel (oh, ow) that falls inside the image, with the
+// input pixel's and the tap's weights' channels from c0.
+template <typename Tap>
+__attribute__((always_inline)) inline void for_each_tap(const DepthwiseShape& s, const float* image, const float* taps,
+                                                         int64_t oh, int64_t ow, int64_t c0, Tap tap) {
+  for (int64_t kh = 0; kh < s.kernel_h; ++kh) {
+    const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
+    if (ih < 0 || ih >= s.in_h) continue;
+    for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
+      const int64_t iw = ow * s.stride_w - s.pad_left + kw * s.dilation_w;
+      if (iw < 0 || iw >= s.in_w) continue;
+      tap(image + (ih * s.in_w + iw) * s.channels + c0, taps + (kh * s.kernel_w + kw) * s.channels + c0);
+    }
+  }
+}
+
 // One output pixel's channels [c0, c0 + 16 * Vectors): the taps inside the image, then the
 // epilogue.
 template <int64_t Vectors>
@@ -35,18 +44,10 @@ __attribute__((always_inline)) inline void pixel_vectors(const DepthwiseShape& s
   Floats16 acc[Vectors];
 #pragma GCC unroll 4
   for (int64_t v = 0; v < Vectors; ++v) acc[v] = bias != nullptr ? load16(bias + c0 + 16 * v) : Floats16{};
-  for (int64_t kh = 0; kh < s.kernel_h; ++kh) {
-    const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
-    if (ih < 0 || ih >= s.in_h) continue;
-    for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
-      const int64_t iw = ow * s.stride_w - s.pad_left + kw * s.dilation_w;
-      if (iw < 0 || iw >= s.in_w) continue;
-      const float* x = image + (ih * s.in_w + iw) * s.channels + c0;
-      const float* w = taps + (kh * s.kernel_w + kw) * s.channels + c0;
+  for_each_tap(s, image, taps, oh, ow, c0, [&](const float* x, const float* w) {
 #pragma GCC unroll 4
-      for (int64_t v = 0; v < Vectors; ++v) acc[v] += load16(x + 16 * v) * load16(w + 16 * v);
-    }
-  }
+    for (int64_t v = 0; v < Vectors; ++v) acc[v] += load16(x + 16 * v) * load16(w + 16 * v);
+  });
 #pragma GCC unroll 4
   for (int64_t v = 0; v < Vectors; ++v) {
     if (sum != nullptr) acc[v] += load16(sum + 16 * v);
@@ -63,17 +64,9 @@ __attribute__((always_inline)) inline void pixel_remainder(const DepthwiseShape&
                                                             int64_t width, float* out) {
   float acc[16];
   for (int64_t c = 0; c < width; ++c) acc[c] = bias != nullptr ? bias[c0 + c] : 0.0f;
-  for (int64_t kh = 0; kh < s.kernel_h; ++kh) {
-    const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
-    if (ih < 0 || ih >= s.in_h) continue;
-    for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
-      const int64_t iw = ow * s.stride_w - s.pad_left + kw * s.dilation_w;
-      if (iw < 0 || iw >= s.in_w) continue;
-      const float* x = image + (ih * s.in_w + iw) * s.channels + c0;
-      const float* w = taps + (kh * s.kernel_w + kw) * s.channels + c0;
-      for (int64_t c = 0; c < width; ++c) acc[c] += x[c] * w[c];
-    }
-  }
+  for_each_tap(s, image, taps, oh, ow, c0, [&](const float* x, const float* w) {
+    for (int64_t c = 0; c < width; ++c) acc[c] += x[c] * w[c];
+  });
   // The residual branch outside the loop: a `sum ? sum[c] : 0` inside may become a masked load
   // through the null pointer, which AMD cores execute many times slower (see conv_gemm.cpp).
   if (sum != nullptr) {

@@ -1,5 +1,7 @@
 #include "winograd.h"
 
+#include "isa_clones.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
@@ -11,13 +13,8 @@ namespace {
 
 // The transforms are add-only loops over contiguous channels, vectorized with `omp simd` (the
 // extension builds with -fopenmp; the fixed 4x4 inner loops are unrolled first, or -O2 leaves the
-// channel loop scalar) and cloned per ISA: the extension is built for baseline x86-64, and
-// AVX-512 doubles their throughput.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define BLADE_ISA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define BLADE_ISA_CLONES
-#endif
+// channel loop scalar) and cloned per ISA (isa_clones.h): the extension is built for baseline
+// x86-64, and AVX-512 doubles their throughput.
 
 constexpr int64_t kPoints = 16;               // 4x4 transformed points per tile
 
