@@ -90,7 +90,7 @@ def export_small_model(directory: Path) -> tuple[Path, Path]:
     blade._C._testing.set_gemm_backend(PINNED_GEMM)
     try:
         with torch.no_grad():
-            torch.save({"inputs": inputs, "outputs": list(blade.load(str(archive))(*inputs))}, reference)
+            torch.save({"inputs": inputs, "outputs": _flat(blade.load(str(archive))(*inputs))}, reference)
     finally:
         blade._C._testing.set_gemm_backend("")
     return archive, reference
@@ -171,6 +171,13 @@ def _load(loader: str, path: str):
     return blade.load(path) if loader == "blade.load" else torch.jit.load(path)
 
 
+def _flat(outputs) -> list:
+    """The output tensors in order, whether a loader returns the model's structure (blade.load) or
+    a flat tuple (torch.jit.load)."""
+    import torch.utils._pytree as pytree
+    return pytree.tree_leaves(outputs)
+
+
 def worker(reference: str, loader: str) -> None:
     """Reads archive paths from stdin; prints one verdict line per path."""
     import gc
@@ -186,7 +193,7 @@ def worker(reference: str, loader: str) -> None:
         try:
             module = _load(loader, line.strip())
             with torch.no_grad():
-                got = list(module(*expected["inputs"]))
+                got = _flat(module(*expected["inputs"]))
             same = len(got) == len(expected["outputs"]) and all(
                 g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
                 for g, w in zip(got, expected["outputs"]))

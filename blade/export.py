@@ -1,14 +1,16 @@
 """Ahead-of-time export for serving: one TorchScript archive with the engines inside.
 
-    blade.export(model, (ids, mask), "bert.blade.pt")     # captures, compiles, saves
+    blade.export(model, (ids,), "bert.blade.pt", kwargs={"attention_mask": mask})  # captures, compiles, saves
     m = blade.load("bert.blade.pt")                        # any process: no tracing, no compiling
-    outputs = m(ids, mask)                                 # a flat tuple of tensors
+    out = m(ids, attention_mask=mask)                      # the model's own output structure
 
 The archive is a plain TorchScript module: ``torch.jit.load`` works too once ``import blade`` has
 registered the Engine class (and so does ``torch::jit::load`` in C++ with blade's runtime library
-linked, see examples/cpp). Its inputs are the model's tensor arguments, flattened in order; its
-outputs are the model's output tensors, flattened (pytree order). The archive carries the stamps of
-blade.aot (torch version, formats, ABI, ISA) as the extra file ``blade_metadata.json``;
+linked, see examples/cpp). Its inputs are the model's tensor arguments, flattened in order (pytree
+order of (args, kwargs)); its outputs are the model's output tensors, flattened (pytree order).
+``blade.load`` wraps it so that it is called like the model (blade/signature.py: the structure of
+inputs and outputs is saved as the extra file ``blade_signature.json``). The archive carries the
+stamps of blade.aot (torch version, formats, ABI, ISA) as the extra file ``blade_metadata.json``;
 ``blade.load`` checks them first and names every mismatch.
 
 Integrity: torch.jit.load reads records without checking the zip's CRC-32s (a flipped weight
@@ -38,6 +40,7 @@ import blade._C as _C
 from blade.aot import CorruptArtifact, check_stamps, make_stamps
 from blade.config import Config, current
 from blade.pipeline import CompiledModule, compile_fx
+from blade.signature import SIGNATURE_FILE, ExportedModule, Signature
 
 METADATA_FILE = "blade_metadata.json"
 RECORDS_FILE = "blade_records.txt"     # "<sha256> <record>" per record but UNLISTED_RECORDS
@@ -50,19 +53,21 @@ class ExportError(RuntimeError):
     """The model cannot be exported as a single graph (the message names the graph break)."""
 
 
-def capture_graph(model, example_inputs: tuple) -> torch.fx.GraphModule:
-    """One FX graph for the whole model, with flat tensor inputs and outputs."""
+def capture_graph(model, example_inputs: tuple, example_kwargs: dict | None = None) -> torch.fx.GraphModule:
+    """One FX graph for the whole model, with flat inputs and outputs; the structures they were
+    flattened from are kept as ``gm.meta["pytree_info"]`` (in_spec of (args, kwargs), out_spec)."""
     try:
         with torch.no_grad(), warnings.catch_warnings(), _tensor_attributes_kept(model):
             warnings.simplefilter("ignore", FutureWarning)  # torch._dynamo.export's notice
             # Static shapes (engines are specialized to them anyway): dynamo's dim-constraint
             # solver has nothing to do, and on some models (transformers' ResNet) it logs a
             # page of sympy tracebacks while failing to print a constraint it never needed.
-            gm, _guards = torch._dynamo.export(model, *example_inputs, assume_static_by_default=True,
-                                               disable_constraint_solver=True)
+            gm, _guards = torch._dynamo.export(model, *example_inputs, **(example_kwargs or {}),
+                                               assume_static_by_default=True, disable_constraint_solver=True)
     except Exception as err:  # dynamo's Unsupported / UserError name the break and its source line
         raise ExportError(f"blade.export needs one graph, but dynamo could not capture the model "
                           f"whole: {err}") from err
+    gm.meta["pytree_info"] = gm.graph._codegen.pytree_info
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat positional inputs, flat tuple output
     gm.recompile()
     return gm
@@ -82,11 +87,17 @@ def _tensor_attributes_kept(model):
             slots[name] = tensor
 
 
-def compile_model(model, example_inputs: tuple, config: Config | None = None) -> CompiledModule:
-    """Capture and compile a model without dynamo guards: the CompiledModule behind export."""
-    gm = capture_graph(model, tuple(example_inputs))
-    flat_inputs = torch.utils._pytree.tree_leaves(tuple(example_inputs))
-    return compile_fx(gm, flat_inputs, config or current())
+def compile_model(model, example_inputs: tuple, config: Config | None = None, *,
+                  kwargs: dict | None = None) -> CompiledModule:
+    """Capture and compile a model without dynamo guards: the CompiledModule behind export. It
+    takes the flat leaves of (example_inputs, kwargs); its ``signature`` says how to call it like
+    the model (blade/signature.py)."""
+    gm = capture_graph(model, tuple(example_inputs), kwargs)
+    flat_inputs = torch.utils._pytree.tree_leaves((tuple(example_inputs), dict(kwargs or {})))
+    compiled = compile_fx(gm, flat_inputs, config or current())
+    info = gm.meta["pytree_info"]
+    compiled.signature = Signature.of(info.in_spec, info.out_spec, flat_inputs, compiled.runtime_inputs)
+    return compiled
 
 
 def _atomic_jit_save(module, path: str, extra_files: dict, check=lambda tmp: None) -> None:
@@ -144,24 +155,33 @@ def _save_with_record_digests(module, path: str, extra_files: dict) -> None:
     _atomic_jit_save(module, path, dict(extra_files, **{RECORDS_FILE: records}), check=same_records)
 
 
-def export(model, example_inputs: tuple, path: str, config: Config | None = None) -> CompiledModule:
-    """Capture ``model`` as one graph, compile it, and save the archive at ``path``."""
+def export(model, example_inputs: tuple, path: str, config: Config | None = None, *,
+           kwargs: dict | None = None) -> CompiledModule:
+    """Capture ``model(*example_inputs, **kwargs)`` as one graph, compile it, and save the archive
+    at ``path``."""
     config = config or current()
-    compiled = compile_model(model, example_inputs, config)
+    compiled = compile_model(model, example_inputs, config, kwargs=kwargs)
     stamps = make_stamps(compiled.report, config.fallback)
     if not stamps["engines"]:
         warnings.warn(f"blade.export: no cluster of the model compiled to an engine; {path} is plain "
                       f"TorchScript")
-    _save_with_record_digests(compiled.module, path, {METADATA_FILE: json.dumps(stamps)})
+    _save_with_record_digests(compiled.module, path, {METADATA_FILE: json.dumps(stamps),
+                                                      SIGNATURE_FILE: compiled.signature.dumps(type(model).__name__)})
     return compiled
 
 
-def read_stamps(path: str) -> dict | None:
-    """The archive's stamps, or None when it is not a blade archive. Read from the zip directly:
-    torch.jit.load would build the Engines (and fail on a mismatch) before we could check."""
+def read_extra(path: str, name: str) -> str | None:
+    """The archive's extra file ``name``, or None. Read from the zip directly: torch.jit.load would
+    build the Engines (and fail on a mismatch) before we could check."""
     with zipfile.ZipFile(path) as archive:
-        names = [n for n in archive.namelist() if n.endswith(f"/extra/{METADATA_FILE}")]
-        return json.loads(archive.read(names[0])) if names else None
+        names = [n for n in archive.namelist() if n.endswith(f"/extra/{name}")]
+        return archive.read(names[0]).decode() if names else None
+
+
+def read_stamps(path: str) -> dict | None:
+    """The archive's stamps, or None when it is not a blade archive."""
+    text = read_extra(path, METADATA_FILE)
+    return json.loads(text) if text is not None else None
 
 
 def check_zip(path: str) -> None:
@@ -187,14 +207,16 @@ def check_records(path: str) -> None:
         raise CorruptArtifact(str(err)) from err
 
 
-def load(path: str) -> torch.jit.ScriptModule:
-    """The exported module, after checking its bytes (CorruptArtifact) and its stamps against this
-    process (clear error if they do not match; only a warning when the archive's engines carry
-    their fallback)."""
+def load(path: str) -> ExportedModule:
+    """The exported module, called like the model (``.script`` is the archive's flat TorchScript
+    module), after checking its bytes (CorruptArtifact) and its stamps against this process (clear
+    error if they do not match; only a warning when the archive's engines carry their fallback)."""
     check_zip(path)
     stamps = read_stamps(path)
     if stamps is None:
         raise ValueError(f"{path} is not a blade archive (no {METADATA_FILE}); use torch.jit.load")
     check_stamps(stamps, f"blade archive {path}")
     check_records(path)
-    return torch.jit.load(path)
+    signature = read_extra(path, SIGNATURE_FILE)
+    what = f"blade archive {path}"
+    return ExportedModule(torch.jit.load(path), Signature.loads(signature, what) if signature else None, what)

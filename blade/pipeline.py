@@ -114,6 +114,8 @@ class CompiledModule:
     """What the backend hands to dynamo: calls the spliced ScriptModule with the runtime inputs,
     after the checks of blade/guards.py (autograd recording, frozen weights changed)."""
 
+    signature = None  # blade.export's compile_model sets how to call it like the model (blade/signature.py)
+
     def __init__(self, module: torch.jit.ScriptModule, runtime_inputs: list, report: CompileReport,
                  source: GraphSource | None = None):
         self._bind(module, runtime_inputs)

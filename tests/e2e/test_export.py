@@ -118,3 +118,65 @@ def test_export_names_the_graph_break(tmp_path):
     with pytest.raises(ExportError, match=r"(?s)one graph.*print.*test_export\.py"):
         blade.export(_Breaks(), (torch.randn(3),), str(tmp_path / "never.pt"))
     assert not list(tmp_path.iterdir())
+
+
+class _Nested(torch.nn.Module):
+    """Nested inputs (a dict, a keyword argument, an int the graph is specialized to) and a dict
+    of tuple outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, parts, repeat, *, scale):
+        h = torch.relu(self.proj(x)) * repeat
+        return {"hidden": h, "pair": (torch.sigmoid(parts["a"] + 1.0), parts["b"] * scale)}
+
+
+def test_loaded_archive_is_called_like_the_model(tmp_path):
+    """blade.load's module takes the model's own (args, kwargs) and returns its output structure;
+    a call with another structure, or another value of a specialized int, is refused clearly."""
+    torch.manual_seed(0)
+    model = _Nested().eval()
+    args = (torch.randn(4, 8), {"a": torch.randn(3), "b": torch.randn(3)}, 3)
+    kwargs = {"scale": torch.randn(3)}
+    path = str(tmp_path / "nested.blade.pt")
+    blade.export(model, args, path, kwargs=kwargs)
+    loaded = blade.load(path)
+    with torch.no_grad():
+        got, want = loaded(*args, **kwargs), model(*args, **kwargs)
+    assert isinstance(got, dict) and list(got) == ["hidden", "pair"] and isinstance(got["pair"], tuple)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert len(loaded.script(args[0], args[1]["a"], args[1]["b"], kwargs["scale"])) == 3  # flat for C++
+    with pytest.raises(TypeError, match=r"exported for inputs structured as .*dict, \['scale'\]"):
+        loaded(*args)
+    with pytest.raises(ValueError, match=r"non-tensor input #3 = 3 .* this call passes 5"):
+        loaded(args[0], args[1], 5, **kwargs)
+
+
+def test_transformers_output_class_is_rebuilt_in_a_fresh_process(tmp_path):
+    """A transformers model's ModelOutput comes back as that class in a process that never
+    imported transformers itself (blade.load imports the class's module by its registered name)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids, mask = torch.randint(0, 100, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    path = str(tmp_path / "bert.blade.pt")
+    blade.export(model, (ids,), path, kwargs={"attention_mask": mask})
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask)
+    torch.save({"ids": ids, "mask": mask, "hidden": want.last_hidden_state, "pooled": want.pooler_output},
+               tmp_path / "io.pt")
+    out = run_python(f"""
+        import sys, torch, blade
+        assert "transformers" not in sys.modules
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        with torch.no_grad():
+            out = blade.load({path!r})(io["ids"], attention_mask=io["mask"])
+        print(type(out).__name__)
+        torch.testing.assert_close(out.last_hidden_state, io["hidden"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out["pooler_output"], io["pooled"], rtol=1e-4, atol=1e-4)
+    """)
+    assert out.strip() == "BaseModelOutputWithPoolingAndCrossAttentions"

@@ -1,0 +1,155 @@
+"""How an exported model is called: the structure of its inputs and outputs, saved with the archive.
+
+The archive's TorchScript module takes flat tensors and returns a flat tuple (what a C++ server or
+``torch.jit.load`` sees). ``blade.load`` wraps it in an ``ExportedModule`` that takes the model's own
+arguments (positional, keyword, nested tuples/lists/dicts) and returns the model's own output
+structure (tuples, dicts, transformers' ModelOutput ...), like ``torch.export``'s ``module()``.
+
+The structures are torch's pytree specs (``torch.utils._pytree``), serialized with
+``treespec_dumps``. A container type from a library must be registered with pytree under a
+``serialized_type_name`` (transformers registers its ModelOutput classes so, on import): the loading
+process imports the type's module by that name. When a structure cannot be saved or rebuilt, the
+module returns the flat tuple, with a warning saying why.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+
+SIGNATURE_FILE = "blade_signature.json"
+SIGNATURE_FORMAT = 1
+
+
+@dataclass
+class Signature:
+    """in_spec: the spec of (args, kwargs) at export; constants: flat position -> the value of each
+    non-tensor leaf (dynamo specialized the graph to it); graph_inputs: the flat positions the
+    archive's module takes; out_spec: the spec of the model's output (None: flat tuple)."""
+    in_spec: pytree.TreeSpec
+    constants: dict
+    graph_inputs: list
+    out_spec: pytree.TreeSpec | None
+
+    @classmethod
+    def of(cls, in_spec, out_spec, flat_inputs: list, graph_inputs: list) -> "Signature":
+        constants = {i: v for i, v in enumerate(flat_inputs) if not isinstance(v, torch.Tensor)}
+        return cls(in_spec, constants, list(graph_inputs), out_spec)
+
+    def dumps(self, what: str) -> str:
+        """JSON for the archive; an output structure that cannot be serialized is dropped with a
+        warning (the archive then returns a flat tuple)."""
+        out = None
+        if self.out_spec is not None:
+            try:
+                out = pytree.treespec_dumps(self.out_spec)
+            except Exception as err:  # noqa: BLE001 - an unregistered or unnamed container type
+                warnings.warn(f"blade.export: {what}'s output structure cannot be saved ({err}); the "
+                              f"loaded module returns its output tensors as a flat tuple")
+        return json.dumps({"format": SIGNATURE_FORMAT, "in_spec": pytree.treespec_dumps(self.in_spec),
+                           "constants": [[i, _jsonable(v)] for i, v in sorted(self.constants.items())],
+                           "graph_inputs": self.graph_inputs, "out_spec": out})
+
+    @classmethod
+    def loads(cls, text: str, what: str) -> "Signature":
+        state = json.loads(text)
+        if state.get("format") != SIGNATURE_FORMAT:
+            raise ValueError(f"{what}: call signature of format {state.get('format')}, this blade reads "
+                             f"{SIGNATURE_FORMAT}; re-export the model")
+        out_spec = None
+        if state["out_spec"] is not None:
+            try:
+                out_spec = _load_spec(state["out_spec"], what)
+            except ValueError as err:
+                warnings.warn(f"{err}; it returns its output tensors as a flat tuple")
+        return cls(_load_spec(state["in_spec"], what), {i: v for i, v in state["constants"]},
+                   state["graph_inputs"], out_spec)
+
+    def flat_inputs(self, args: tuple, kwargs: dict, what: str) -> list:
+        """The archive module's inputs for a call, or TypeError when the call's structure or a
+        specialized constant differs from the export's."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            raise TypeError(f"{what} was exported for inputs structured as {_short(self.in_spec)}; this "
+                            f"call passes {_short(spec)}")
+        for position, value in self.constants.items():
+            if _jsonable(leaves[position]) != value:
+                raise ValueError(f"{what} was exported with the non-tensor input #{position} = {value!r} "
+                                 f"built into its graph; this call passes {leaves[position]!r}. Export "
+                                 f"again with that value")
+        return [leaves[i] for i in self.graph_inputs]
+
+    def outputs(self, flat) -> object:
+        if self.out_spec is None:
+            return flat
+        return pytree.tree_unflatten(list(flat) if isinstance(flat, (tuple, list)) else [flat],
+                                     self.out_spec)
+
+
+def _jsonable(value):
+    """A non-tensor input as JSON keeps it (ints, floats, bools, None, strings); anything else by
+    repr, which is enough to notice a different value."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
+
+
+def _short(spec: pytree.TreeSpec) -> str:
+    return " ".join(str(spec).split())
+
+
+def _load_spec(text: str, what: str) -> pytree.TreeSpec:
+    """treespec_loads, importing the module of a container type this process has not registered
+    yet (transformers registers its ModelOutput classes when their module is imported)."""
+    for _attempt in range(8):  # one import per missing type; a spec names only a few
+        try:
+            return pytree.treespec_loads(text)
+        except (KeyError, NotImplementedError) as err:
+            missing = _missing_type(text)
+            if missing is None or not _import_owner(missing):
+                raise ValueError(f"{what}: cannot rebuild the structure of its inputs/outputs: {err}") from err
+    raise ValueError(f"{what}: cannot rebuild the structure of its inputs/outputs")
+
+
+def _missing_type(text: str) -> str | None:
+    names = set()
+
+    def walk(node):
+        if node.get("type"):
+            names.add(node["type"])
+        for child in node.get("children_spec", []):
+            walk(child)
+    walk(json.loads(text)[1])
+    return next((n for n in sorted(names) if n not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE), None)
+
+
+def _import_owner(type_name: str) -> bool:
+    """Imports the longest importable module prefix of a serialized type name; True when that
+    registered the type."""
+    parts = type_name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            importlib.import_module(".".join(parts[:cut]))
+            break
+        except ImportError:
+            continue
+    return type_name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE
+
+
+class ExportedModule:
+    """A loaded blade archive called like the model: ``m(*args, **kwargs)`` returns the model's
+    output structure. ``m.script`` is the archive's TorchScript module (flat tensors in, flat tuple
+    out); its attributes (``named_buffers``, ``code``, ``graph`` ...) are reachable on ``m`` too."""
+
+    def __init__(self, script: torch.jit.ScriptModule, signature: Signature | None, what: str):
+        self.script, self.signature, self._what = script, signature, what
+
+    def __call__(self, *args, **kwargs):
+        if self.signature is None:  # an archive without a signature: the flat module as saved
+            return self.script(*args, **kwargs)
+        return self.signature.outputs(self.script(*self.signature.flat_inputs(args, kwargs, self._what)))
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["script"], name)
