@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field, fields
 
 FALLBACK_MODES = ("off", "fallback", "check", "eager")
+DYNAMIC_MODES = ("symbolic", "specialize")  # graphs with symbolic sizes: one compile, or one per shape
 
 
 def _default_cache_dir() -> str:
@@ -65,10 +66,17 @@ class Config:
     cxx: str = _env_or("cxx", "g++")                            # the C++ compiler engines are built with
     progress: bool = _env_or("progress", True)                  # "compiled N/M clusters" on stderr (long compiles)
     profile: bool = _env_or("profile", False)                   # engines time their kernels (blade.profile)
+    dynamic_shapes: str = _env_or("dynamic_shapes", "symbolic")  # one of DYNAMIC_MODES (blade/dynamic.py)
+    # the maximum of a size symbol dynamo leaves unbounded: engines plan scratch at the maxima
+    dynamic_max_size: int = _env_or("dynamic_max_size", 1024)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACK_MODES:
             raise ValueError(f"fallback must be one of {FALLBACK_MODES}, got {self.fallback!r}")
+        if self.dynamic_shapes not in DYNAMIC_MODES:
+            raise ValueError(f"dynamic_shapes must be one of {DYNAMIC_MODES}, got {self.dynamic_shapes!r}")
+        if self.dynamic_max_size < 2:
+            raise ValueError("dynamic_max_size must be >= 2")
         if isinstance(self.excluded_ops, str):
             self.excluded_ops = _parse_list(self.excluded_ops)
         self.excluded_ops = tuple(op if "::" in op else f"aten::{op}" for op in self.excluded_ops)
@@ -112,6 +120,8 @@ ENV_VARS = {
     "cxx": ("CXX", str),
     "progress": ("BLADE_PROGRESS", _parse_bool),
     "profile": ("BLADE_PROFILE", _parse_bool),
+    "dynamic_shapes": ("BLADE_DYNAMIC_SHAPES", str),
+    "dynamic_max_size": ("BLADE_DYNAMIC_MAX_SIZE", int),
 }
 
 _local = threading.local()

@@ -21,7 +21,7 @@ import copy
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -41,6 +41,7 @@ class Frontend:
     runtime_inputs: list[int]        # positions of the dynamo arguments the module takes
     example_inputs: list             # those arguments' example values
     how: str                         # "script" or "trace"
+    probe_inputs: list = field(default_factory=list)  # with size symbols: those arguments at each probe point
 
     @property
     def graph(self) -> torch.Graph:
@@ -78,8 +79,8 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, 
             env[node] = graph.get_attr(attr)
         elif isinstance(value, (bool, int, float)):
             env[node] = value  # a scalar input is specialized: the caller keys compiles on it
-        else:
-            env[node] = graph.placeholder(node.name, type_expr=node.type)
+        else:  # a tensor, or a size symbol's value (a SymInt: an int at run time)
+            env[node] = graph.placeholder(node.name, type_expr=int if isinstance(value, torch.SymInt) else node.type)
             runtime_inputs.append(position)
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -152,41 +153,56 @@ CONVERTERS = {"script": _script, "trace": _trace}  # tried in this order
 
 
 def _specialize_sizes(graph: torch.Graph) -> None:
-    """aten::size/dim/numel of a statically shaped tensor become constants."""
+    """aten::size/dim/numel of a tensor become constants where the sizes they read are static (a
+    run-time size, None in the value's type, stays computed)."""
     for node in list(graph.nodes()):
         kind = node.kind()
         if kind not in ("aten::size", "aten::dim", "aten::numel"):
             continue
         inputs = list(node.inputs())
-        shape = static_shape(inputs[0])
+        shape = known_sizes(inputs[0])
         if shape is None:
             continue
         if kind == "aten::dim":
             value = len(shape)
         elif kind == "aten::numel":
-            value = 1
-            for d in shape:
+            value = 1 if None not in shape else None
+            for d in shape if value is not None else ():
                 value *= d
         elif len(inputs) == 1:
-            value = list(shape)
+            value = None if None in shape else list(shape)
         else:
             dim = inputs[1].toIValue()
-            if dim is None:
-                continue
-            value = shape[dim]
+            value = None if dim is None else shape[dim]
+        if value is None:
+            continue
         with graph.insert_point_guard(node):
             const = graph.insertConstant(value)
         node.output().replaceAllUsesWith(const)
         node.destroy()
 
 
-def static_shape(value: torch.Value):
-    """The complete static shape of a tensor value, or None."""
+def known_sizes(value: torch.Value):
+    """A tensor value's sizes, None for each dim not known statically; None when the rank is not."""
     vtype = value.type()
     if not isinstance(vtype, torch.TensorType):
         return None
     sizes = vtype.sizes()
-    return list(sizes) if sizes is not None and all(s is not None for s in sizes) else None
+    return list(sizes) if sizes is not None else None
+
+
+def _forget_run_time_sizes(module: torch.jit.ScriptModule, inputs: list, probes: list) -> None:
+    """Types whose sizes differ when the graph runs on the probe inputs (the same graph at other
+    values of its size symbols) get those dims unknown, so _specialize_sizes keeps them computed."""
+    base = measure_types(module, inputs)
+    others = [measure_types(module, probe) for probe in probes]
+    for value, vtype in base.items():
+        sizes = list(vtype.sizes())
+        for other in others:
+            seen = other.get(value)
+            seen = list(seen.sizes()) if seen is not None else [None] * len(sizes)
+            sizes = [a if a == b else None for a, b in zip(sizes, seen)]
+        value.setType(vtype.with_sizes(sizes))
 
 
 def _clean(graph: torch.Graph) -> None:
@@ -201,6 +217,18 @@ def _clean(graph: torch.Graph) -> None:
 def _assign_types(module: torch.jit.ScriptModule, inputs: list) -> None:
     """Run a copy of the graph that returns every top-level tensor value, and stamp each value's
     concrete shape and dtype onto the real graph."""
+    stamp(measure_types(module, inputs))
+
+
+def stamp(types: dict) -> None:
+    """Set every value's type: value -> TensorType, as measure_types returns."""
+    for value, vtype in types.items():
+        value.setType(vtype)
+
+
+def measure_types(module: torch.jit.ScriptModule, inputs: list) -> dict:
+    """Every top-level tensor value -> its TensorType when the graph runs on these inputs (the
+    graph itself is left as it is, but for constants, typed from themselves)."""
     graph = module.graph
     values = []
     for node in graph.nodes():
@@ -230,9 +258,8 @@ def _assign_types(module: torch.jit.ScriptModule, inputs: list) -> None:
         results = fn(copy.deepcopy(module)._c, *copied_tensors(inputs))
     if not isinstance(results, tuple):
         results = (results,)
-    for value, result in zip(values, results):
-        if isinstance(result, torch.Tensor):
-            value.setType(torch._C.TensorType.create_from_tensor(result))
+    return {value: torch._C.TensorType.create_from_tensor(result)
+            for value, result in zip(values, results) if isinstance(result, torch.Tensor)}
 
 
 def _all_values(graph: torch.Graph):
@@ -286,7 +313,7 @@ def _concat_shared_input_linears(graph: torch.Graph) -> None:
             node.destroy()
 
 
-def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
+def _prepare(scripted, inputs: list, written: list, probes: list) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's own deprecation notice
         frozen = torch.jit.freeze(scripted.eval(), preserved_attrs=written, optimize_numerics=False)
@@ -302,6 +329,8 @@ def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
                             f"constants: %{written[0].debugName()}")
     _concat_shared_input_linears(frozen.graph)  # after CSE: a projection used twice is one linear
     _assign_types(frozen, inputs)
+    if probes:
+        _forget_run_time_sizes(frozen, inputs, probes)
     _specialize_sizes(frozen.graph)
     torch._C._jit_pass_constant_propagation(frozen.graph)
     torch._C._jit_pass_dce(frozen.graph)
@@ -309,13 +338,21 @@ def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
     return frozen
 
 
-def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool = True) -> Frontend:
+def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool = True,
+                    probes: list = ()) -> Frontend:
     """Script (else trace) gm; a conversion counts only if the result runs on the example inputs.
-    (Scripting can succeed and still fail at run time, e.g. on ``torch.tensor([])``.)"""
+    (Scripting can succeed and still fail at run time, e.g. on ``torch.tensor([])``.)
+
+    With size symbols (example_inputs hold SymInts, or tensors with symbolic sizes), ``probes`` are
+    the arguments at several values of the symbols, the first at the example's own values: the
+    graph is typed at the first, and sizes that differ at the others stay computed. Tracing would
+    bake every size in, so only scripting is tried."""
     errors = []
     for how, convert in CONVERTERS.items():
+        if probes and how != "script":
+            continue
         try:
-            return _convert(gm, example_inputs, freeze, how, convert)
+            return _convert(gm, example_inputs, freeze, how, convert, list(probes))
         except Exception as err:  # noqa: BLE001 - any failure: try the next converter
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             errors.append(f"{how}: {first_line}")
@@ -323,26 +360,29 @@ def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool 
     raise FrontendError("could not convert the FX graph to TorchScript; " + "; ".join(errors))
 
 
-def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: str, convert) -> Frontend:
+def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: str, convert,
+             probes: list) -> Frontend:
     """Frozen inputs the graph writes are converted again as runtime inputs, so each call writes
     the caller's tensor (once) rather than a frozen copy; other attributes it writes are kept
     through freezing (which would fold a training-mode batch norm's running statistics). FX values
     TorchScript computes in another dtype than eager get a cast to eager's (then convert again)."""
     casts = _identity_casts(gm)
+    values = probes[0] if probes else example_inputs
     for _ in range(MAX_CAST_ROUNDS):
         fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
-        scripted = convert(_cast_to(fx_module, casts), [example_inputs[i] for i in runtime_inputs])
+        scripted = convert(_cast_to(fx_module, casts), [values[i] for i in runtime_inputs])
         written = _written_attributes(scripted)
         lifted = {int(name[len(FROZEN_PREFIX):]) for name in written if name.startswith(FROZEN_PREFIX)}
         if lifted:
             fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze, lifted)
-            scripted = convert(_cast_to(fx_module, casts), [example_inputs[i] for i in runtime_inputs])
+            scripted = convert(_cast_to(fx_module, casts), [values[i] for i in runtime_inputs])
             written = _written_attributes(scripted)
-        inputs = [example_inputs[i] for i in runtime_inputs]
-        frozen = _prepare(scripted, inputs, sorted(written))
+        inputs = [values[i] for i in runtime_inputs]
+        probe_inputs = [[probe[i] for i in runtime_inputs] for probe in probes]
+        frozen = _prepare(scripted, inputs, sorted(written), probe_inputs[1:])
         diverged = {name: dtype for name, dtype in _eager_dtypes(gm, frozen.graph).items() if name not in casts}
         if not diverged:
-            return Frontend(frozen, runtime_inputs, inputs, how)
+            return Frontend(frozen, runtime_inputs, inputs, how, probe_inputs)
         casts.update(diverged)
     raise FrontendError(f"TorchScript computes {', '.join(sorted(diverged))} in another dtype than eager")
 

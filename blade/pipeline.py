@@ -27,6 +27,7 @@ from blade.cluster.partition import GLUE_KINDS, partition
 from blade.cluster.splice import splice
 from blade.cluster.support import LoweringError
 from blade.config import Config
+from blade.dynamic import SymbolicRefusal, lower_symbolic, probe_types
 from blade.engine.driver import compile_many
 from blade.errors import translate_engine_error
 from blade.frontend import to_torchscript
@@ -82,6 +83,8 @@ class CompileReport:
     engine_calls: int = 0                          # engine calls in the spliced graph
     fallback: str = "off"
     dump_dir: str = ""
+    size_symbols: str = ""                         # with symbolic sizes: "s0 in [2, 1024], ..."
+    symbolic_refusals: list = field(default_factory=list)  # "cluster_k: why it cannot take run-time sizes"
     compile_wall_s: float = 0.0
     total_s: float = 0.0
 
@@ -108,6 +111,8 @@ class GraphSource:
     input_names: list            # a readable name per graph input (blade/guards.py)
     attributes: dict             # parameters and buffers the graph reads as attributes
     frozen: FrozenWeights        # the tensors frozen into the engines, as they were then
+    example_inputs: list = field(default_factory=list)  # with size symbols: dynamo's (SymInts kept)
+    symbols: object = None       # blade.dynamic.SizeSymbols of a graph compiled with run-time sizes
 
 
 class CompiledModule:
@@ -197,7 +202,11 @@ class CompiledModule:
                               f"passed: a replaced parameter, or another instance of the module): "
                               f"compiling a variant for it (up to {MAX_VARIANTS} are kept)")
             with self.source.config:
-                fresh = compile_fx(self.source.gm, list(args), self.source.config)
+                if self.source.symbols is not None:  # again with run-time sizes
+                    inputs, symbols = self.source.symbols.with_frozen(self.source.example_inputs, list(args))
+                    fresh = compile_fx(self.source.gm, inputs, self.source.config, symbols)
+                else:
+                    fresh = compile_fx(self.source.gm, list(args), self.source.config)
             self._switch_to(fresh, keep_current=not written_in_place)
             return True
 
@@ -239,20 +248,24 @@ class _Lowered:
     fallback_module: bytes
 
 
-def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> CompiledModule:
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config, symbols=None) -> CompiledModule:
     """Compiles in <dump_dir>/ when set (kept on purpose), else in a temp dir removed on every path
-    (success, failed lowering or compile, timeout, exception); warnings then carry the log tails."""
+    (success, failed lowering or compile, timeout, exception); warnings then carry the log tails.
+    With ``symbols`` (blade.dynamic.SizeSymbols), the engines take those sizes at run time."""
     if config.dump_dir:
-        return _compile_fx_in(Path(config.dump_dir), gm, example_inputs, config)
+        return _compile_fx_in(Path(config.dump_dir), gm, example_inputs, config, symbols)
     with tempfile.TemporaryDirectory(prefix="blade-", ignore_cleanup_errors=True) as work_root:
-        return _compile_fx_in(Path(work_root), gm, example_inputs, config)
+        return _compile_fx_in(Path(work_root), gm, example_inputs, config, symbols)
 
 
-def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> CompiledModule:
+def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: list, config: Config,
+                   symbols=None) -> CompiledModule:
     started = time.perf_counter()
     report = CompileReport(fallback=config.fallback, dump_dir=config.dump_dir)
-    front = to_torchscript(gm, example_inputs, config.freeze_params)
+    front = to_torchscript(gm, example_inputs, config.freeze_params, probes=symbols.probes if symbols else ())
+    types_at_probes = probe_types(front) if symbols else []
     report.how = front.how
+    report.size_symbols = symbols.describe() if symbols else ""
     parts = partition(front.graph, min_cluster_size=config.min_cluster_size,
                       excluded_ops=config.excluded_ops)
     # read everything reports need before splicing destroys the clustered nodes
@@ -278,11 +291,16 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
         fallback_module = saved_subgraph(graph) if config.fallback != "off" or config.dump_dir else b""
         dump.write_subgraph(cluster_dir, graph, fallback_module)
         try:
-            model = lower_cluster(cluster, name)
+            model = lower_symbolic(cluster, name, symbols, types_at_probes) if symbols else lower_cluster(cluster, name)
         except LoweringError as err:
             rep.status, rep.error = "lowering failed", str(err)
+            if isinstance(err, SymbolicRefusal):
+                report.symbolic_refusals.append(f"{name}: {err}")
+                continue  # not the user's concern: the caller compiles per shape (blade/dynamic.py)
             warnings.warn(f"blade: {name} could not be lowered to ONNX and stays in TorchScript: {err}")
             continue
+        if symbols:
+            rep.input_shapes, rep.output_shapes = onnx_shapes(model.graph.input), onnx_shapes(model.graph.output)
         onnx_path = cluster_dir / f"{name}.onnx"
         onnx.save(model, onnx_path)
         lowered[name] = _Lowered(cluster, model, fallback_module)
@@ -311,6 +329,9 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
             dump.write_compile_artifacts(Path(result.work_dir), result, compile_options)
         if not result.ok:
             rep.status, rep.error = "compile failed", result.error or ""
+            if symbols:
+                report.symbolic_refusals.append(f"{result.name}: {(result.error or '').strip().splitlines()[-1:]}")
+                continue
             warnings.warn(f"blade: {result.name} failed to compile and stays in TorchScript: "
                           f"{result.error}{log_note}")
             continue
@@ -341,12 +362,19 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
     log.info("blade: %d/%d aten ops in %d engine(s), compiled in %.2fs (total %.2fs)",
              report.aten_in_engines, report.aten_total, len(spliced), report.compile_wall_s, report.total_s)
     return CompiledModule(front.module, front.runtime_inputs, report,
-                          _source(gm, example_inputs, front.runtime_inputs, config))
+                          _source(gm, example_inputs, front.runtime_inputs, config, symbols))
 
 
-def _source(gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list, config: Config) -> GraphSource:
+def _source(gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list, config: Config,
+            symbols=None) -> GraphSource:
     return GraphSource(gm, config, placeholder_names(gm), module_tensors(gm),
-                       FrozenWeights.of(gm, example_inputs, runtime_inputs))
+                       FrozenWeights.of(gm, example_inputs, runtime_inputs),
+                       list(example_inputs) if symbols else [], symbols)
+
+
+def onnx_shapes(values) -> list:
+    """Shapes of ONNX graph inputs/outputs, run-time dims by their dim_param."""
+    return [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values]
 
 
 def eager_for_grad_message(recording: str) -> str:
