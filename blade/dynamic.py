@@ -48,7 +48,12 @@ class NotSymbolic(RuntimeError):
 
 
 class SymbolicRefusal(LoweringError):
-    """A cluster's lowering depends on a run-time size: it cannot take the sizes at run time."""
+    """A cluster's lowering depends on a run-time size: it cannot take the sizes at run time.
+    ``node``: the cluster node blamed (its rule wrote a size into the ONNX), when known."""
+
+    def __init__(self, message: str, node=None):
+        super().__init__(message)
+        self.node = node
 
 
 @dataclass
@@ -204,21 +209,26 @@ def _guards_hold(shape_env, placeholders: list, args: list) -> bool:
 
 def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) -> onnx.ModelProto:
     """The cluster's ONNX with its run-time dims as dim_params (see the module docstring)."""
-    models = [lower_cluster(cluster, name)]  # at the example's sizes: the types the graph has
+    run_time = run_time_dims(probe_types)
+    origins = []
+    models = [lower_cluster(cluster, name, run_time, origins)]  # at the example's sizes: the graph's types
     try:
         for point, types in zip(symbols.points[1:], probe_types[1:]):
             stamp(types)
+            failing = []
             try:
-                models.append(lower_cluster(cluster, name))
+                models.append(lower_cluster(cluster, name, run_time, failing))
             except LoweringError as err:
-                raise SymbolicRefusal(f"it does not lower at {_point_text(point)}: {err}") from err
+                blamed = cluster.nodes[len(failing)] if len(failing) < len(cluster.nodes) else None
+                raise SymbolicRefusal(f"it does not lower at {_point_text(point)}: {err}", blamed) from err
     finally:
         stamp(probe_types[0])
     first = _skeleton(models[0])
     for point, model in zip(symbols.points[1:], models[1:]):
         if _skeleton(model) != first:
-            raise SymbolicRefusal(f"its ONNX depends on the sizes (at {_point_text(point)}: "
-                                  f"{_first_difference(models[0], model)})")
+            what, node_index, init_index = _first_difference(models[0], model)
+            blamed = next((n for n, nodes, inits in origins if node_index < nodes or init_index < inits), None)
+            raise SymbolicRefusal(f"its ONNX depends on the sizes (at {_point_text(point)}: {what})", blamed)
     model = models[0]
     used = {}
     for group in ("input", "output"):
@@ -249,23 +259,57 @@ def _skeleton(model: onnx.ModelProto) -> tuple:
             tuple(t.SerializeToString() for t in graph.initializer))
 
 
-def _first_difference(a: onnx.ModelProto, b: onnx.ModelProto) -> str:
-    consts = {t.name: t for t in b.graph.initializer}
-    for t in a.graph.initializer:
-        other = consts.get(t.name)
-        if other is None or other.SerializeToString() != t.SerializeToString():
-            users = [n.op_type for n in a.graph.node if t.name in n.input]
-            return f"constant {t.name} of {'/'.join(users) or 'no op'} changes"
-    for n, m in zip(a.graph.node, b.graph.node):
+def _first_difference(a: onnx.ModelProto, b: onnx.ModelProto) -> tuple:
+    """(what differs, index of the first ONNX node that differs or reads a constant that does,
+    index of the first initializer that differs); the indices are large when none does."""
+    none = len(a.graph.node) + len(a.graph.initializer) + 1
+    changed = {t.name: k for k, (t, u) in enumerate(zip(a.graph.initializer, b.graph.initializer))
+               if t.SerializeToString() != u.SerializeToString()}
+    for k, (n, m) in enumerate(zip(a.graph.node, b.graph.node)):
         if n.SerializeToString() != m.SerializeToString():
-            return f"ONNX {n.op_type} changes"
-    return "the graphs differ"
+            return f"ONNX {n.op_type} changes", k, min(changed.values(), default=none)
+        constant = next((name for name in n.input if name in changed), None)
+        if constant is not None:
+            return f"constant {constant} of {n.op_type} changes", k, changed[constant]
+    return "the graphs differ", none, min(changed.values(), default=none)
 
 
 def _point_text(point: dict) -> str:
     return ", ".join(f"{s}={v}" for s, v in point.items())
 
 
+def run_time_dims(probe_types: list) -> dict:
+    """value -> the dims whose size differs between probe points (its run-time dims)."""
+    dims = {}
+    for value, vtype in probe_types[0].items():
+        sizes = [list(types[value].sizes()) if value in types else None for types in probe_types]
+        varying = {d for d in range(len(sizes[0])) if any(s is None or s[d] != sizes[0][d] for s in sizes)}
+        if varying:
+            dims[value] = varying
+    return dims
+
+
 def probe_types(front) -> list:
     """Per probe point, every tensor value of the frontend's graph -> its type there."""
     return [measure_types(front.module, inputs) for inputs in front.probe_inputs]
+
+
+def exclusions(graph, symbols: SizeSymbols, types: list, partition_graph) -> dict:
+    """Node -> why it stays in TorchScript: the ops whose lowering computes from a run-time size.
+    ``partition_graph(excluded)`` partitions with those nodes left out; partition, lower every
+    cluster at every probe point, leave out the node each refusing cluster blames (or all of its
+    nodes when none is to blame), and again until every cluster lowers."""
+    excluded: dict = {}
+    while True:
+        refused = 0
+        for cluster in partition_graph(excluded).clusters:
+            try:
+                lower_symbolic(cluster, "probe", symbols, types)
+            except SymbolicRefusal as err:
+                refused += 1
+                blamed = [err.node] if err.node is not None else cluster.nodes
+                excluded.update({node: f"computes from a run-time size: {err}" for node in blamed})
+            except LoweringError:
+                continue  # refused at the example's sizes too: the compile reports it
+        if not refused:
+            return excluded

@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from blade.cluster.aliasing import written_attributes, written_constants
+from blade.guards import wrapped_scalars
 
 log = logging.getLogger("blade")
 
@@ -71,9 +72,11 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, 
         root.register_parameter(name, param)
     runtime_inputs = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    scalars = wrapped_scalars(gm)  # frozen like weights, their values checked on every call
     for position, node in enumerate(placeholders):
         value = example_inputs[position] if position < len(example_inputs) else None
-        if freeze and isinstance(value, torch.Tensor) and is_frozen_input(value) and position not in written:
+        if freeze and isinstance(value, torch.Tensor) and (is_frozen_input(value) or position in scalars) \
+                and position not in written:
             attr = f"{FROZEN_PREFIX}{position}"
             root.register_buffer(attr, value.detach())
             env[node] = graph.get_attr(attr)
@@ -152,6 +155,89 @@ def state_restored(tensors):
 CONVERTERS = {"script": _script, "trace": _trace}  # tried in this order
 
 
+def _constant_size_arguments(graph: torch.Graph, probes: list) -> int:
+    """view/reshape/expand whose size list is computed from run-time sizes (dynamo's SymInts:
+    ``x.view(batch, seq, -1, 64)``) become ops with constant arguments computing the same at every
+    size, so they can join clusters: expand's run-time dims the input already has become -1;
+    a view/reshape that keeps its leading and trailing dims and regroups static ones in between
+    becomes flatten and/or unflatten of that middle. ``probes``: value -> TensorType at each probe.
+    Returns how many nodes it replaced."""
+    rewritten = 0
+    for node in list(graph.nodes()):
+        kind = node.kind()
+        if kind not in ("aten::view", "aten::reshape", "aten::expand") or is_constant_value(node.inputsAt(1)):
+            continue
+        x, out = node.inputsAt(0), node.output()
+        if any(x not in types or out not in types for types in probes):
+            continue
+        ins = [list(types[x].sizes()) for types in probes]
+        outs = [list(types[out].sizes()) for types in probes]
+        with graph.insert_point_guard(node):
+            if kind == "aten::expand":
+                replacement = _expand_constant(graph, node, ins, outs)
+            else:
+                replacement = _regroup(graph, x, ins, outs)
+        if replacement is not None:
+            replacement.setType(out.type())
+            out.replaceAllUsesWith(replacement)
+            node.destroy()
+            rewritten += 1
+    return rewritten
+
+
+def is_constant_value(value: torch.Value) -> bool:
+    node = value.node()
+    return node.kind() == "prim::Constant" or (
+        node.kind() == "prim::ListConstruct" and all(is_constant_value(v) for v in node.inputs()))
+
+
+def _same_at_every_probe(ins: list, d_in: int, outs: list, d_out: int) -> bool:
+    return all(i[d_in] == o[d_out] for i, o in zip(ins, outs))
+
+
+def _expand_constant(graph: torch.Graph, node: torch.Node, ins: list, outs: list):
+    rank, lead = len(outs[0]), len(outs[0]) - len(ins[0])
+    sizes = []
+    for d in range(rank):
+        if all(o[d] == outs[0][d] for o in outs):
+            sizes.append(outs[0][d])
+        elif d >= lead and _same_at_every_probe(ins, d - lead, outs, d):
+            sizes.append(-1)
+        else:
+            return None
+    args = [node.inputsAt(0), graph.insertConstant(sizes)] + list(node.inputs())[2:]
+    return graph.insertNode(graph.create("aten::expand", args)).output()
+
+
+def _regroup(graph: torch.Graph, x: torch.Value, ins: list, outs: list):
+    rank_in, rank_out = len(ins[0]), len(outs[0])
+    lead = 0
+    while lead < min(rank_in, rank_out) and _same_at_every_probe(ins, lead, outs, lead):
+        lead += 1
+    tail = 0
+    while tail < min(rank_in, rank_out) - lead and _same_at_every_probe(ins, rank_in - 1 - tail, outs, rank_out - 1 - tail):
+        tail += 1
+    middle_in, middle_out = rank_in - lead - tail, rank_out - lead - tail
+    if (middle_in, middle_out) == (1, 1):
+        return None  # one dim becomes another of a different size: not a regrouping
+    static_out = all(o[d] == outs[0][d] for o in outs for d in range(lead, lead + middle_out))
+    if middle_out > 1 and not static_out:
+        return None  # unflatten to run-time sizes: its arguments would be computed
+    value = x
+    if middle_in > 1 or (middle_in == 1 and middle_out == 0) or (middle_in == 0 and middle_out == 1):
+        if middle_in == 0:  # a new dim of size 1: unflatten a neighbour into (1, it)
+            return None
+        value = graph.insertNode(graph.create("aten::flatten", [value, graph.insertConstant(lead),
+                                                                 graph.insertConstant(lead + middle_in - 1)])).output()
+    if middle_out > 1:
+        sizes = outs[0][lead:lead + middle_out]
+        value = graph.insertNode(graph.create("aten::unflatten", [value, graph.insertConstant(lead),
+                                                                   graph.insertConstant(sizes)])).output()
+    elif middle_out == 0 and middle_in > 0:
+        return None  # dims of size 1 removed: a squeeze, rare from computed sizes
+    return value
+
+
 def _specialize_sizes(graph: torch.Graph) -> None:
     """aten::size/dim/numel of a tensor become constants where the sizes they read are static (a
     run-time size, None in the value's type, stays computed)."""
@@ -194,6 +280,8 @@ def known_sizes(value: torch.Value):
 def _forget_run_time_sizes(module: torch.jit.ScriptModule, inputs: list, probes: list) -> None:
     """Types whose sizes differ when the graph runs on the probe inputs (the same graph at other
     values of its size symbols) get those dims unknown, so _specialize_sizes keeps them computed."""
+    if _constant_size_arguments(module.graph, [measure_types(module, x) for x in [inputs, *probes]]):
+        torch._C._jit_pass_dce(module.graph)
     base = measure_types(module, inputs)
     others = [measure_types(module, probe) for probe in probes]
     for value, vtype in base.items():

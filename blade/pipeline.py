@@ -27,11 +27,11 @@ from blade.cluster.partition import GLUE_KINDS, partition
 from blade.cluster.splice import splice
 from blade.cluster.support import LoweringError
 from blade.config import Config
-from blade.dynamic import SymbolicRefusal, lower_symbolic, probe_types
+from blade.dynamic import exclusions, lower_symbolic, probe_types
 from blade.engine.driver import compile_many
 from blade.errors import translate_engine_error
 from blade.frontend import to_torchscript
-from blade.guards import FrozenWeights, first_requiring_grad, module_tensors, placeholder_names
+from blade.guards import FrozenWeights, ScalarValues, first_requiring_grad, module_tensors, placeholder_names
 from blade.progress import Progress
 from blade.runtime import make_engine
 from blade.sources import fx_locations, node_location
@@ -111,6 +111,7 @@ class GraphSource:
     input_names: list            # a readable name per graph input (blade/guards.py)
     attributes: dict             # parameters and buffers the graph reads as attributes
     frozen: FrozenWeights        # the tensors frozen into the engines, as they were then
+    scalars: ScalarValues = None  # the wrapped Python scalars frozen too, and their values then
     example_inputs: list = field(default_factory=list)  # with size symbols: dynamo's (SymInts kept)
     symbols: object = None       # blade.dynamic.SizeSymbols of a graph compiled with run-time sizes
 
@@ -147,6 +148,8 @@ class CompiledModule:
             stale = self.source.frozen.changed(args)
             if stale is not None and not self._recompiled(args, stale):
                 return self.source.gm(*args)
+            if self.source.scalars.positions and self._scalar_changed(args):
+                return self.source.gm(*args)
         try:
             return self._forward(*self._pick(args))
         except RuntimeError as err:
@@ -154,6 +157,15 @@ class CompiledModule:
             if translated is None:
                 raise
             raise translated from err
+
+    def _scalar_changed(self, args) -> bool:
+        """A frozen Python scalar has another value now: this call runs eagerly (warned once)."""
+        changed = self.source.scalars.changed(args)
+        if changed is not None and not self._warned_eager:
+            self._warned_eager = True
+            warnings.warn(f"blade: {changed} has another value than when this graph was compiled and "
+                          f"its engines hold the old one: the graph runs eagerly for such calls")
+        return changed is not None
 
     def _grad_names(self) -> tuple:
         return (self.source.input_names, self.source.attributes) if self.source else ([], {})
@@ -266,8 +278,12 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
     types_at_probes = probe_types(front) if symbols else []
     report.how = front.how
     report.size_symbols = symbols.describe() if symbols else ""
-    parts = partition(front.graph, min_cluster_size=config.min_cluster_size,
-                      excluded_ops=config.excluded_ops)
+    def partition_graph(excluded_nodes=None):
+        return partition(front.graph, min_cluster_size=config.min_cluster_size,
+                         excluded_ops=config.excluded_ops, excluded_nodes=excluded_nodes)
+
+    excluded = exclusions(front.graph, symbols, types_at_probes, partition_graph) if symbols else None
+    parts = partition_graph(excluded)
     # read everything reports need before splicing destroys the clustered nodes
     locations = fx_locations(gm)
     report.aten_total = sum(1 for n in parts.ops if _is_aten(n))
@@ -294,9 +310,6 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
             model = lower_symbolic(cluster, name, symbols, types_at_probes) if symbols else lower_cluster(cluster, name)
         except LoweringError as err:
             rep.status, rep.error = "lowering failed", str(err)
-            if isinstance(err, SymbolicRefusal):
-                report.symbolic_refusals.append(f"{name}: {err}")
-                continue  # not the user's concern: the caller compiles per shape (blade/dynamic.py)
             warnings.warn(f"blade: {name} could not be lowered to ONNX and stays in TorchScript: {err}")
             continue
         if symbols:
@@ -329,8 +342,8 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
             dump.write_compile_artifacts(Path(result.work_dir), result, compile_options)
         if not result.ok:
             rep.status, rep.error = "compile failed", result.error or ""
-            if symbols:
-                report.symbolic_refusals.append(f"{result.name}: {(result.error or '').strip().splitlines()[-1:]}")
+            if symbols and "run-time sizes" in (result.error or ""):  # the engine's slice of them
+                report.symbolic_refusals.append(f"{result.name}: {(result.error or '').strip().splitlines()[-1]}")
                 continue
             warnings.warn(f"blade: {result.name} failed to compile and stays in TorchScript: "
                           f"{result.error}{log_note}")
@@ -369,6 +382,7 @@ def _source(gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list
             symbols=None) -> GraphSource:
     return GraphSource(gm, config, placeholder_names(gm), module_tensors(gm),
                        FrozenWeights.of(gm, example_inputs, runtime_inputs),
+                       ScalarValues.of(gm, example_inputs, runtime_inputs),
                        list(example_inputs) if symbols else [], symbols)
 
 
