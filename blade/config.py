@@ -67,8 +67,11 @@ class Config:
     progress: bool = _env_or("progress", True)                  # "compiled N/M clusters" on stderr (long compiles)
     profile: bool = _env_or("profile", False)                   # engines time their kernels (blade.profile)
     dynamic_shapes: str = _env_or("dynamic_shapes", "symbolic")  # one of DYNAMIC_MODES (blade/dynamic.py)
-    # the maximum of a size symbol dynamo leaves unbounded: engines plan scratch at the maxima
-    dynamic_max_size: int = _env_or("dynamic_max_size", 1024)
+    # The maxima of size symbols dynamo leaves unbounded (blade/dynamic.py): engines plan scratch at
+    # the maxima, so one cap for all of them is halved from dynamic_max_size until the graph's peak
+    # of live tensor bytes at the maxima fits dynamic_memory_budget. Larger sizes compile per shape.
+    dynamic_max_size: int = _env_or("dynamic_max_size", 4096)
+    dynamic_memory_budget: int = _env_or("dynamic_memory_budget", 1 << 30)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACK_MODES:
@@ -122,6 +125,7 @@ ENV_VARS = {
     "profile": ("BLADE_PROFILE", _parse_bool),
     "dynamic_shapes": ("BLADE_DYNAMIC_SHAPES", str),
     "dynamic_max_size": ("BLADE_DYNAMIC_MAX_SIZE", int),
+    "dynamic_memory_budget": ("BLADE_DYNAMIC_MEMORY_BUDGET", int),
 }
 
 _local = threading.local()

@@ -62,6 +62,9 @@ class SizeSymbols:
     points: list                 # per probe: sympy.Symbol -> int (points[0]: the example's)
     candidates: list             # sympy expressions a run-time dim may be, simplest first
     probes: list = field(default_factory=list)  # the graph's arguments at each point
+    checks: list = field(default_factory=list)  # (argument position, dim or None for an int, symbol)
+    open: list = field(default_factory=list)    # the symbols whose maximum dynamo left unbounded
+    _at_points: dict = field(default=None, repr=False)  # candidate values at the points -> index
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, example_inputs: list, max_size: int) -> "SizeSymbols":
@@ -74,7 +77,7 @@ class SizeSymbols:
         symbols = sorted(set().union(*(e.free_symbols for e in exprs)), key=str) if exprs else []
         if not symbols:
             raise NotSymbolic("no symbolic size in the graph")
-        ranges, example = {}, {}
+        ranges, example, open_symbols = {}, {}, []
         values = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
         for sym in symbols:
             value = values.get(sym)
@@ -82,7 +85,10 @@ class SizeSymbols:
                 raise NotSymbolic(f"size symbol {sym} has no example value (an unbacked size)")
             bound = shape_env.var_to_range.get(sym)
             lo = _finite(bound.lower if bound else None, 0)
-            hi = _finite(bound.upper if bound else None, max(max_size, int(value)))
+            hi = _finite(bound.upper if bound else None, None)
+            if hi is None:
+                open_symbols.append(sym)
+                hi = max(max_size, int(value))
             ranges[sym], example[sym] = (lo, hi), int(value)
         points = [example] + _other_points(ranges, example)
         if len(points) < 2:
@@ -91,6 +97,8 @@ class SizeSymbols:
         symbols_first = [s for s in symbols] + [e for e in candidates if e not in symbols]
         result = cls(ranges, points, symbols_first)
         result.probes = [_arguments_at(placeholders, example_inputs, point) for point in points]
+        result.checks = _range_checks(placeholders, ranges)
+        result.open = open_symbols
         for point, probe in zip(points[1:], result.probes[1:]):
             if not _guards_hold(shape_env, placeholders, probe):
                 raise NotSymbolic(f"dynamo's guards do not hold at sizes {point}")
@@ -107,9 +115,45 @@ class SizeSymbols:
 
     def dim_of(self, values: list):
         """The symbol expression whose value at every probe point is ``values``, else None."""
-        for expr in self.candidates:
-            if all(int(expr.subs(point)) == v for point, v in zip(self.points, values)):
-                return expr
+        index = self.candidate_index(values)
+        return None if index is None else self.candidates[index]
+
+    def candidate_index(self, values: list):
+        if self._at_points is None:
+            self._at_points = {}
+            for k, expr in enumerate(self.candidates):  # the simplest first wins
+                self._at_points.setdefault(tuple(int(expr.subs(p)) for p in self.points), k)
+        return self._at_points.get(tuple(values))
+
+    def fit_caps(self, graph, probe_types: list, budget: int) -> None:
+        """Lower the maxima of the open symbols (all to one cap, halved from Config.dynamic_max_size,
+        not below a probe's value) until the graph's peak of live tensor bytes at the maxima fits
+        ``budget``: engines plan their scratch at the maxima, and attention's batch x seq x seq
+        scores outgrow any single cap that suits both batch and sequence."""
+        if not self.open:
+            return
+        sizes = _value_sizes(graph, probe_types, self)
+        floor = max(point[sym] for point in self.points for sym in self.open)
+        cap = max(self.ranges[sym][1] for sym in self.open)
+        while cap > floor and _peak_bytes(sizes, self._maxima(cap)) > budget:
+            cap = max(cap // 2, floor)
+        for sym in self.open:
+            self.ranges[sym] = (self.ranges[sym][0], cap)
+
+    def _maxima(self, cap: int) -> list:
+        """Each candidate expression's value with the open symbols at cap, the others at their maxima."""
+        at = {sym: cap if sym in self.open else hi for sym, (_, hi) in self.ranges.items()}
+        return [int(expr.subs(at)) for expr in self.candidates]
+
+    def out_of_range(self, args) -> str | None:
+        """Which argument size lies outside its symbol's range, else None (a few comparisons per
+        call: dynamo's guards check the ranges it knows, not the cap on unbounded maxima)."""
+        for position, dim, sym in self.checks:
+            value = args[position] if dim is None else args[position].shape[dim]
+            lo, hi = self.ranges[sym]
+            if not lo <= value <= hi:
+                where = f"argument {position}" + ("" if dim is None else f" dim {dim}")
+                return f"{where} is {value}, outside the range [{lo}, {hi}] of size symbol {sym}"
         return None
 
     def describe(self) -> str:
@@ -126,7 +170,69 @@ class SizeSymbols:
             refreshed[i] = args[i]
             for probe in probes:
                 probe[i] = args[i]
-        return refreshed, SizeSymbols(self.ranges, self.points, self.candidates, probes)
+        return refreshed, SizeSymbols(self.ranges, self.points, self.candidates, probes, self.checks, self.open)
+
+
+def _value_sizes(graph, probe_types: list, symbols: SizeSymbols) -> list:
+    """(first node, last node using it, itemsize, dims) of each tensor value of the top-level
+    block, in node order; dims: ints, and candidate indices for run-time dims (one no candidate
+    matches counts at its largest probe size)."""
+    order = {node: k for k, node in enumerate(graph.nodes())}
+    end = len(order)
+    sizes = []
+    for value, vtype in probe_types[0].items():
+        node = value.node()
+        if node not in order or vtype.dtype() is None:
+            continue
+        seen = [list(t[value].sizes()) if value in t else list(vtype.sizes()) for t in probe_types]
+        dims = []
+        for d, size in enumerate(seen[0]):
+            column = [s[d] for s in seen]
+            if len(set(column)) == 1:
+                dims.append(size)
+            else:
+                index = symbols.candidate_index(column)
+                dims.append(("expr", index) if index is not None else max(column))
+        last = max((order.get(_top_level(use.user), end) for use in value.uses()), default=order[node])
+        sizes.append((order[node], last, torch.empty((), dtype=vtype.dtype()).element_size(), dims))
+    return sizes
+
+
+def _top_level(node):
+    while node.owningBlock().owningNode() is not None:
+        node = node.owningBlock().owningNode()
+    return node
+
+
+def _peak_bytes(sizes: list, maxima: list) -> int:
+    """The largest sum of live tensor bytes over the graph's nodes, sizes at ``maxima``."""
+    events = {}
+    for first, last, itemsize, dims in sizes:
+        numel = itemsize
+        for d in dims:
+            numel *= maxima[d[1]] if isinstance(d, tuple) else d
+        events[first] = events.get(first, 0) + numel
+        events[last + 1] = events.get(last + 1, 0) - numel
+    live = peak = 0
+    for k in sorted(events):
+        live += events[k]
+        peak = max(peak, live)
+    return peak
+
+
+def _range_checks(placeholders: list, ranges: dict) -> list:
+    """(position, dim, symbol) of each argument size that is a symbol itself, once per symbol
+    (dims that are expressions of symbols follow from those)."""
+    checks, seen = [], set()
+    for position, fake in enumerate(placeholders):
+        sizes = [(None, fake)] if isinstance(fake, torch.SymInt) else \
+            list(enumerate(fake.shape)) if isinstance(fake, torch.Tensor) else []
+        for dim, size in sizes:
+            expr = sympy.sympify(size.node.expr) if isinstance(size, torch.SymInt) else None
+            if isinstance(expr, sympy.Symbol) and expr in ranges and expr not in seen:
+                seen.add(expr)
+                checks.append((position, dim, expr))
+    return checks
 
 
 def _finite(bound, default: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ def is_frozen_input(value) -> bool:
 
 
 FROZEN_PREFIX = "_blade_frozen_"
+# dynamo's functions on symbolic scalars (``math.sqrt(2 / math.pi)`` with math.pi passed as a
+# wrapped scalar) -> the plain function TorchScript scripts, with the same value on Python scalars
+SCRIPTABLE_SYM_FUNCTIONS = {torch._sym_sqrt: math.sqrt}
 
 
 def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, written=frozenset()):
@@ -88,6 +92,8 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, 
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.op == "call_function" and node.target in SCRIPTABLE_SYM_FUNCTIONS:
+                env[node].target = SCRIPTABLE_SYM_FUNCTIONS[node.target]
     for name, value in vars(gm).items():  # constants dynamo attached as plain attributes
         if isinstance(value, torch.Tensor) and not hasattr(root, name):
             setattr(root, name, value)
@@ -458,11 +464,15 @@ def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: 
     values = probes[0] if probes else example_inputs
     for _ in range(MAX_CAST_ROUNDS):
         fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
+        if probes:
+            _rows_kept_through_addmm(fx_module)
         scripted = convert(_cast_to(fx_module, casts), [values[i] for i in runtime_inputs])
         written = _written_attributes(scripted)
         lifted = {int(name[len(FROZEN_PREFIX):]) for name in written if name.startswith(FROZEN_PREFIX)}
         if lifted:
             fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze, lifted)
+            if probes:
+                _rows_kept_through_addmm(fx_module)
             scripted = convert(_cast_to(fx_module, casts), [values[i] for i in runtime_inputs])
             written = _written_attributes(scripted)
         inputs = [values[i] for i in runtime_inputs]
@@ -473,6 +483,39 @@ def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: 
             return Frontend(frozen, runtime_inputs, inputs, how, probe_inputs)
         casts.update(diverged)
     raise FrontendError(f"TorchScript computes {', '.join(sorted(diverged))} in another dtype than eager")
+
+
+def _rows_kept_through_addmm(module: torch.fx.GraphModule) -> None:
+    """``addmm(b, x.view(-1, k), w).view(*x.shape[:-1], n)`` (GPT-2's Conv1D) -> ``linear(x, w.t(), b)``.
+    With run-time sizes the final view's sizes are computed (batch, seq): it could not join a
+    cluster, and the 2-d GEMM's output would be a cluster output whose first dim is a product of
+    size symbols. The linear computes the same product-sum per row on x's own shape."""
+    changed = False
+    for node in list(module.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.addmm or len(node.args) != 3 or node.kwargs:
+            continue
+        bias, flat, weight = node.args
+        users = list(node.users)
+        if not (isinstance(flat, torch.fx.Node) and flat.op == "call_method" and flat.target == "view"
+                and len(flat.users) == 1 and len(users) == 1 and users[0].op == "call_method"
+                and users[0].target == "view"):
+            continue
+        x, out = flat.args[0], users[0]
+        shapes = [getattr(n, "meta", {}).get("example_value") for n in (x, node, out)]
+        if not all(isinstance(v, torch.Tensor) for v in shapes) or shapes[0].dim() < 2 or \
+                list(map(str, shapes[2].shape)) != list(map(str, (*shapes[0].shape[:-1], shapes[1].shape[-1]))):
+            continue
+        with module.graph.inserting_before(out):
+            transposed = module.graph.call_method("t", (weight,))
+            linear = module.graph.call_function(torch.nn.functional.linear, (x, transposed, bias))
+        linear.meta = dict(out.meta)
+        out.replace_all_uses_with(linear)
+        for dead in (out, node, flat):
+            module.graph.erase_node(dead)
+        changed = True
+    if changed:
+        module.graph.eliminate_dead_code()
+        module.recompile()
 
 
 MAX_CAST_ROUNDS = 3

@@ -128,6 +128,7 @@ class CompiledModule:
         self._warned_eager = False
         self._recompiling = threading.Lock()
         self._recompiles = 0
+        self._outside = None        # ShapeSpecialized for sizes outside the size symbols' ranges
         self._variants: list = []   # CompiledModules of this graph for other frozen tensors
 
     def _bind(self, module: torch.jit.ScriptModule, runtime_inputs: list) -> None:
@@ -150,6 +151,10 @@ class CompiledModule:
                 return self.source.gm(*args)
             if self.source.scalars.positions and self._scalar_changed(args):
                 return self.source.gm(*args)
+            if self.source.symbols is not None:
+                outside = self.source.symbols.out_of_range(args)
+                if outside is not None:
+                    return self._per_shape(args, outside)
         try:
             return self._forward(*self._pick(args))
         except RuntimeError as err:
@@ -157,6 +162,15 @@ class CompiledModule:
             if translated is None:
                 raise
             raise translated from err
+
+    def _per_shape(self, args, outside: str):
+        """A size outside the engines' ranges (past Config.dynamic_max_size, where dynamo left
+        the maximum open): such calls get one static compile per shape (blade/specialize.py)."""
+        if self._outside is None:
+            from blade.specialize import ShapeSpecialized  # it imports this module
+            log.info("blade: %s: compiling this graph for such shapes one by one", outside)
+            self._outside = ShapeSpecialized(self.source.gm, self.source.config, outside)
+        return self._outside(*args)
 
     def _scalar_changed(self, args) -> bool:
         """A frozen Python scalar has another value now: this call runs eagerly (warned once)."""
@@ -276,6 +290,8 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
     report = CompileReport(fallback=config.fallback, dump_dir=config.dump_dir)
     front = to_torchscript(gm, example_inputs, config.freeze_params, probes=symbols.probes if symbols else ())
     types_at_probes = probe_types(front) if symbols else []
+    if symbols:
+        symbols.fit_caps(front.graph, types_at_probes, config.dynamic_memory_budget)
     report.how = front.how
     report.size_symbols = symbols.describe() if symbols else ""
     def partition_graph(excluded_nodes=None):
