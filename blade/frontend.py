@@ -272,6 +272,30 @@ def _specialize_sizes(graph: torch.Graph) -> None:
             const = graph.insertConstant(value)
         node.output().replaceAllUsesWith(const)
         node.destroy()
+    _specialize_known_items(graph)
+
+
+def _specialize_known_items(graph: torch.Graph) -> None:
+    """Items of ``x.size()`` that are static where others are run-time sizes (``b, s, d = x.shape``
+    with d static): ``__getitem__`` with a constant index and ``prim::ListUnpack`` outputs."""
+    for node in list(graph.nodes()):
+        if node.kind() not in ("aten::__getitem__", "prim::ListUnpack"):
+            continue
+        source = node.inputsAt(0).node()
+        if source.kind() != "aten::size" or len(list(source.inputs())) != 1:
+            continue
+        shape = known_sizes(source.inputsAt(0))
+        if shape is None:
+            continue
+        if node.kind() == "prim::ListUnpack":
+            items = list(zip(node.outputs(), shape))
+        else:
+            index = node.inputsAt(1).toIValue() if node.inputsAt(1).node().kind() == "prim::Constant" else None
+            items = [(node.output(), shape[index])] if isinstance(index, int) and -len(shape) <= index < len(shape) else []
+        for value, size in items:
+            if size is not None:
+                with graph.insert_point_guard(node):
+                    value.replaceAllUsesWith(graph.insertConstant(size))
 
 
 def known_sizes(value: torch.Value):
@@ -279,7 +303,7 @@ def known_sizes(value: torch.Value):
     vtype = value.type()
     if not isinstance(vtype, torch.TensorType):
         return None
-    sizes = vtype.sizes()
+    sizes = vtype.varyingSizes()  # (sizes() is None unless every dim is known)
     return list(sizes) if sizes is not None else None
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from . import views
 from .ir import Graph, Node
 from .manifest import DTYPES
-from .symbolic import Expr, as_expr, size_less
+from .symbolic import Expr, as_expr, proves_at_least
 from .views import Layout, contiguous_strides, linear_index
 
 INLINE_CONST_MAX = 64          # constants with at most this many elements are compiled into the code
@@ -109,10 +109,14 @@ def memory_order(s: Strided) -> tuple:
     moving = [d for d, n in enumerate(s.shape) if n != 1]
     strides = [s.layout.strides[d] for d in moving]
     if any(isinstance(x, Expr) for x in strides):
-        # run-time strides: sorted by the order they provably have (size_less raises otherwise)
+        # run-time strides: sorted by the order they provably have (at least as large: first)
         def larger_first(a, b):
             sa, sb = s.layout.strides[a], s.layout.strides[b]
-            return 0 if as_expr(sa) == sb else 1 if size_less(sa, sb) else -1
+            if as_expr(sa) == sb:
+                return 0
+            if proves_at_least(sa, sb) or proves_at_least(sb, sa):
+                return -1 if proves_at_least(sa, sb) else 1
+            raise TypeError(f"the memory order of strides {strides} depends on run-time sizes")
         moving.sort(key=functools.cmp_to_key(larger_first))
     else:
         moving.sort(key=lambda d: -s.layout.strides[d])

@@ -404,6 +404,11 @@ def proves_multiple(big, small, least: int = 1) -> bool:
     return q * small == big and q.bounds()[0] >= least
 
 
+def proves_at_least(a, b) -> bool:
+    """Whether a >= b at every size (by bounds, or as an exact multiple)."""
+    return proves_nonnegative(as_expr(a) - b) or proves_multiple(a, b, 1)
+
+
 def size_less(a, b) -> bool:
     """a < b for sizes (ints or expressions), decided when provable either way, else TypeError:
     a compile stage then refuses the run-time sizes rather than guessing."""
