@@ -208,3 +208,15 @@ def test_specialize_mode_compiles_per_shape():
     for variant in dynamic[0].variants.values():
         assert 'prim::CallMethod[name="execute"]' in str(variant.module.graph)
     assert all(isinstance(p, CompiledModule) for p in produced if p not in dynamic)
+
+
+def test_explain_names_the_size_symbols_and_what_stays_in_torchscript():
+    import blade
+
+    class Causal(torch.nn.Module):
+        def forward(self, x):
+            s = x.shape[1]
+            return torch.softmax(x.masked_fill(torch.ones(s, s).triu(1).to(torch.bool), -1e4) * 2.0, -1).relu()
+
+    text = str(blade.explain(Causal().eval(), torch.randn(2, 6, 6), dynamic=True))
+    assert "size symbols: s" in text and "computes from a run-time size" in text, text
