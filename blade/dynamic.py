@@ -20,9 +20,11 @@ example. This module keeps the symbols:
      expression, or graphs that differ (a reshape target, a mean's divisor, a mask's length baked
      in), refuse the cluster with the reason.
 
-A graph all of whose clusters compile this way compiles once and serves every size in range.
-Otherwise (``refusal``) tt_infer falls back to one static compile per input signature
-(blade/specialize.py), with the reasons in the report blade.explain prints.
+An op a refusing cluster blames stays in TorchScript (``exclusions``, reason in blade.explain)
+and the rest is partitioned again, so the graph still compiles once and serves every size in
+range. When the engine compiler itself refuses a cluster's run-time sizes, or the graph cannot be
+scripted with its symbols, tt_infer falls back to one static compile per input signature
+(blade/specialize.py), with the reason logged.
 """
 from __future__ import annotations
 
