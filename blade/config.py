@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field, fields
 
 FALLBACK_MODES = ("off", "fallback", "check", "eager")
+DYNAMIC_MODES = ("symbolic", "specialize")  # graphs with symbolic sizes: one compile, or one per shape
 
 
 def _default_cache_dir() -> str:
@@ -65,10 +66,20 @@ class Config:
     cxx: str = _env_or("cxx", "g++")                            # the C++ compiler engines are built with
     progress: bool = _env_or("progress", True)                  # "compiled N/M clusters" on stderr (long compiles)
     profile: bool = _env_or("profile", False)                   # engines time their kernels (blade.profile)
+    dynamic_shapes: str = _env_or("dynamic_shapes", "symbolic")  # one of DYNAMIC_MODES (blade/dynamic.py)
+    # The maxima of size symbols dynamo leaves unbounded (blade/dynamic.py): engines plan scratch at
+    # the maxima, so one cap for all of them is halved from dynamic_max_size until the graph's peak
+    # of live tensor bytes at the maxima fits dynamic_memory_budget. Larger sizes compile per shape.
+    dynamic_max_size: int = _env_or("dynamic_max_size", 4096)
+    dynamic_memory_budget: int = _env_or("dynamic_memory_budget", 1 << 30)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACK_MODES:
             raise ValueError(f"fallback must be one of {FALLBACK_MODES}, got {self.fallback!r}")
+        if self.dynamic_shapes not in DYNAMIC_MODES:
+            raise ValueError(f"dynamic_shapes must be one of {DYNAMIC_MODES}, got {self.dynamic_shapes!r}")
+        if self.dynamic_max_size < 2:
+            raise ValueError("dynamic_max_size must be >= 2")
         if isinstance(self.excluded_ops, str):
             self.excluded_ops = _parse_list(self.excluded_ops)
         self.excluded_ops = tuple(op if "::" in op else f"aten::{op}" for op in self.excluded_ops)
@@ -112,6 +123,9 @@ ENV_VARS = {
     "cxx": ("CXX", str),
     "progress": ("BLADE_PROGRESS", _parse_bool),
     "profile": ("BLADE_PROFILE", _parse_bool),
+    "dynamic_shapes": ("BLADE_DYNAMIC_SHAPES", str),
+    "dynamic_max_size": ("BLADE_DYNAMIC_MAX_SIZE", int),
+    "dynamic_memory_budget": ("BLADE_DYNAMIC_MEMORY_BUDGET", int),
 }
 
 _local = threading.local()

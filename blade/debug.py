@@ -21,13 +21,34 @@ class CapturingBackend:
         self.compiled: list = []
 
     def __call__(self, gm, example_inputs):
+        from blade.specialize import compile_dynamic, is_dynamic  # it imports the pipeline too
+        if is_dynamic(gm, example_inputs):
+            compiled = compile_dynamic(gm, list(example_inputs), self.config)
+            # compiled per shape: its first variant, compiled by the call explain makes, reports
+            self.compiled.append(compiled)
+            return compiled
         compiled = compile_fx(gm, list(example_inputs), self.config)
         self.compiled.append(compiled)
         return compiled
 
+    def reports(self) -> list:
+        """The CompileReport of every graph (a per-shape graph: of each shape compiled so far,
+        with why it is compiled per shape)."""
+        reports = []
+        for compiled in self.compiled:
+            if isinstance(compiled, CompiledModule):
+                reports.append(compiled.report)
+                continue
+            for variant in compiled.variants.values():
+                if isinstance(variant, CompiledModule):
+                    variant.report.size_symbols = f"compiled per shape: {compiled.reason}"
+                    reports.append(variant.report)
+        return reports
+
     def engines(self) -> list:
         """(cluster name, Engine) of every engine, graph by graph, in execution order."""
-        return [item for compiled in self.compiled for item in compiled.engines().items()]
+        return [item for compiled in self.compiled if isinstance(compiled, CompiledModule)
+                for item in compiled.engines().items()]
 
 
 def set_fallback_mode(compiled: CompiledModule, mode: str) -> None:

@@ -14,8 +14,8 @@ from torch._dynamo.backends.registry import register_backend
 from blade.aot import PrecompiledModule
 from blade.config import Config
 from blade.guards import first_requiring_grad, module_tensors, placeholder_names
-from blade.pipeline import compile_fx, eager_for_grad_message
-from blade.specialize import ShapeSpecialized, is_dynamic
+from blade.pipeline import CompiledModule, compile_fx, eager_for_grad_message
+from blade.specialize import compile_dynamic, is_dynamic
 
 log = logging.getLogger("blade")
 
@@ -27,7 +27,8 @@ def tt_infer(gm: torch.fx.GraphModule, example_inputs, options: dict | None = No
         warnings.warn(eager_for_grad_message(recording))
         return gm.forward
     if is_dynamic(gm, example_inputs):
-        return ShapeSpecialized(gm, config)
+        compiled = compile_dynamic(gm, example_inputs, config)
+        return PrecompiledModule.wrap(compiled, config.fallback) if isinstance(compiled, CompiledModule) else compiled
     try:
         return PrecompiledModule.wrap(compile_fx(gm, list(example_inputs), config), config.fallback)
     except Exception as err:  # noqa: BLE001 - blade never takes the model down

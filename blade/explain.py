@@ -54,6 +54,9 @@ def _graph_lines(index: int, report) -> list:
              f"{report.aten_in_engines}/{report.aten_total} aten ops in engines ({100 * report.coverage:.1f}%), "
              f"{report.aten_in_graph} left in TorchScript; compile {report.compile_wall_s:.2f} s wall, "
              f"total {report.total_s:.2f} s"]
+    if report.size_symbols:
+        lines.append(f"  size symbols: {report.size_symbols}")
+    lines += [f"  run-time sizes refused: {refusal}" for refusal in report.symbolic_refusals]
     for c in report.clusters:
         cache = "cache hit" if c.cache_hit else "cache miss"
         lines.append(f"  {c.name}: {c.status}, {c.op_count} ops ({c.aten_count} aten), {c.seconds:.2f} s, {cache}")
@@ -85,18 +88,20 @@ def _unique(items) -> list:
     return list(dict.fromkeys(items))
 
 
-def explain(model, *example_inputs, **options) -> Explanation:
+def explain(model, *example_inputs, dynamic: bool = False, **options) -> Explanation:
     """Compiles model for these inputs as torch.compile(backend="tt_infer", options=options)
     would, runs it once, and reports what happened. The model's state and the inputs are left as
-    they were (dynamo's explain and the compiled call each run the model once)."""
+    they were (dynamo's explain and the compiled call each run the model once). ``dynamic=True``
+    compiles as ``torch.compile(dynamic=True)`` does: every size symbolic, engines taking sizes
+    at run time (blade/dynamic.py); each graph then names its size symbols and ranges."""
     config = Config.from_options(options)
     inputs = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     with torch.no_grad(), state_restored(module_state(model) + inputs):
         dynamo_view = torch._dynamo.explain(model)(*example_inputs)
         torch._dynamo.reset()
         backend = CapturingBackend(config)
-        torch.compile(model, backend=backend, dynamic=False)(*example_inputs)
+        torch.compile(model, backend=backend, dynamic=dynamic)(*example_inputs)
     breaks = [f"{b.reason}" + (f" ({b.user_stack[-1].filename}:{b.user_stack[-1].lineno})"
                                if getattr(b, "user_stack", None) else "")
               for b in dynamo_view.break_reasons]
-    return Explanation([c.report for c in backend.compiled], breaks)
+    return Explanation(backend.reports(), breaks)

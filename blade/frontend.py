@@ -19,14 +19,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
 from blade.cluster.aliasing import written_attributes, written_constants
+from blade.guards import wrapped_scalars
 
 log = logging.getLogger("blade")
 
@@ -41,6 +43,7 @@ class Frontend:
     runtime_inputs: list[int]        # positions of the dynamo arguments the module takes
     example_inputs: list             # those arguments' example values
     how: str                         # "script" or "trace"
+    probe_inputs: list = field(default_factory=list)  # with size symbols: those arguments at each probe point
 
     @property
     def graph(self) -> torch.Graph:
@@ -53,6 +56,9 @@ def is_frozen_input(value) -> bool:
 
 
 FROZEN_PREFIX = "_blade_frozen_"
+# dynamo's functions on symbolic scalars (``math.sqrt(2 / math.pi)`` with math.pi passed as a
+# wrapped scalar) -> the plain function TorchScript scripts, with the same value on Python scalars
+SCRIPTABLE_SYM_FUNCTIONS = {torch._sym_sqrt: math.sqrt}
 
 
 def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, written=frozenset()):
@@ -70,20 +76,24 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, 
         root.register_parameter(name, param)
     runtime_inputs = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    scalars = wrapped_scalars(gm)  # frozen like weights, their values checked on every call
     for position, node in enumerate(placeholders):
         value = example_inputs[position] if position < len(example_inputs) else None
-        if freeze and isinstance(value, torch.Tensor) and is_frozen_input(value) and position not in written:
+        if freeze and isinstance(value, torch.Tensor) and (is_frozen_input(value) or position in scalars) \
+                and position not in written:
             attr = f"{FROZEN_PREFIX}{position}"
             root.register_buffer(attr, value.detach())
             env[node] = graph.get_attr(attr)
         elif isinstance(value, (bool, int, float)):
             env[node] = value  # a scalar input is specialized: the caller keys compiles on it
-        else:
-            env[node] = graph.placeholder(node.name, type_expr=node.type)
+        else:  # a tensor, or a size symbol's value (a SymInt: an int at run time)
+            env[node] = graph.placeholder(node.name, type_expr=int if isinstance(value, torch.SymInt) else node.type)
             runtime_inputs.append(position)
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.op == "call_function" and node.target in SCRIPTABLE_SYM_FUNCTIONS:
+                env[node].target = SCRIPTABLE_SYM_FUNCTIONS[node.target]
     for name, value in vars(gm).items():  # constants dynamo attached as plain attributes
         if isinstance(value, torch.Tensor) and not hasattr(root, name):
             setattr(root, name, value)
@@ -151,42 +161,166 @@ def state_restored(tensors):
 CONVERTERS = {"script": _script, "trace": _trace}  # tried in this order
 
 
+def _constant_size_arguments(graph: torch.Graph, probes: list) -> int:
+    """view/reshape/expand whose size list is computed from run-time sizes (dynamo's SymInts:
+    ``x.view(batch, seq, -1, 64)``) become ops with constant arguments computing the same at every
+    size, so they can join clusters: expand's run-time dims the input already has become -1;
+    a view/reshape that keeps its leading and trailing dims and regroups static ones in between
+    becomes flatten and/or unflatten of that middle. ``probes``: value -> TensorType at each probe.
+    Returns how many nodes it replaced."""
+    rewritten = 0
+    for node in list(graph.nodes()):
+        kind = node.kind()
+        if kind not in ("aten::view", "aten::reshape", "aten::expand") or is_constant_value(node.inputsAt(1)):
+            continue
+        x, out = node.inputsAt(0), node.output()
+        if any(x not in types or out not in types for types in probes):
+            continue
+        ins = [list(types[x].sizes()) for types in probes]
+        outs = [list(types[out].sizes()) for types in probes]
+        with graph.insert_point_guard(node):
+            if kind == "aten::expand":
+                replacement = _expand_constant(graph, node, ins, outs)
+            else:
+                replacement = _regroup(graph, x, ins, outs)
+        if replacement is not None:
+            replacement.setType(out.type())
+            out.replaceAllUsesWith(replacement)
+            node.destroy()
+            rewritten += 1
+    return rewritten
+
+
+def is_constant_value(value: torch.Value) -> bool:
+    node = value.node()
+    return node.kind() == "prim::Constant" or (
+        node.kind() == "prim::ListConstruct" and all(is_constant_value(v) for v in node.inputs()))
+
+
+def _same_at_every_probe(ins: list, d_in: int, outs: list, d_out: int) -> bool:
+    return all(i[d_in] == o[d_out] for i, o in zip(ins, outs))
+
+
+def _expand_constant(graph: torch.Graph, node: torch.Node, ins: list, outs: list):
+    rank, lead = len(outs[0]), len(outs[0]) - len(ins[0])
+    sizes = []
+    for d in range(rank):
+        if all(o[d] == outs[0][d] for o in outs):
+            sizes.append(outs[0][d])
+        elif d >= lead and _same_at_every_probe(ins, d - lead, outs, d):
+            sizes.append(-1)
+        else:
+            return None
+    args = [node.inputsAt(0), graph.insertConstant(sizes)] + list(node.inputs())[2:]
+    return graph.insertNode(graph.create("aten::expand", args)).output()
+
+
+def _regroup(graph: torch.Graph, x: torch.Value, ins: list, outs: list):
+    rank_in, rank_out = len(ins[0]), len(outs[0])
+    lead = 0
+    while lead < min(rank_in, rank_out) and _same_at_every_probe(ins, lead, outs, lead):
+        lead += 1
+    tail = 0
+    while tail < min(rank_in, rank_out) - lead and _same_at_every_probe(ins, rank_in - 1 - tail, outs, rank_out - 1 - tail):
+        tail += 1
+    middle_in, middle_out = rank_in - lead - tail, rank_out - lead - tail
+    if (middle_in, middle_out) == (1, 1):
+        return None  # one dim becomes another of a different size: not a regrouping
+    static_out = all(o[d] == outs[0][d] for o in outs for d in range(lead, lead + middle_out))
+    if middle_out > 1 and not static_out:
+        return None  # unflatten to run-time sizes: its arguments would be computed
+    value = x
+    if middle_in > 1 or (middle_in == 1 and middle_out == 0) or (middle_in == 0 and middle_out == 1):
+        if middle_in == 0:  # a new dim of size 1: unflatten a neighbour into (1, it)
+            return None
+        value = graph.insertNode(graph.create("aten::flatten", [value, graph.insertConstant(lead),
+                                                                 graph.insertConstant(lead + middle_in - 1)])).output()
+    if middle_out > 1:
+        sizes = outs[0][lead:lead + middle_out]
+        value = graph.insertNode(graph.create("aten::unflatten", [value, graph.insertConstant(lead),
+                                                                   graph.insertConstant(sizes)])).output()
+    elif middle_out == 0 and middle_in > 0:
+        return None  # dims of size 1 removed: a squeeze, rare from computed sizes
+    return value
+
+
 def _specialize_sizes(graph: torch.Graph) -> None:
-    """aten::size/dim/numel of a statically shaped tensor become constants."""
+    """aten::size/dim/numel of a tensor become constants where the sizes they read are static (a
+    run-time size, None in the value's type, stays computed)."""
     for node in list(graph.nodes()):
         kind = node.kind()
         if kind not in ("aten::size", "aten::dim", "aten::numel"):
             continue
         inputs = list(node.inputs())
-        shape = static_shape(inputs[0])
+        shape = known_sizes(inputs[0])
         if shape is None:
             continue
         if kind == "aten::dim":
             value = len(shape)
         elif kind == "aten::numel":
-            value = 1
-            for d in shape:
+            value = 1 if None not in shape else None
+            for d in shape if value is not None else ():
                 value *= d
         elif len(inputs) == 1:
-            value = list(shape)
+            value = None if None in shape else list(shape)
         else:
             dim = inputs[1].toIValue()
-            if dim is None:
-                continue
-            value = shape[dim]
+            value = None if dim is None else shape[dim]
+        if value is None:
+            continue
         with graph.insert_point_guard(node):
             const = graph.insertConstant(value)
         node.output().replaceAllUsesWith(const)
         node.destroy()
+    _specialize_known_items(graph)
 
 
-def static_shape(value: torch.Value):
-    """The complete static shape of a tensor value, or None."""
+def _specialize_known_items(graph: torch.Graph) -> None:
+    """Items of ``x.size()`` that are static where others are run-time sizes (``b, s, d = x.shape``
+    with d static): ``__getitem__`` with a constant index and ``prim::ListUnpack`` outputs."""
+    for node in list(graph.nodes()):
+        if node.kind() not in ("aten::__getitem__", "prim::ListUnpack"):
+            continue
+        source = node.inputsAt(0).node()
+        if source.kind() != "aten::size" or len(list(source.inputs())) != 1:
+            continue
+        shape = known_sizes(source.inputsAt(0))
+        if shape is None:
+            continue
+        if node.kind() == "prim::ListUnpack":
+            items = list(zip(node.outputs(), shape))
+        else:
+            index = node.inputsAt(1).toIValue() if node.inputsAt(1).node().kind() == "prim::Constant" else None
+            items = [(node.output(), shape[index])] if isinstance(index, int) and -len(shape) <= index < len(shape) else []
+        for value, size in items:
+            if size is not None:
+                with graph.insert_point_guard(node):
+                    value.replaceAllUsesWith(graph.insertConstant(size))
+
+
+def known_sizes(value: torch.Value):
+    """A tensor value's sizes, None for each dim not known statically; None when the rank is not."""
     vtype = value.type()
     if not isinstance(vtype, torch.TensorType):
         return None
-    sizes = vtype.sizes()
-    return list(sizes) if sizes is not None and all(s is not None for s in sizes) else None
+    sizes = vtype.varyingSizes()  # (sizes() is None unless every dim is known)
+    return list(sizes) if sizes is not None else None
+
+
+def _forget_run_time_sizes(module: torch.jit.ScriptModule, inputs: list, probes: list) -> None:
+    """Types whose sizes differ when the graph runs on the probe inputs (the same graph at other
+    values of its size symbols) get those dims unknown, so _specialize_sizes keeps them computed."""
+    if _constant_size_arguments(module.graph, [measure_types(module, x) for x in [inputs, *probes]]):
+        torch._C._jit_pass_dce(module.graph)
+    base = measure_types(module, inputs)
+    others = [measure_types(module, probe) for probe in probes]
+    for value, vtype in base.items():
+        sizes = list(vtype.sizes())
+        for other in others:
+            seen = other.get(value)
+            seen = list(seen.sizes()) if seen is not None else [None] * len(sizes)
+            sizes = [a if a == b else None for a, b in zip(sizes, seen)]
+        value.setType(vtype.with_sizes(sizes))
 
 
 def _clean(graph: torch.Graph) -> None:
@@ -201,6 +335,18 @@ def _clean(graph: torch.Graph) -> None:
 def _assign_types(module: torch.jit.ScriptModule, inputs: list) -> None:
     """Run a copy of the graph that returns every top-level tensor value, and stamp each value's
     concrete shape and dtype onto the real graph."""
+    stamp(measure_types(module, inputs))
+
+
+def stamp(types: dict) -> None:
+    """Set every value's type: value -> TensorType, as measure_types returns."""
+    for value, vtype in types.items():
+        value.setType(vtype)
+
+
+def measure_types(module: torch.jit.ScriptModule, inputs: list) -> dict:
+    """Every top-level tensor value -> its TensorType when the graph runs on these inputs (the
+    graph itself is left as it is, but for constants, typed from themselves)."""
     graph = module.graph
     values = []
     for node in graph.nodes():
@@ -230,9 +376,8 @@ def _assign_types(module: torch.jit.ScriptModule, inputs: list) -> None:
         results = fn(copy.deepcopy(module)._c, *copied_tensors(inputs))
     if not isinstance(results, tuple):
         results = (results,)
-    for value, result in zip(values, results):
-        if isinstance(result, torch.Tensor):
-            value.setType(torch._C.TensorType.create_from_tensor(result))
+    return {value: torch._C.TensorType.create_from_tensor(result)
+            for value, result in zip(values, results) if isinstance(result, torch.Tensor)}
 
 
 def _all_values(graph: torch.Graph):
@@ -286,7 +431,7 @@ def _concat_shared_input_linears(graph: torch.Graph) -> None:
             node.destroy()
 
 
-def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
+def _prepare(scripted, inputs: list, written: list, probes: list) -> torch.jit.ScriptModule:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's own deprecation notice
         frozen = torch.jit.freeze(scripted.eval(), preserved_attrs=written, optimize_numerics=False)
@@ -302,6 +447,8 @@ def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
                             f"constants: %{written[0].debugName()}")
     _concat_shared_input_linears(frozen.graph)  # after CSE: a projection used twice is one linear
     _assign_types(frozen, inputs)
+    if probes:
+        _forget_run_time_sizes(frozen, inputs, probes)
     _specialize_sizes(frozen.graph)
     torch._C._jit_pass_constant_propagation(frozen.graph)
     torch._C._jit_pass_dce(frozen.graph)
@@ -309,13 +456,21 @@ def _prepare(scripted, inputs: list, written: list) -> torch.jit.ScriptModule:
     return frozen
 
 
-def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool = True) -> Frontend:
+def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool = True,
+                    probes: list = ()) -> Frontend:
     """Script (else trace) gm; a conversion counts only if the result runs on the example inputs.
-    (Scripting can succeed and still fail at run time, e.g. on ``torch.tensor([])``.)"""
+    (Scripting can succeed and still fail at run time, e.g. on ``torch.tensor([])``.)
+
+    With size symbols (example_inputs hold SymInts, or tensors with symbolic sizes), ``probes`` are
+    the arguments at several values of the symbols, the first at the example's own values: the
+    graph is typed at the first, and sizes that differ at the others stay computed. Tracing would
+    bake every size in, so only scripting is tried."""
     errors = []
     for how, convert in CONVERTERS.items():
+        if probes and how != "script":
+            continue
         try:
-            return _convert(gm, example_inputs, freeze, how, convert)
+            return _convert(gm, example_inputs, freeze, how, convert, list(probes))
         except Exception as err:  # noqa: BLE001 - any failure: try the next converter
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             errors.append(f"{how}: {first_line}")
@@ -323,28 +478,68 @@ def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool 
     raise FrontendError("could not convert the FX graph to TorchScript; " + "; ".join(errors))
 
 
-def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: str, convert) -> Frontend:
+def _convert(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool, how: str, convert,
+             probes: list) -> Frontend:
     """Frozen inputs the graph writes are converted again as runtime inputs, so each call writes
     the caller's tensor (once) rather than a frozen copy; other attributes it writes are kept
     through freezing (which would fold a training-mode batch norm's running statistics). FX values
     TorchScript computes in another dtype than eager get a cast to eager's (then convert again)."""
     casts = _identity_casts(gm)
+    values = probes[0] if probes else example_inputs
     for _ in range(MAX_CAST_ROUNDS):
         fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze)
-        scripted = convert(_cast_to(fx_module, casts), [example_inputs[i] for i in runtime_inputs])
+        if probes:
+            _rows_kept_through_addmm(fx_module)
+        scripted = convert(_cast_to(fx_module, casts), [values[i] for i in runtime_inputs])
         written = _written_attributes(scripted)
         lifted = {int(name[len(FROZEN_PREFIX):]) for name in written if name.startswith(FROZEN_PREFIX)}
         if lifted:
             fx_module, runtime_inputs = _plain_graph_module(gm, example_inputs, freeze, lifted)
-            scripted = convert(_cast_to(fx_module, casts), [example_inputs[i] for i in runtime_inputs])
+            if probes:
+                _rows_kept_through_addmm(fx_module)
+            scripted = convert(_cast_to(fx_module, casts), [values[i] for i in runtime_inputs])
             written = _written_attributes(scripted)
-        inputs = [example_inputs[i] for i in runtime_inputs]
-        frozen = _prepare(scripted, inputs, sorted(written))
+        inputs = [values[i] for i in runtime_inputs]
+        probe_inputs = [[probe[i] for i in runtime_inputs] for probe in probes]
+        frozen = _prepare(scripted, inputs, sorted(written), probe_inputs[1:])
         diverged = {name: dtype for name, dtype in _eager_dtypes(gm, frozen.graph).items() if name not in casts}
         if not diverged:
-            return Frontend(frozen, runtime_inputs, inputs, how)
+            return Frontend(frozen, runtime_inputs, inputs, how, probe_inputs)
         casts.update(diverged)
     raise FrontendError(f"TorchScript computes {', '.join(sorted(diverged))} in another dtype than eager")
+
+
+def _rows_kept_through_addmm(module: torch.fx.GraphModule) -> None:
+    """``addmm(b, x.view(-1, k), w).view(*x.shape[:-1], n)`` (GPT-2's Conv1D) -> ``linear(x, w.t(), b)``.
+    With run-time sizes the final view's sizes are computed (batch, seq): it could not join a
+    cluster, and the 2-d GEMM's output would be a cluster output whose first dim is a product of
+    size symbols. The linear computes the same product-sum per row on x's own shape."""
+    changed = False
+    for node in list(module.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.addmm or len(node.args) != 3 or node.kwargs:
+            continue
+        bias, flat, weight = node.args
+        users = list(node.users)
+        if not (isinstance(flat, torch.fx.Node) and flat.op == "call_method" and flat.target == "view"
+                and len(flat.users) == 1 and len(users) == 1 and users[0].op == "call_method"
+                and users[0].target == "view"):
+            continue
+        x, out = flat.args[0], users[0]
+        shapes = [getattr(n, "meta", {}).get("example_value") for n in (x, node, out)]
+        if not all(isinstance(v, torch.Tensor) for v in shapes) or shapes[0].dim() < 2 or \
+                list(map(str, shapes[2].shape)) != list(map(str, (*shapes[0].shape[:-1], shapes[1].shape[-1]))):
+            continue
+        with module.graph.inserting_before(out):
+            transposed = module.graph.call_method("t", (weight,))
+            linear = module.graph.call_function(torch.nn.functional.linear, (x, transposed, bias))
+        linear.meta = dict(out.meta)
+        out.replace_all_uses_with(linear)
+        for dead in (out, node, flat):
+            module.graph.erase_node(dead)
+        changed = True
+    if changed:
+        module.graph.eliminate_dead_code()
+        module.recompile()
 
 
 MAX_CAST_ROUNDS = 3

@@ -12,6 +12,10 @@ Engines compute inference only, on the parameter values of compile time:
   (``p.data = t``); a change means the engines hold stale values and the graph must be compiled
   again. Writes through ``p.data`` (``p.data.copy_(t)``) bypass the version counter: they are
   invisible here (as they are to autograd).
+- **Python scalars**: in a graph with symbolic sizes dynamo passes float and int attributes of
+  modules (a layer norm's eps, a dropout's p, attention's scaling) as 0-d tensors it makes on
+  every call (``wrapped_scalars``). They are frozen into the engines like weights; ``ScalarValues``
+  compares their values on each call, and another value runs the graph eagerly.
 """
 from __future__ import annotations
 
@@ -35,6 +39,37 @@ def placeholder_names(gm: torch.fx.GraphModule) -> list[str]:
     if "blade_input_names" not in gm.meta:
         gm.meta["blade_input_names"] = [_source_name(node) for node in gm.graph.nodes if node.op == "placeholder"]
     return gm.meta["blade_input_names"]
+
+
+def wrapped_scalars(gm: torch.fx.GraphModule) -> set[int]:
+    """Positions of graph inputs that are Python scalars dynamo wraps into 0-d tensors (kept in
+    gm.meta like the names: dynamo drops its GraphArgs from the nodes after the first compile)."""
+    if "blade_wrapped_scalars" not in gm.meta:
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        gm.meta["blade_wrapped_scalars"] = {i for i, node in enumerate(placeholders)
+                                           if getattr(node.meta.get("grapharg"), "pass_arg_as_tensor", False)}
+    return gm.meta["blade_wrapped_scalars"]
+
+
+class ScalarValues:
+    """The wrapped scalars a compile froze, and their values then (see the module docstring)."""
+
+    def __init__(self, names: list[str], positions: list[int], values: list):
+        self.names, self.positions, self.values = names, positions, values
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list) -> "ScalarValues":
+        names, kept = placeholder_names(gm), set(runtime_inputs)
+        frozen = [(names[i], i, example_inputs[i].item()) for i in sorted(wrapped_scalars(gm))
+                  if i not in kept and isinstance(example_inputs[i], torch.Tensor)]
+        return cls(*(list(column) for column in zip(*frozen))) if frozen else cls([], [], [])
+
+    def changed(self, args: tuple) -> str | None:
+        """The name of the first wrapped scalar whose value differs from compile time, else None."""
+        for name, position, value in zip(self.names, self.positions, self.values):
+            if args[position].item() != value:
+                return name
+        return None
 
 
 def _source_name(node: torch.fx.Node) -> str:
@@ -101,7 +136,7 @@ class FrozenWeights:
     def of(cls, gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list) -> "FrozenWeights":
         """Frozen = tensor inputs the frontend did not keep as inputs, and the module's attributes,
         but not those the graph writes itself."""
-        names, kept = placeholder_names(gm), set(runtime_inputs) | written_inputs(gm)
+        names, kept = placeholder_names(gm), set(runtime_inputs) | written_inputs(gm) | wrapped_scalars(gm)
         frozen = [(names[i], i, t) for i, t in enumerate(example_inputs)
                   if isinstance(t, torch.Tensor) and i not in kept]
         frozen += [(f"graph attribute {name}", None, t) for name, t in module_tensors(gm).items()]

@@ -27,10 +27,11 @@ from blade.cluster.partition import GLUE_KINDS, partition
 from blade.cluster.splice import splice
 from blade.cluster.support import LoweringError
 from blade.config import Config
+from blade.dynamic import exclusions, lower_symbolic, probe_types
 from blade.engine.driver import compile_many
 from blade.errors import translate_engine_error
 from blade.frontend import to_torchscript
-from blade.guards import FrozenWeights, first_requiring_grad, module_tensors, placeholder_names
+from blade.guards import FrozenWeights, ScalarValues, first_requiring_grad, module_tensors, placeholder_names
 from blade.progress import Progress
 from blade.runtime import make_engine
 from blade.sources import fx_locations, node_location
@@ -82,6 +83,8 @@ class CompileReport:
     engine_calls: int = 0                          # engine calls in the spliced graph
     fallback: str = "off"
     dump_dir: str = ""
+    size_symbols: str = ""                         # with symbolic sizes: "s0 in [2, 1024], ..."
+    symbolic_refusals: list = field(default_factory=list)  # "cluster_k: why it cannot take run-time sizes"
     compile_wall_s: float = 0.0
     total_s: float = 0.0
 
@@ -108,6 +111,9 @@ class GraphSource:
     input_names: list            # a readable name per graph input (blade/guards.py)
     attributes: dict             # parameters and buffers the graph reads as attributes
     frozen: FrozenWeights        # the tensors frozen into the engines, as they were then
+    scalars: ScalarValues = None  # the wrapped Python scalars frozen too, and their values then
+    example_inputs: list = field(default_factory=list)  # with size symbols: dynamo's (SymInts kept)
+    symbols: object = None       # blade.dynamic.SizeSymbols of a graph compiled with run-time sizes
 
 
 class CompiledModule:
@@ -124,6 +130,7 @@ class CompiledModule:
         self._warned_eager = False
         self._recompiling = threading.Lock()
         self._recompiles = 0
+        self._outside = None        # ShapeSpecialized for sizes outside the size symbols' ranges
         self._variants: list = []   # CompiledModules of this graph for other frozen tensors
 
     def _bind(self, module: torch.jit.ScriptModule, runtime_inputs: list) -> None:
@@ -144,6 +151,12 @@ class CompiledModule:
             stale = self.source.frozen.changed(args)
             if stale is not None and not self._recompiled(args, stale):
                 return self.source.gm(*args)
+            if self.source.scalars.positions and self._scalar_changed(args):
+                return self.source.gm(*args)
+            if self.source.symbols is not None:
+                outside = self.source.symbols.out_of_range(args)
+                if outside is not None:
+                    return self._per_shape(args, outside)
         try:
             return self._forward(*self._pick(args))
         except RuntimeError as err:
@@ -151,6 +164,24 @@ class CompiledModule:
             if translated is None:
                 raise
             raise translated from err
+
+    def _per_shape(self, args, outside: str):
+        """A size outside the engines' ranges (past Config.dynamic_max_size, where dynamo left
+        the maximum open): such calls get one static compile per shape (blade/specialize.py)."""
+        if self._outside is None:
+            from blade.specialize import ShapeSpecialized  # it imports this module
+            log.info("blade: %s: compiling this graph for such shapes one by one", outside)
+            self._outside = ShapeSpecialized(self.source.gm, self.source.config, outside)
+        return self._outside(*args)
+
+    def _scalar_changed(self, args) -> bool:
+        """A frozen Python scalar has another value now: this call runs eagerly (warned once)."""
+        changed = self.source.scalars.changed(args)
+        if changed is not None and not self._warned_eager:
+            self._warned_eager = True
+            warnings.warn(f"blade: {changed} has another value than when this graph was compiled and "
+                          f"its engines hold the old one: the graph runs eagerly for such calls")
+        return changed is not None
 
     def _grad_names(self) -> tuple:
         return (self.source.input_names, self.source.attributes) if self.source else ([], {})
@@ -199,7 +230,11 @@ class CompiledModule:
                               f"passed: a replaced parameter, or another instance of the module): "
                               f"compiling a variant for it (up to {MAX_VARIANTS} are kept)")
             with self.source.config:
-                fresh = compile_fx(self.source.gm, list(args), self.source.config)
+                if self.source.symbols is not None:  # again with run-time sizes
+                    inputs, symbols = self.source.symbols.with_frozen(self.source.example_inputs, list(args))
+                    fresh = compile_fx(self.source.gm, inputs, self.source.config, symbols)
+                else:
+                    fresh = compile_fx(self.source.gm, list(args), self.source.config)
             self._switch_to(fresh, keep_current=not written_in_place)
             return True
 
@@ -241,22 +276,32 @@ class _Lowered:
     fallback_module: bytes
 
 
-def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> CompiledModule:
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config, symbols=None) -> CompiledModule:
     """Compiles in <dump_dir>/ when set (kept on purpose), else in a temp dir removed on every path
-    (success, failed lowering or compile, timeout, exception); warnings then carry the log tails."""
+    (success, failed lowering or compile, timeout, exception); warnings then carry the log tails.
+    With ``symbols`` (blade.dynamic.SizeSymbols), the engines take those sizes at run time."""
     if config.dump_dir:
-        return _compile_fx_in(Path(config.dump_dir), gm, example_inputs, config)
+        return _compile_fx_in(Path(config.dump_dir), gm, example_inputs, config, symbols)
     with tempfile.TemporaryDirectory(prefix="blade-", ignore_cleanup_errors=True) as work_root:
-        return _compile_fx_in(Path(work_root), gm, example_inputs, config)
+        return _compile_fx_in(Path(work_root), gm, example_inputs, config, symbols)
 
 
-def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> CompiledModule:
+def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: list, config: Config,
+                   symbols=None) -> CompiledModule:
     started = time.perf_counter()
     report = CompileReport(fallback=config.fallback, dump_dir=config.dump_dir)
-    front = to_torchscript(gm, example_inputs, config.freeze_params)
+    front = to_torchscript(gm, example_inputs, config.freeze_params, probes=symbols.probes if symbols else ())
+    types_at_probes = probe_types(front) if symbols else []
+    if symbols:
+        symbols.fit_caps(front.graph, types_at_probes, config.dynamic_memory_budget)
     report.how = front.how
-    parts = partition(front.graph, min_cluster_size=config.min_cluster_size,
-                      excluded_ops=config.excluded_ops)
+    report.size_symbols = symbols.describe() if symbols else ""
+    def partition_graph(excluded_nodes=None):
+        return partition(front.graph, min_cluster_size=config.min_cluster_size,
+                         excluded_ops=config.excluded_ops, excluded_nodes=excluded_nodes)
+
+    excluded = exclusions(front.graph, symbols, types_at_probes, partition_graph) if symbols else None
+    parts = partition_graph(excluded)
     # read everything reports need before splicing destroys the clustered nodes
     locations = fx_locations(gm)
     report.aten_total = sum(1 for n in parts.ops if _is_aten(n))
@@ -280,11 +325,13 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
         fallback_module = saved_subgraph(graph) if config.fallback != "off" or config.dump_dir else b""
         dump.write_subgraph(cluster_dir, graph, fallback_module)
         try:
-            model = lower_cluster(cluster, name)
+            model = lower_symbolic(cluster, name, symbols, types_at_probes) if symbols else lower_cluster(cluster, name)
         except LoweringError as err:
             rep.status, rep.error = "lowering failed", str(err)
             warnings.warn(f"blade: {name} could not be lowered to ONNX and stays in TorchScript: {err}")
             continue
+        if symbols:
+            rep.input_shapes, rep.output_shapes = onnx_shapes(model.graph.input), onnx_shapes(model.graph.output)
         onnx_path = cluster_dir / f"{name}.onnx"
         onnx.save(model, onnx_path)
         lowered[name] = _Lowered(cluster, model, fallback_module)
@@ -313,6 +360,9 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
             dump.write_compile_artifacts(Path(result.work_dir), result, compile_options)
         if not result.ok:
             rep.status, rep.error = "compile failed", result.error or ""
+            if symbols and "run-time sizes" in (result.error or ""):  # the engine's slice of them
+                report.symbolic_refusals.append(f"{result.name}: {(result.error or '').strip().splitlines()[-1]}")
+                continue
             warnings.warn(f"blade: {result.name} failed to compile and stays in TorchScript: "
                           f"{result.error}{log_note}")
             continue
@@ -343,12 +393,20 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
     log.info("blade: %d/%d aten ops in %d engine(s), compiled in %.2fs (total %.2fs)",
              report.aten_in_engines, report.aten_total, len(spliced), report.compile_wall_s, report.total_s)
     return CompiledModule(front.module, front.runtime_inputs, report,
-                          _source(gm, example_inputs, front.runtime_inputs, config))
+                          _source(gm, example_inputs, front.runtime_inputs, config, symbols))
 
 
-def _source(gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list, config: Config) -> GraphSource:
+def _source(gm: torch.fx.GraphModule, example_inputs: list, runtime_inputs: list, config: Config,
+            symbols=None) -> GraphSource:
     return GraphSource(gm, config, placeholder_names(gm), module_tensors(gm),
-                       FrozenWeights.of(gm, example_inputs, runtime_inputs))
+                       FrozenWeights.of(gm, example_inputs, runtime_inputs),
+                       ScalarValues.of(gm, example_inputs, runtime_inputs),
+                       list(example_inputs) if symbols else [], symbols)
+
+
+def onnx_shapes(values) -> list:
+    """Shapes of ONNX graph inputs/outputs, run-time dims by their dim_param."""
+    return [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values]
 
 
 def eager_for_grad_message(recording: str) -> str:

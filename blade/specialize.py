@@ -1,10 +1,12 @@
-"""Dynamic-shape graphs, served by static engines: one compile per concrete input signature.
+"""Dynamic-shape graphs: one compile with run-time sizes, else one compile per input signature.
 
-Engines have static shapes. When dynamo hands over a graph with symbolic sizes (it does so by
-itself after a shape change: "automatic dynamic shapes"), compiling it for the example shapes
-would break the next call with other shapes. Instead each distinct signature (tensor shapes and
-dtypes, scalar values) gets its own compile, on first use; past ``MAX_VARIANTS`` signatures the
-graph runs eagerly, with one warning.
+When dynamo hands over a graph with symbolic sizes (``dynamic=True``, ``mark_dynamic``, or by
+itself after a shape change: "automatic dynamic shapes"), ``compile_dynamic`` first compiles it
+once with engines that take the sizes at run time (blade/dynamic.py). When a cluster cannot
+(``Config.dynamic_shapes="specialize"``, or a rule that computes from a run-time size), each
+distinct signature (tensor shapes and dtypes, scalar values) gets its own static compile, on first
+use (``ShapeSpecialized``); past ``MAX_VARIANTS`` signatures the graph runs eagerly, with one
+warning. Compiling the graph for the example shapes alone would break the next call with others.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import warnings
 import torch
 
 from blade.config import Config
+from blade.dynamic import SizeSymbols
 from blade.pipeline import compile_fx
 
 log = logging.getLogger("blade")
@@ -36,11 +39,33 @@ def signature(args) -> tuple:
                  for a in args)
 
 
+def compile_dynamic(gm: torch.fx.GraphModule, example_inputs, config: Config):
+    """One compile serving every size in the symbols' ranges, else a ShapeSpecialized saying why."""
+    if config.dynamic_shapes == "specialize":
+        return ShapeSpecialized(gm, config, "Config.dynamic_shapes is 'specialize'")
+    symbolic = None
+    try:
+        symbols = SizeSymbols.of(gm, list(example_inputs), config.dynamic_max_size)
+        symbolic = compile_fx(gm, list(example_inputs), config, symbols)
+    except Exception as err:  # noqa: BLE001 - blade never takes the model down: compile per shape
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        log.debug("blade: no compile with run-time sizes", exc_info=True)
+    else:
+        if not symbolic.report.symbolic_refusals:
+            return symbolic
+        reason = "; ".join(symbolic.report.symbolic_refusals)
+    log.info("blade: compiling this graph per input shape: %s", reason)
+    return ShapeSpecialized(gm, config, reason, symbolic.report if symbolic else None)
+
+
 class ShapeSpecialized:
-    def __init__(self, gm: torch.fx.GraphModule, config: Config):
+    def __init__(self, gm: torch.fx.GraphModule, config: Config, reason: str = "",
+                 symbolic_report=None):
         self.gm = gm
         self.config = config
         self.variants: dict = {}
+        self.reason = reason                    # why not one compile with run-time sizes
+        self.symbolic_report = symbolic_report  # that attempt's CompileReport, when it got that far
 
     def __call__(self, *args):
         key = signature(args)

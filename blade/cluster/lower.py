@@ -12,16 +12,19 @@ from blade.cluster.support import LOWERING, LowerCtx, LoweringError, tensor_info
 ONNX_TO_NP = {code: dtype for dtype, code in NP_TO_ONNX.items()}
 
 
-def lower_cluster(cluster: Cluster, name: str) -> onnx.ModelProto:
+def lower_cluster(cluster: Cluster, name: str, run_time: dict | None = None,
+                  origins: list | None = None) -> onnx.ModelProto:
     """The cluster as an ONNX model whose inputs/outputs follow cluster.inputs/outputs in order.
-    Raises LoweringError when a rule fails or ONNX disagrees with torch about a shape/dtype."""
+    Raises LoweringError when a rule fails or ONNX disagrees with torch about a shape/dtype.
+    ``run_time``: value -> its dims that are run-time sizes (LowerCtx). ``origins``, when given,
+    receives per cluster node (node, ONNX nodes and initializers made so far, counted after it)."""
     builder = OnnxBuilder(name)
     names: dict = {}
     for i, value in enumerate(cluster.inputs):
         dtype, shape = tensor_info(value)
         names[value] = f"input_{i}"
         builder.add_input(names[value], dtype, shape)
-    ctx = LowerCtx(builder, names)
+    ctx = LowerCtx(builder, names, run_time)
     for node in cluster.nodes:
         try:
             results = LOWERING[node.kind()].lower(ctx, node)
@@ -31,6 +34,8 @@ def lower_cluster(cluster: Cluster, name: str) -> onnx.ModelProto:
             raise LoweringError(f"lowering {node.kind()} failed: {err}") from err
         for value, result in zip(node.outputs(), results):
             names[value] = result
+        if origins is not None:
+            origins.append((node, len(builder.nodes), len(builder.initializers)))
     for j, value in enumerate(cluster.outputs):
         dtype, shape = tensor_info(value)
         out_name = f"output_{j}"

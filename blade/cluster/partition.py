@@ -167,7 +167,8 @@ def _bad_boundary_nodes(cluster: Cluster) -> list:
     return bad
 
 
-def partition(graph: torch.Graph, *, min_cluster_size: int = 2, excluded_ops=()) -> Partition:
+def partition(graph: torch.Graph, *, min_cluster_size: int = 2, excluded_ops=(), excluded_nodes=None) -> Partition:
+    """``excluded_nodes``: node -> the reason it stays in TorchScript (decided by the caller)."""
     ops = [node for node in graph.nodes() if _is_op(node)]
     reasons: dict = {}
     storage_bound = storage_bound_nodes(graph, ops)
@@ -178,6 +179,8 @@ def partition(graph: torch.Graph, *, min_cluster_size: int = 2, excluded_ops=())
             reasons[node] = "mutates memory (writes an input in place, or a side effect): runs once per call"
         elif node in storage_bound:
             reasons[node] = storage_bound[node]
+        elif excluded_nodes and node in excluded_nodes:
+            reasons[node] = excluded_nodes[node]
         else:
             ok, reason = can_lower(node, excluded_ops)
             if not ok:

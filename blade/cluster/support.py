@@ -89,9 +89,12 @@ def is_constant(value: torch.Value) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 class LowerCtx:
-    def __init__(self, builder: OnnxBuilder, names: dict):
+    def __init__(self, builder: OnnxBuilder, names: dict, run_time: dict | None = None):
         self.b = builder
         self.names = names  # torch.Value -> ONNX name (or list of names for Tensor[])
+        # value -> the dims that are run-time sizes (blade/dynamic.py); a rule writing a shape into
+        # the ONNX graph writes those so that the graph holds at every size (target_shape)
+        self.run_time = run_time or {}
 
     def tensor(self, value: torch.Value) -> str:
         """ONNX name of a tensor value; constant tensors become initializers on first use."""
@@ -113,6 +116,42 @@ class LowerCtx:
 
     def shape(self, value: torch.Value) -> list[int]:
         return list(value.type().sizes())
+
+    def target_shape(self, value: torch.Value, source: torch.Value) -> tuple[list, int]:
+        """(shape, allowzero) of an ONNX Reshape from source to value's shape. Static: the shape
+        itself (allowzero=1: a 0 is an empty dim). With run-time dims: each one is 0 ("copy the
+        input's dim") where the source has the same run-time dim at that position, and at most one
+        other is -1 (inferred), so the constant holds at every size."""
+        out = self.shape(value)
+        varying = self.run_time.get(value, set())
+        if not varying:
+            return out, 1
+        src, src_varying = self.shape(source), self.run_time.get(source, set())
+        target, rest = list(out), []
+        for d in sorted(varying):
+            if d in src_varying and d < len(src) and src[d] == out[d]:
+                target[d] = 0
+            else:
+                rest.append(d)
+        if len(rest) > 1 or any(out[d] == 0 for d in range(len(out)) if d not in varying):
+            raise LoweringError(f"a reshape to {out} with run-time dims {sorted(rest)} that no single -1 infers")
+        if rest:
+            target[rest[0]] = -1
+        return target, 0
+
+    def expand_shape(self, value: torch.Value, source: torch.Value) -> list:
+        """The shape of an ONNX Expand from source to value's shape: a run-time dim the source
+        already has is 1 (broadcasting keeps the source's), so the constant holds at every size."""
+        out = self.shape(value)
+        varying = self.run_time.get(value, set())
+        src, src_varying = self.shape(source), self.run_time.get(source, set())
+        target = list(out)
+        for d in varying:
+            s = d - (len(out) - len(src))
+            if s < 0 or s not in src_varying or src[s] != out[d]:
+                raise LoweringError(f"an expand to run-time dim {d} of {out} from {src}")
+            target[d] = 1
+        return target
 
     def cast(self, name: str, have: np.dtype, want: np.dtype) -> str:
         return name if have == want else self.b.op("Cast", [name], to=_onnx_type(want))
@@ -225,8 +264,11 @@ def reshape_exact(ctx: LowerCtx, name: str, shape: list) -> str:
 
 
 def reshape_to_output(ctx: LowerCtx, node):
-    """view/reshape/flatten/expand-free reshapes: the output's static shape says it all."""
-    return [reshape_exact(ctx, ctx.tensor(_args(node)[0]), ctx.shape(node.output()))]
+    """view/reshape/flatten/expand-free reshapes: the output's static shape says it all (with
+    run-time sizes, ctx.target_shape)."""
+    source = _args(node)[0]
+    shape, allowzero = ctx.target_shape(node.output(), source)
+    return [ctx.b.op("Reshape", [ctx.tensor(source), ctx.b.ints(shape)], allowzero=allowzero)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,7 +491,8 @@ def _squeeze(ctx: LowerCtx, node):
 
 
 def _expand(ctx: LowerCtx, node):
-    return [ctx.b.op("Expand", [ctx.tensor(_args(node)[0]), ctx.b.ints(ctx.shape(node.output()))])]
+    source = _args(node)[0]
+    return [ctx.b.op("Expand", [ctx.tensor(source), ctx.b.ints(ctx.expand_shape(node.output(), source))])]
 
 
 def _slice_onnx(ctx: LowerCtx, x: str, dim: int, start: int, end: int, step: int = 1) -> str:
@@ -1332,6 +1375,7 @@ LOWERING: dict[str, Rule] = {
     "aten::view": Rule(reshape_to_output),
     "aten::reshape": Rule(reshape_to_output),
     "aten::flatten": Rule(reshape_to_output),
+    "aten::unflatten": Rule(reshape_to_output),
     "aten::view_as": Rule(reshape_to_output),
     "aten::reshape_as": Rule(reshape_to_output),
     "aten::permute": Rule(_permute),

@@ -7,13 +7,14 @@ arena offsets after every kernel exists (``plan_arena``), from their live ranges
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from . import views
 from .ir import Graph, Node
 from .manifest import DTYPES
-from .symbolic import Expr, as_expr, proves_nonnegative
+from .symbolic import Expr, as_expr, proves_at_least
 from .views import Layout, contiguous_strides, linear_index
 
 INLINE_CONST_MAX = 64          # constants with at most this many elements are compiled into the code
@@ -108,11 +109,17 @@ def memory_order(s: Strided) -> tuple:
     moving = [d for d, n in enumerate(s.shape) if n != 1]
     strides = [s.layout.strides[d] for d in moving]
     if any(isinstance(x, Expr) for x in strides):
-        # run-time strides: only the order they provably have (row-major) is known
-        if all(proves_nonnegative(as_expr(a) - b) for a, b in zip(strides, strides[1:])):
-            return tuple(range(len(s.shape)))
-        raise TypeError(f"the memory order of strides {strides} depends on run-time sizes")
-    moving.sort(key=lambda d: -s.layout.strides[d])
+        # run-time strides: sorted by the order they provably have (at least as large: first)
+        def larger_first(a, b):
+            sa, sb = s.layout.strides[a], s.layout.strides[b]
+            if as_expr(sa) == sb:
+                return 0
+            if proves_at_least(sa, sb) or proves_at_least(sb, sa):
+                return -1 if proves_at_least(sa, sb) else 1
+            raise TypeError(f"the memory order of strides {strides} depends on run-time sizes")
+        moving.sort(key=functools.cmp_to_key(larger_first))
+    else:
+        moving.sort(key=lambda d: -s.layout.strides[d])
     it = iter(moving)
     return tuple(d if n == 1 else next(it) for d, n in enumerate(s.shape))
 

@@ -11,7 +11,7 @@ from .buffers import CHANNELS_LAST, Strided, same_strides, strides_in_order
 from .ir import Node
 from .lines import DECLS, for_loop, indent
 from .optable import literal
-from .symbolic import Expr, Var, add
+from .symbolic import Expr, Var, add, size_less
 from .views import Layout, contiguous_strides
 
 CHANNELS_LAST_MIN_INPUT_CHANNELS = 8   # fewer (an RGB image): a channels-last conv still reads NCHW
@@ -23,15 +23,24 @@ def _may_exceed_one(n) -> bool:
     return isinstance(n, Expr) or n > 1
 
 
+def _at_least(a, b) -> bool:
+    """a >= b, for sizes that may be run-time expressions (unprovable: False, so the operand is
+    copied to dense scratch rather than passed with a leading dimension that may be too small)."""
+    try:
+        return not size_less(a, b)
+    except TypeError:
+        return False
+
+
 def _gemm_operand(em, node: Node):
     """(Strided, trans, ld) for a matmul operand, copying it to scratch if its layout can't be used."""
     s = em.memory.strided_of(node)
     if s is not None:
         rows, cols = s.shape[-2:]
         rs, cs = s.layout.strides[-2:]
-        if (cols == 1 or cs == 1) and (rows == 1 or rs >= cols):
+        if (cols == 1 or cs == 1) and (rows == 1 or _at_least(rs, cols)):
             return s, 0, rs if _may_exceed_one(rows) else max(cols, 1)
-        if (rows == 1 or rs == 1) and (cols == 1 or cs >= rows):
+        if (rows == 1 or rs == 1) and (cols == 1 or _at_least(cs, rows)):
             return s, 1, cs if _may_exceed_one(cols) else max(rows, 1)
     copy = em.memory.new_scratch(node.dtype, node.shape)
     em.kernels.emit_loop(f"contiguous copy of {node!r} for GEMM", copy,

@@ -28,7 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .manifest import DTYPES
-from .symbolic import Expr, Var, constant
+from .symbolic import Expr, Var, constant, proves_nonnegative
 
 # ONNX model metadata naming the ranges of its dim_params: {"seq": [1, 512], ...} as JSON. A graph
 # input dim that is a dim_param becomes a size symbol of the engine (a run-time dim in that range).
@@ -462,10 +462,36 @@ def _slice(b, attrs, x, starts, ends, axes=None, steps=None):
     first, step_of, shape = [0] * x.rank, [1] * x.rank, list(x.shape)
     for axis, start, end, step in zip(axes, starts, ends, steps):
         axis = normalize_axis(int(axis), x.rank)
+        if isinstance(x.shape[axis], Expr):
+            first[axis], shape[axis] = _run_time_slice(x.shape[axis], int(start), int(end), int(step))
+            continue
         # ONNX clamps exactly like Python slicing does.
         picked = range(*slice(int(start), int(end), int(step)).indices(x.shape[axis]))
         first[axis], step_of[axis], shape[axis] = picked.start, picked.step, len(picked)
     return [b.slice(x, first, step_of, tuple(shape))]
+
+
+def _run_time_slice(n: Expr, start: int, end: int, step: int) -> tuple:
+    """(first, length) of x[start:end] along a run-time dim n, as expressions of n, when Python's
+    clamping makes the same choice at every n in its range; else refused."""
+    lo, hi = n.bounds()
+    if step != 1:
+        raise UnsupportedOnnxOp(f"Slice with step {step} along a run-time dim")
+
+    def position(i: int, clamp_high: bool):
+        if i >= 0 and clamp_high and i >= hi:
+            return n                      # past the end at every size: the end
+        if 0 <= i <= lo:
+            return i
+        if i < 0 and -i <= lo:
+            return n + i                  # from the end, never before the start
+        raise UnsupportedOnnxOp(f"Slice bound {i} of a run-time dim in [{lo}, {hi}] (clamped at some sizes only)")
+
+    first, last = position(start, False), position(end, True)
+    length = last - first
+    if not proves_nonnegative(length):
+        raise UnsupportedOnnxOp(f"Slice [{start}:{end}] of a run-time dim in [{lo}, {hi}] (empty at some sizes)")
+    return first, length
 
 
 def _concat(b, attrs, *args):

@@ -19,7 +19,7 @@ from .buffers import Buffer, Strided, memory_order, permuted, unpermuted
 from .lines import Access, Names, Scope, declare, for_loop
 from .optable import REDUCE, CType, literal
 from .plan import stored_pad
-from .symbolic import Const, Expr, Var, add, as_expr, constant
+from .symbolic import Const, Expr, Var, add, as_expr, constant, proves_less, proves_nonnegative
 from .views import Layout
 
 
@@ -167,11 +167,21 @@ def row_address(s: Strided, idx, rows) -> Expr | None:
         elif i.free_vars() & want.keys():
             return None   # a row variable inside an expression: not provably in the row
         else:             # i ranges over [0, n)
-            low, high = low + min(0, stride * (n - 1)), high + max(0, stride * (n - 1))
+            span = stride * (n - 1)
+            if isinstance(span, Expr) and not proves_nonnegative(span):
+                return None   # a run-time span of unknown sign: not provably in the row
+            low, high = (low, high + span) if isinstance(span, Expr) else (low + min(0, span), high + max(0, span))
             rest.append(stride * i)
-    if got != want or low < 0 or high >= row_numel:
+    if got != want or not _provably_within(low, high, row_numel):
         return None
     return add(s.layout.offset, *rest)
+
+
+def _provably_within(low, high, numel) -> bool:
+    """0 <= low and high < numel, for sizes that may be expressions (unproven: False)."""
+    if not any(isinstance(x, Expr) for x in (low, high, numel)):
+        return low >= 0 and high < numel
+    return proves_nonnegative(low) and proves_less(high, numel)
 
 
 def _divmod(a, b) -> tuple:
@@ -201,7 +211,7 @@ def stack_rows(group: RowGroup, budget: int) -> dict:
         accesses = [(s, idx) for k in group.kernels for s, idx, _ in k.accesses if s.buf is buf]
         rows = [row_address(s, idx, group.rows) for s, idx in accesses]
         row_bytes = _divmod(buf.nbytes, math.prod(group.rows))[0]
-        if None in rows or row_bytes > budget:
+        if None in rows or isinstance(row_bytes, Expr) or row_bytes > budget:  # a stack row has a static size
             continue
         budget -= row_bytes
         local[buf] = {s.address(idx): row for (s, idx), row in zip(accesses, rows)}
@@ -230,7 +240,9 @@ def emit_pad(em, node, dest):
 
 def emit_reduce(em, node, dest):
     src = node.args[0]
-    work = max(1, _divmod(src.numel, node.numel)[0] if isinstance(node.numel, Expr) else src.numel // max(node.numel, 1))
+    work = _divmod(src.numel, node.numel)[0] if isinstance(node.numel, Expr) else src.numel // max(node.numel, 1)
+    # a run-time window (a softmax over the sequence): its largest size estimates the work
+    work = max(1, work.bounds()[1] if isinstance(work, Expr) else work)
     loop_dims = [d for d, n in enumerate(node.shape) if n != 1]
     comment = f"{node!r} = reduce {node.attrs['kind']} over axes {node.attrs['axes']}"
     if node in em.plan.window_form:

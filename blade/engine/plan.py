@@ -117,6 +117,8 @@ def window_form(node: Node) -> bool:
     loops are planned on static rows only."""
     src, dims = node.args[0], [n for n in node.shape if n != 1 and isinstance(n, int)]
     window = math.prod(src.shape[a] for a in node.attrs["axes"])
+    if not isinstance(window, int):
+        return False  # a run-time window: the row form's loop takes any trip count
     return bool(dims) and window <= WINDOW_REDUCE_MAX and max(dims) >= WINDOW_REDUCE_MIN_ROW
 
 

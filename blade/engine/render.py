@@ -17,7 +17,7 @@ from .buffers import ALIGN
 from .lines import DECLS, declare, for_loop, indent, line_text
 from .loops import RowGroup, stack_rows
 from .optable import literal
-from .symbolic import Var
+from .symbolic import Expr, Var
 
 PARALLEL_WORK = 16384          # elements of work below which a loop is not worth a thread
 STACK_ROW_BYTES = 64 * 1024    # per row group: rows of group-local scratch kept on each thread's stack
@@ -48,7 +48,9 @@ def render_group(group: RowGroup, stack: dict) -> tuple:
     """(comment, lines) of a row group: one parallel loop over its rows running every kernel.
     stack: the group's scratch kept a row per thread (loops.stack_rows)."""
     total = math.prod(group.rows)
-    grain = max(1, -(-PARALLEL_WORK // max(group.work, 1)))
+    # a row's work with run-time dims in it: its largest value estimates it (grain is a tuning choice)
+    work = group.work.bounds()[1] if isinstance(group.work, Expr) else group.work
+    grain = max(1, -(-PARALLEL_WORK // max(work, 1)))
     unflatten, step, row = [], 1, Var.loop("o", total)
     row_dims = [d for d, n in enumerate(group.rows) if n != 1]
     for d in reversed(row_dims):

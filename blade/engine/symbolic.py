@@ -391,6 +391,36 @@ def proves_less(a, b) -> bool:
     return proves_nonnegative(as_expr(b) - a - 1)
 
 
+def proves_multiple(big, small, least: int = 1) -> bool:
+    """Whether big = small * q exactly with q >= least, and small >= 1, at every size: products
+    of size symbols (``seq < seq * batch``), which interval bounds alone cannot order."""
+    small, big = as_expr(small), as_expr(big)
+    if small.bounds()[0] < 1:
+        return False
+    try:
+        q = big // small
+    except ValueError:
+        return False
+    return q * small == big and q.bounds()[0] >= least
+
+
+def proves_at_least(a, b) -> bool:
+    """Whether a >= b at every size (by bounds, or as an exact multiple)."""
+    return proves_nonnegative(as_expr(a) - b) or proves_multiple(a, b, 1)
+
+
+def size_less(a, b) -> bool:
+    """a < b for sizes (ints or expressions), decided when provable either way, else TypeError:
+    a compile stage then refuses the run-time sizes rather than guessing."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a < b
+    if proves_less(a, b) or proves_multiple(b, a, 2):
+        return True
+    if proves_nonnegative(as_expr(a) - b) or proves_multiple(a, b, 1):
+        return False
+    raise TypeError(f"cannot order sizes {a} and {b} at every run-time size")
+
+
 def _positive(divisor: Expr, what: str) -> Expr:
     if divisor.bounds()[0] < 1:
         raise ValueError(f"{what} by {divisor.render()}, which may be < 1")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .symbolic import Const, Expr, add
+from .symbolic import Const, Expr, add, size_less
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def reshape_strides(old_shape, old_strides, new_shape):
         tensor_numel *= old_shape[tensor_d]
         if tensor_d == 0 or (old_shape[tensor_d - 1] != 1
                              and old_strides[tensor_d - 1] != tensor_numel * chunk_base):
-            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+            while view_d >= 0 and (size_less(view_numel, tensor_numel) or new_shape[view_d] == 1):
                 new_strides[view_d] = view_numel * chunk_base
                 view_numel *= new_shape[view_d]
                 view_d -= 1

@@ -185,7 +185,7 @@ NOT_EDGE_TESTED = {
         "aten::adaptive_avg_pool1d", "aten::adaptive_avg_pool2d", "aten::upsample_nearest1d",
         "aten::upsample_nearest2d", "aten::upsample_linear1d", "aten::upsample_bilinear2d")},
     **{kind: _SHAPES for kind in (
-        "aten::view", "aten::reshape", "aten::flatten", "aten::view_as", "aten::reshape_as", "aten::permute",
+        "aten::view", "aten::reshape", "aten::flatten", "aten::unflatten", "aten::view_as", "aten::reshape_as", "aten::permute",
         "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::expand_as",
         "aten::contiguous", "aten::clone",
         "aten::slice", "aten::narrow", "aten::select", "aten::cat", "aten::embedding",

@@ -1,26 +1,222 @@
-"""A graph dynamo makes dynamic after a shape change still runs on static engines."""
+"""Graphs with symbolic sizes (dynamic=True, mark_dynamic, automatic dynamic after a shape change):
+one compile whose engines take the sizes at run time serves every size in range (blade/dynamic.py);
+ops whose lowering computes from a size stay in TorchScript; sizes past the ranges and
+Config(dynamic_shapes="specialize") compile per shape. Engine compiles are counted at
+blade.pipeline.compile_many (one job = one engine = one g++ run on a cache miss)."""
+import pytest
 import torch
 
-from blade.dynamo import tt_infer
+import blade.pipeline
+from blade.config import Config
+from blade.pipeline import CompiledModule
 from blade.specialize import ShapeSpecialized
-from blade_testing import assert_close
+from blade_testing import Capture, assert_close
 
 
-def test_new_shapes_get_their_own_engines():
+class Attention(torch.nn.Module):
+    """A BERT-style block: projections viewed into heads by computed sizes, a padding mask
+    broadcast over heads, softmax over the (run-time) key length, layer norm, a GELU MLP."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.norm, self.mlp = torch.nn.LayerNorm(dim), torch.nn.Sequential(torch.nn.Linear(dim, 64), torch.nn.GELU(),
+                                                                          torch.nn.Linear(64, dim))
+
+    def forward(self, x, mask):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(d, dim=-1))
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5 + (1.0 - mask[:, None, None, :]) * -1e4
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+        y = self.norm(x + self.out(y))
+        return y + self.mlp(y), y[:, 0]
+
+
+@pytest.fixture
+def engine_compiles(monkeypatch):
+    """The number of engine compile jobs so far (a list: appended to as compiles run)."""
+    jobs = []
+    real = blade.pipeline.compile_many
+
+    def counting(batch, **kwargs):
+        jobs.extend(batch)
+        return real(batch, **kwargs)
+
+    monkeypatch.setattr(blade.pipeline, "compile_many", counting)
+    return jobs
+
+
+def inputs(batch, seq, dim=32):
+    mask = torch.ones(batch, seq)
+    mask[0, seq // 2:] = 0
+    return torch.randn(batch, seq, dim), mask
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Attention().eval()
+
+
+def test_one_compile_serves_every_batch_and_sequence_length(model, engine_compiles):
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        x, mask = inputs(4, 16)
+        assert_close(compiled(x, mask), model(x, mask))
+        first = len(engine_compiles)
+        for batch, seq in [(2, 5), (16, 64), (3, 128), (4, 16)]:
+            x, mask = inputs(batch, seq)
+            assert_close(compiled(x, mask), model(x, mask))
+    assert len(capture.compiled) == 1 and len(engine_compiles) == first  # no engine compiled again
+    report = capture.report
+    assert report.size_symbols and report.coverage == 1.0, report.left_out
+    assert all(c.status == "compiled" for c in report.clusters)
+    assert any(isinstance(d, str) for c in report.clusters for shape in c.input_shapes for d in shape)
+
+
+def test_size_one_is_a_graph_of_its_own(model, engine_compiles):
+    """dynamo specializes sizes 0 and 1 (its symbols start at 2): batch 1 traces a second graph,
+    dynamic in the sequence only, also compiled once."""
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        for batch, seq in [(3, 8), (1, 8), (1, 33), (5, 2), (1, 2)]:
+            x, mask = inputs(batch, seq)
+            assert_close(compiled(x, mask), model(x, mask))
+    assert len(capture.compiled) == 2
+    assert [c.report.size_symbols.count(" in [") for c in capture.compiled] == [2, 1]
+    assert len(engine_compiles) == sum(len(c.report.clusters) for c in capture.compiled)
+
+
+def test_automatic_dynamic_after_a_shape_change_compiles_once_more():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).eval()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for batch in (2, 3, 5, 9, 3):  # the second shape makes dynamo recompile with a symbolic size
+            x = torch.randn(batch, 16)
+            assert_close(compiled(x), model(x))
+    assert len(capture.compiled) == 2 and not capture.compiled[0].report.size_symbols
+    assert capture.compiled[1].report.size_symbols.startswith("s")
+    assert capture.compiled[1].report.coverage == 1.0
+
+
+def test_mark_dynamic_declares_the_range(model):
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture)
+    x, mask = inputs(4, 16)
+    torch._dynamo.mark_dynamic(x, 1, min=2, max=40)
+    torch._dynamo.mark_dynamic(mask, 1, min=2, max=40)
+    with torch.no_grad():
+        compiled(x, mask)
+        assert "in [2, 40]" in capture.report.size_symbols
+        for seq in (2, 40):
+            x, mask = inputs(4, seq)
+            assert_close(compiled(x, mask), model(x, mask))
+
+
+def test_sizes_past_the_cap_compile_per_shape(model, engine_compiles):
+    """Where dynamo leaves a maximum open, the engines' cap is Config.dynamic_max_size (lowered
+    to fit the memory budget); a size past it gets a static compile of its own, not an error."""
+    capture = Capture(dynamic_max_size=24)
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        x, mask = inputs(4, 16)
+        compiled(x, mask)
+        assert "in [2, 24]" in capture.report.size_symbols
+        first = len(engine_compiles)
+        x, mask = inputs(4, 30)
+        assert_close(compiled(x, mask), model(x, mask))
+        assert len(engine_compiles) > first
+        assert isinstance(capture.compiled[0]._outside, ShapeSpecialized)
+
+
+def test_an_op_that_computes_from_a_size_stays_in_torchscript():
+    """A causal mask indexed by the run-time length: the ops whose ONNX would bake the length in
+    stay in TorchScript, named with the reason; the rest still compiles once."""
+    class Causal(torch.nn.Module):
+        def forward(self, x):
+            s = x.shape[1]
+            mask = torch.ones(s, s).triu(1).to(torch.bool)
+            return torch.softmax(x.masked_fill(mask, -1e4) * 2.0, -1).relu()
+
+    model, capture = Causal().eval(), Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        for batch, seq in [(2, 6), (3, 9), (5, 4)]:
+            x = torch.randn(batch, seq, seq)
+            assert_close(compiled(x), model(x))
+    report = capture.report
+    assert report.size_symbols and 0 < report.aten_in_engines < report.aten_total
+    assert report.left_out
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.scale = torch.nn.LayerNorm(8), 0.5
+
+    def forward(self, x):
+        return self.norm(x) * self.scale + 1.0
+
+
+def test_a_changed_python_scalar_runs_eagerly():
+    """dynamo passes float attributes of modules it does not specialize (in a ModuleList, as in
+    transformers models) as 0-d tensors it makes per call; blade freezes them into the engines
+    and compares their values on every call (dynamo also guards on them: a changed attribute
+    recompiles; the check covers calls that pass another value to the same graph)."""
+    model = torch.nn.ModuleList([Scaled(), Scaled()]).eval()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from blade.dynamo import tt_infer
+        graphs.append((gm, list(example_inputs), tt_infer(gm, example_inputs)))
+        return graphs[-1][2]
+
+    compiled = torch.compile(lambda x: model[1](model[0](x)), backend=backend, dynamic=True)
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        assert_close(compiled(x), model[1](model[0](x)))
+        gm, example, module = graphs[0]
+        scalars = module.source.scalars
+        assert scalars.positions  # the attributes arrived wrapped, and are frozen
+        args = [3 if isinstance(a, torch.SymInt) else a for a in example]
+        args[scalars.positions[-1]] = torch.tensor(scalars.values[-1] + 1.0, dtype=torch.float64)
+        with pytest.warns(UserWarning, match="another value"):
+            assert_close(module(*args), gm(*args))
+
+
+def test_specialize_mode_compiles_per_shape():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).eval()
     produced = []
 
     def backend(gm, example_inputs):
-        produced.append(tt_infer(gm, example_inputs))
+        from blade.dynamo import tt_infer
+        produced.append(tt_infer(gm, example_inputs, options={"dynamic_shapes": "specialize"}))
         return produced[-1]
 
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
-        for batch in (2, 3, 5, 3):  # the second shape makes dynamo recompile with a symbolic size
+        for batch in (2, 3, 5, 3):
             x = torch.randn(batch, 16)
             assert_close(compiled(x), model(x))
     dynamic = [p for p in produced if isinstance(p, ShapeSpecialized)]
     assert len(dynamic) == 1 and len(dynamic[0].variants) == 2  # batch 3 and 5, each compiled once
     for variant in dynamic[0].variants.values():
         assert 'prim::CallMethod[name="execute"]' in str(variant.module.graph)
+    assert all(isinstance(p, CompiledModule) for p in produced if p not in dynamic)
+
+
+def test_explain_names_the_size_symbols_and_what_stays_in_torchscript():
+    import blade
+
+    class Causal(torch.nn.Module):
+        def forward(self, x):
+            s = x.shape[1]
+            return torch.softmax(x.masked_fill(torch.ones(s, s).triu(1).to(torch.bool), -1e4) * 2.0, -1).relu()
+
+    text = str(blade.explain(Causal().eval(), torch.randn(2, 6, 6), dynamic=True))
+    assert "size symbols: s" in text and "computes from a run-time size" in text, text

@@ -182,6 +182,7 @@ CASES = {
     "view": (lambda x: (x * 2).view(4, -1), [f32(4, 3, 5)]),
     "reshape_transposed": (lambda x: x.transpose(0, 1).reshape(-1) + 1, [f32(4, 3)]),
     "flatten": (lambda x: torch.flatten(x + 1, 1), [f32(2, 3, 4)]),
+    "unflatten": (lambda x: (x + 1).unflatten(-1, (2, 2)) * 2, [f32(2, 3, 4)]),
     "permute": (lambda x: x.permute(2, 0, 1) * 2, [f32(2, 3, 4)]),
     "transpose_neg": (lambda x: x.transpose(-1, -2) + 1, [f32(2, 3, 4)]),
     "t": (lambda x: x.t() * 3, [f32(3, 4)]),

@@ -129,11 +129,30 @@ def test_the_engine_class_binds_and_checks_sizes(compiled):
         engine.execute([torch.randn(2, 33, 16)])
 
 
-def test_a_rule_that_computes_from_a_run_time_size_refuses(tmp_path):
-    """Slice clamps its bounds to the dim: with a run-time dim the ir stage refuses the cluster."""
+@pytest.mark.parametrize("start, end", [(5, 100), (0, 8), (-3, 100)])
+def test_a_slice_clamped_at_some_sizes_only_refuses(tmp_path, start, end):
+    """Slice clamps its bounds to the dim: along a run-time dim in [1, 16], x[5:] starts past
+    the end at small sizes, x[:8] ends inside at some sizes only, x[-3:] starts before the start."""
     model = dynamic_model([helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["out"])],
                           {"x": ["batch", 16]}, {"out": [None, 16]},
-                          {"starts": np.array([1], np.int64), "ends": np.array([100], np.int64),
+                          {"starts": np.array([start], np.int64), "ends": np.array([end], np.int64),
                            "axes": np.array([0], np.int64)})
-    with pytest.raises(UnsupportedOnnxOp, match="run-time sizes"):
+    with pytest.raises(UnsupportedOnnxOp, match="Slice"):
         compile_onnx(model, tmp_path / "refused")
+
+
+def test_a_slice_the_same_at_every_size_is_an_expression_of_it(tmp_path):
+    """x[1:] then x[:, 0:1] (BERT's pooler picks token 0) along run-time dims: one engine."""
+    model = dynamic_model([helper.make_node("Slice", ["x", "s0", "e0", "a0"], ["rest"]),
+                           helper.make_node("Slice", ["rest", "s1", "e1", "a1"], ["first"]),
+                           helper.make_node("ReduceSum", ["first", "axes"], ["out"], keepdims=0)],
+                          {"x": ["batch", "seq", 16]}, {"out": [16]},
+                          {"s0": np.array([1], np.int64), "e0": np.array([2**62], np.int64), "a0": np.array([0], np.int64),
+                           "s1": np.array([0], np.int64), "e1": np.array([1], np.int64), "a1": np.array([1], np.int64),
+                           "axes": np.array([0, 1], np.int64)},
+                          ranges={"batch": [2, 16], "seq": [1, 32]})
+    manifest = compile_onnx(model, tmp_path / "slice")
+    engine = NumpyEngine(tmp_path / "slice" / "engine.so", manifest, load_constants(model, manifest))
+    for batch, seq in [(2, 1), (5, 7), (16, 32)]:
+        x = rng.standard_normal((batch, seq, 16)).astype(np.float32)
+        np.testing.assert_allclose(engine(x)[0], x[1:, 0].sum(0), rtol=1e-5, atol=1e-5)

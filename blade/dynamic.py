@@ -1,0 +1,423 @@
+"""Graphs with symbolic sizes: one compile whose engines take the sizes at run time.
+
+dynamo hands a backend symbolic sizes (``torch.compile(dynamic=True)``, ``mark_dynamic``, or
+automatic dynamic shapes after a shape change): tensors whose dims are SymInts over size symbols
+(s0, s1, ...), SymInt graph inputs, and a ShapeEnv that knows each symbol's range and value at the
+example. This module keeps the symbols:
+
+  1. ranges: each symbol's [min, max] from ``shape_env.var_to_range``; dynamo leaves most maxima
+     unbounded (int_oo), and an engine plans its scratch at the maxima, so an unbounded maximum
+     becomes ``Config.dynamic_max_size`` (declare a range with ``mark_dynamic(x, dim, min=, max=)``);
+  2. probe points: the graph's arguments at the example's sizes and at two other values of the
+     symbols in range (tensors cut down or repeated along their symbolic dims, so index inputs
+     stay valid). The frontend scripts the graph once and keeps every size that differs between
+     probes computed in TorchScript (blade/frontend.py);
+  3. each cluster is lowered to ONNX at every probe point. The lowering rules read static shapes;
+     when the ONNX graphs agree but for the declared sizes of the cluster's inputs and outputs, no
+     rule computed from a run-time size, and the ONNX of the example with those dims as dim_params
+     named after the symbols (plus the ranges, ``blade.size_ranges``) is the cluster at every size:
+     the engine derives every inner shape from its inputs. A dim that matches no symbol
+     expression, or graphs that differ (a reshape target, a mean's divisor, a mask's length baked
+     in), refuse the cluster with the reason.
+
+An op a refusing cluster blames stays in TorchScript (``exclusions``, reason in blade.explain)
+and the rest is partitioned again, so the graph still compiles once and serves every size in
+range. When the engine compiler itself refuses a cluster's run-time sizes, or the graph cannot be
+scripted with its symbols, tt_infer falls back to one static compile per input signature
+(blade/specialize.py), with the reason logged.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import onnx
+import sympy
+import torch
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+from blade.cluster.lower import lower_cluster
+from blade.cluster.support import LoweringError
+from blade.engine.ir import SIZE_RANGES_KEY
+from blade.frontend import is_frozen_input, measure_types, stamp
+
+PROBES = 3              # the example's sizes and two others
+NEAR_THE_EXAMPLE = 6    # probe values are tried from the minimum up, then just above the example
+
+
+class NotSymbolic(RuntimeError):
+    """The graph's symbolic sizes cannot be kept (the reason says why); compile per shape."""
+
+
+class SymbolicRefusal(LoweringError):
+    """A cluster's lowering depends on a run-time size: it cannot take the sizes at run time.
+    ``node``: the cluster node blamed (its rule wrote a size into the ONNX), when known."""
+
+    def __init__(self, message: str, node=None):
+        super().__init__(message)
+        self.node = node
+
+
+@dataclass
+class SizeSymbols:
+    ranges: dict                 # sympy.Symbol -> (min, max), maxima capped
+    points: list                 # per probe: sympy.Symbol -> int (points[0]: the example's)
+    candidates: list             # sympy expressions a run-time dim may be, simplest first
+    probes: list = field(default_factory=list)  # the graph's arguments at each point
+    checks: list = field(default_factory=list)  # (argument position, dim or None for an int, symbol)
+    open: list = field(default_factory=list)    # the symbols whose maximum dynamo left unbounded
+    _at_points: dict = field(default=None, repr=False)  # candidate values at the points -> index
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, example_inputs: list, max_size: int) -> "SizeSymbols":
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        shape_env = getattr(fake_mode, "shape_env", None)
+        if shape_env is None:
+            raise NotSymbolic("dynamo passed no ShapeEnv with the graph")
+        placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        exprs = [e for e in _graph_exprs(gm) if e.free_symbols]
+        symbols = sorted(set().union(*(e.free_symbols for e in exprs)), key=str) if exprs else []
+        if not symbols:
+            raise NotSymbolic("no symbolic size in the graph")
+        ranges, example, open_symbols = {}, {}, []
+        values = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
+        for sym in symbols:
+            value = values.get(sym)
+            if value is None:
+                raise NotSymbolic(f"size symbol {sym} has no example value (an unbacked size)")
+            bound = shape_env.var_to_range.get(sym)
+            lo = _finite(bound.lower if bound else None, 0)
+            hi = _finite(bound.upper if bound else None, None)
+            if hi is None:
+                open_symbols.append(sym)
+                hi = max(max_size, int(value))
+            ranges[sym], example[sym] = (lo, hi), int(value)
+        points = [example] + _other_points(ranges, example)
+        if len(points) < 2:
+            raise NotSymbolic(f"the size symbols' ranges {_ranges_text(ranges)} leave no second size to check against")
+        candidates = sorted(set(exprs), key=lambda e: (len(e.free_symbols), sympy.count_ops(e), str(e)))
+        symbols_first = [s for s in symbols] + [e for e in candidates if e not in symbols]
+        result = cls(ranges, points, symbols_first)
+        result.probes = [_arguments_at(placeholders, example_inputs, point) for point in points]
+        result.checks = _range_checks(placeholders, ranges)
+        result.open = open_symbols
+        for point, probe in zip(points[1:], result.probes[1:]):
+            if not _guards_hold(shape_env, placeholders, probe):
+                raise NotSymbolic(f"dynamo's guards do not hold at sizes {point}")
+        return result
+
+    @property
+    def names(self) -> dict:
+        """The dim_param of each symbol and of each size expression of the graph."""
+        return {expr: str(expr).replace(" ", "") for expr in self.candidates}
+
+    def range_of(self, expr) -> tuple:
+        bounds = bound_sympy(expr, {s: ValueRanges(lo, hi) for s, (lo, hi) in self.ranges.items()})
+        return int(bounds.lower), int(bounds.upper)
+
+    def dim_of(self, values: list):
+        """The symbol expression whose value at every probe point is ``values``, else None."""
+        index = self.candidate_index(values)
+        return None if index is None else self.candidates[index]
+
+    def candidate_index(self, values: list):
+        if self._at_points is None:
+            self._at_points = {}
+            for k, expr in enumerate(self.candidates):  # the simplest first wins
+                self._at_points.setdefault(tuple(int(expr.subs(p)) for p in self.points), k)
+        return self._at_points.get(tuple(values))
+
+    def fit_caps(self, graph, probe_types: list, budget: int) -> None:
+        """Lower the maxima of the open symbols (all to one cap, halved from Config.dynamic_max_size,
+        not below a probe's value) until the graph's peak of live tensor bytes at the maxima fits
+        ``budget``: engines plan their scratch at the maxima, and attention's batch x seq x seq
+        scores outgrow any single cap that suits both batch and sequence."""
+        if not self.open:
+            return
+        sizes = _value_sizes(graph, probe_types, self)
+        floor = max(point[sym] for point in self.points for sym in self.open)
+        cap = max(self.ranges[sym][1] for sym in self.open)
+        while cap > floor and _peak_bytes(sizes, self._maxima(cap)) > budget:
+            cap = max(cap // 2, floor)
+        for sym in self.open:
+            self.ranges[sym] = (self.ranges[sym][0], cap)
+
+    def _maxima(self, cap: int) -> list:
+        """Each candidate expression's value with the open symbols at cap, the others at their maxima."""
+        at = {sym: cap if sym in self.open else hi for sym, (_, hi) in self.ranges.items()}
+        return [int(expr.subs(at)) for expr in self.candidates]
+
+    def out_of_range(self, args) -> str | None:
+        """Which argument size lies outside its symbol's range, else None (a few comparisons per
+        call: dynamo's guards check the ranges it knows, not the cap on unbounded maxima)."""
+        for position, dim, sym in self.checks:
+            value = args[position] if dim is None else args[position].shape[dim]
+            lo, hi = self.ranges[sym]
+            if not lo <= value <= hi:
+                where = f"argument {position}" + ("" if dim is None else f" dim {dim}")
+                return f"{where} is {value}, outside the range [{lo}, {hi}] of size symbol {sym}"
+        return None
+
+    def describe(self) -> str:
+        return _ranges_text(self.ranges)
+
+    def with_frozen(self, example_inputs: list, args: list) -> tuple:
+        """(example inputs, symbols) for compiling the graph again with the frozen tensors passed
+        now (parameters and buffers have static sizes: the same at every probe point)."""
+        frozen = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.Tensor)
+                  and is_frozen_input(value)]
+        refreshed = list(example_inputs)
+        probes = [list(probe) for probe in self.probes]
+        for i in frozen:
+            refreshed[i] = args[i]
+            for probe in probes:
+                probe[i] = args[i]
+        return refreshed, SizeSymbols(self.ranges, self.points, self.candidates, probes, self.checks, self.open)
+
+
+def _value_sizes(graph, probe_types: list, symbols: SizeSymbols) -> list:
+    """(first node, last node using it, itemsize, dims) of each tensor value of the top-level
+    block, in node order; dims: ints, and candidate indices for run-time dims (one no candidate
+    matches counts at its largest probe size)."""
+    order = {node: k for k, node in enumerate(graph.nodes())}
+    end = len(order)
+    sizes = []
+    for value, vtype in probe_types[0].items():
+        node = value.node()
+        if node not in order or vtype.dtype() is None:
+            continue
+        seen = [list(t[value].sizes()) if value in t else list(vtype.sizes()) for t in probe_types]
+        dims = []
+        for d, size in enumerate(seen[0]):
+            column = [s[d] for s in seen]
+            if len(set(column)) == 1:
+                dims.append(size)
+            else:
+                index = symbols.candidate_index(column)
+                dims.append(("expr", index) if index is not None else max(column))
+        last = max((order.get(_top_level(use.user), end) for use in value.uses()), default=order[node])
+        sizes.append((order[node], last, torch.empty((), dtype=vtype.dtype()).element_size(), dims))
+    return sizes
+
+
+def _top_level(node):
+    while node.owningBlock().owningNode() is not None:
+        node = node.owningBlock().owningNode()
+    return node
+
+
+def _peak_bytes(sizes: list, maxima: list) -> int:
+    """The largest sum of live tensor bytes over the graph's nodes, sizes at ``maxima``."""
+    events = {}
+    for first, last, itemsize, dims in sizes:
+        numel = itemsize
+        for d in dims:
+            numel *= maxima[d[1]] if isinstance(d, tuple) else d
+        events[first] = events.get(first, 0) + numel
+        events[last + 1] = events.get(last + 1, 0) - numel
+    live = peak = 0
+    for k in sorted(events):
+        live += events[k]
+        peak = max(peak, live)
+    return peak
+
+
+def _range_checks(placeholders: list, ranges: dict) -> list:
+    """(position, dim, symbol) of each argument size that is a symbol itself, once per symbol
+    (dims that are expressions of symbols follow from those)."""
+    checks, seen = [], set()
+    for position, fake in enumerate(placeholders):
+        sizes = [(None, fake)] if isinstance(fake, torch.SymInt) else \
+            list(enumerate(fake.shape)) if isinstance(fake, torch.Tensor) else []
+        for dim, size in sizes:
+            expr = sympy.sympify(size.node.expr) if isinstance(size, torch.SymInt) else None
+            if isinstance(expr, sympy.Symbol) and expr in ranges and expr not in seen:
+                seen.add(expr)
+                checks.append((position, dim, expr))
+    return checks
+
+
+def _finite(bound, default: int) -> int:
+    """A range bound as an int; ``default`` for an unbounded one (dynamo's int_oo, -int_oo)."""
+    if not isinstance(bound, (int, sympy.Integer)):  # int_oo (IntInfinity) is not a sympy Integer
+        return default
+    try:
+        return int(bound)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return default
+
+
+def _ranges_text(ranges: dict) -> str:
+    return ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in ranges.items())
+
+
+def _graph_exprs(gm: torch.fx.GraphModule) -> list:
+    """Every size expression of the graph's example values (tensor dims, SymInt values)."""
+    exprs = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        items = list(value.shape) if isinstance(value, torch.Tensor) else [value]
+        exprs += [sympy.sympify(d.node.expr) for d in items if isinstance(d, torch.SymInt)]
+    return exprs
+
+
+def _other_points(ranges: dict, example: dict) -> list:
+    """PROBES - 1 assignments of the symbols, each symbol at a value in range that differs from its
+    example value and from its values at other points, and distinct symbols at distinct values
+    where the ranges allow (so a dim's expression is told apart from the others). Small sizes
+    first: every probe runs the graph."""
+    used = {sym: {value} for sym, value in example.items()}
+    points = []
+    for _ in range(PROBES - 1):
+        point, taken = {}, set()
+        for sym, (lo, hi) in ranges.items():
+            near = [example[sym] + k for k in range(1, NEAR_THE_EXAMPLE + 1)]
+            options = [v for v in list(range(lo, min(hi, lo + NEAR_THE_EXAMPLE) + 1)) + near
+                       if lo <= v <= hi and v not in used[sym]]
+            fresh = [v for v in options if v not in taken]
+            if not options:
+                return points
+            point[sym] = (fresh or options)[0]
+            taken.add(point[sym])
+            used[sym].add(point[sym])
+        points.append(point)
+    return points
+
+
+def _arguments_at(placeholders: list, example_inputs: list, point: dict) -> list:
+    """The graph's arguments with every symbolic size at its value at ``point``: a SymInt becomes
+    that int, a tensor is cut down or repeated cyclically along its symbolic dims (its values stay
+    ones the model saw: token ids in range, masks of zeros and ones)."""
+    args = []
+    for fake, value in zip(placeholders, example_inputs):
+        if isinstance(value, torch.SymInt):
+            args.append(int(sympy.sympify(value.node.expr).subs(point)))
+        elif isinstance(value, torch.Tensor) and isinstance(fake, torch.Tensor):
+            for dim, size in enumerate(fake.shape):
+                if isinstance(size, torch.SymInt):
+                    want = int(sympy.sympify(size.node.expr).subs(point))
+                    index = torch.arange(want) % max(value.shape[dim], 1)
+                    value = value.index_select(dim, index)
+            args.append(value)
+        else:
+            args.append(value)
+    return args
+
+
+def _guards_hold(shape_env, placeholders: list, args: list) -> bool:
+    """Whether dynamo would run this graph for these arguments (its guards on the sizes hold)."""
+    if not all(isinstance(p, (torch.Tensor, torch.SymInt)) or p is None for p in placeholders):
+        return True  # a placeholder dynamo typed otherwise: nothing to check the sizes of
+    fakes = [p for p in placeholders]
+    try:
+        return bool(shape_env.evaluate_guards_for_args(fakes, args))
+    except Exception:  # noqa: BLE001 - a guard we cannot evaluate: do not use this point
+        return False
+
+
+def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) -> onnx.ModelProto:
+    """The cluster's ONNX with its run-time dims as dim_params (see the module docstring)."""
+    run_time = run_time_dims(probe_types)
+    origins = []
+    models = [lower_cluster(cluster, name, run_time, origins)]  # at the example's sizes: the graph's types
+    try:
+        for point, types in zip(symbols.points[1:], probe_types[1:]):
+            stamp(types)
+            failing = []
+            try:
+                models.append(lower_cluster(cluster, name, run_time, failing))
+            except LoweringError as err:
+                blamed = cluster.nodes[len(failing)] if len(failing) < len(cluster.nodes) else None
+                raise SymbolicRefusal(f"it does not lower at {_point_text(point)}: {err}", blamed) from err
+    finally:
+        stamp(probe_types[0])
+    first = _skeleton(models[0])
+    for point, model in zip(symbols.points[1:], models[1:]):
+        if _skeleton(model) != first:
+            what, node_index, init_index = _first_difference(models[0], model)
+            blamed = next((n for n, nodes, inits in origins if node_index < nodes or init_index < inits), None)
+            raise SymbolicRefusal(f"its ONNX depends on the sizes (at {_point_text(point)}: {what})", blamed)
+    model = models[0]
+    used = {}
+    for group in ("input", "output"):
+        for k, value in enumerate(getattr(model.graph, group)):
+            dims = [[d.dim_value for d in getattr(m.graph, group)[k].type.tensor_type.shape.dim] for m in models]
+            for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+                seen = [d[axis] for d in dims]
+                if len(set(seen)) == 1:
+                    continue
+                expr = symbols.dim_of(seen)
+                if expr is None:
+                    raise SymbolicRefusal(f"{group} {k} dim {axis} ({seen} at the probe sizes) is no size "
+                                          f"expression of the graph")
+                used[symbols.names[expr]] = symbols.range_of(expr)
+                dim.ClearField("dim_value")
+                dim.dim_param = symbols.names[expr]
+    if used:
+        model.metadata_props.add(key=SIZE_RANGES_KEY, value=json.dumps(dict(sorted(used.items()))))
+    return model
+
+
+def _skeleton(model: onnx.ModelProto) -> tuple:
+    """The model without its inputs' and outputs' sizes: what must not depend on the sizes."""
+    graph = model.graph
+    io = tuple((v.name, v.type.tensor_type.elem_type, len(v.type.tensor_type.shape.dim))
+               for v in list(graph.input) + list(graph.output))
+    return (io, tuple(n.SerializeToString() for n in graph.node),
+            tuple(t.SerializeToString() for t in graph.initializer))
+
+
+def _first_difference(a: onnx.ModelProto, b: onnx.ModelProto) -> tuple:
+    """(what differs, index of the first ONNX node that differs or reads a constant that does,
+    index of the first initializer that differs); the indices are large when none does."""
+    none = len(a.graph.node) + len(a.graph.initializer) + 1
+    changed = {t.name: k for k, (t, u) in enumerate(zip(a.graph.initializer, b.graph.initializer))
+               if t.SerializeToString() != u.SerializeToString()}
+    for k, (n, m) in enumerate(zip(a.graph.node, b.graph.node)):
+        if n.SerializeToString() != m.SerializeToString():
+            return f"ONNX {n.op_type} changes", k, min(changed.values(), default=none)
+        constant = next((name for name in n.input if name in changed), None)
+        if constant is not None:
+            return f"constant {constant} of {n.op_type} changes", k, changed[constant]
+    return "the graphs differ", none, min(changed.values(), default=none)
+
+
+def _point_text(point: dict) -> str:
+    return ", ".join(f"{s}={v}" for s, v in point.items())
+
+
+def run_time_dims(probe_types: list) -> dict:
+    """value -> the dims whose size differs between probe points (its run-time dims)."""
+    dims = {}
+    for value, vtype in probe_types[0].items():
+        sizes = [list(types[value].sizes()) if value in types else None for types in probe_types]
+        varying = {d for d in range(len(sizes[0])) if any(s is None or s[d] != sizes[0][d] for s in sizes)}
+        if varying:
+            dims[value] = varying
+    return dims
+
+
+def probe_types(front) -> list:
+    """Per probe point, every tensor value of the frontend's graph -> its type there."""
+    return [measure_types(front.module, inputs) for inputs in front.probe_inputs]
+
+
+def exclusions(graph, symbols: SizeSymbols, types: list, partition_graph) -> dict:
+    """Node -> why it stays in TorchScript: the ops whose lowering computes from a run-time size.
+    ``partition_graph(excluded)`` partitions with those nodes left out; partition, lower every
+    cluster at every probe point, leave out the node each refusing cluster blames (or all of its
+    nodes when none is to blame), and again until every cluster lowers."""
+    excluded: dict = {}
+    while True:
+        refused = 0
+        for cluster in partition_graph(excluded).clusters:
+            try:
+                lower_symbolic(cluster, "probe", symbols, types)
+            except SymbolicRefusal as err:
+                refused += 1
+                blamed = [err.node] if err.node is not None else cluster.nodes
+                excluded.update({node: f"computes from a run-time size: {err}" for node in blamed})
+            except LoweringError:
+                continue  # refused at the example's sizes too: the compile reports it
+        if not refused:
+            return excluded
