@@ -70,11 +70,13 @@ class SizeSymbols:
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, example_inputs: list, max_size: int) -> "SizeSymbols":
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        # a backend runs in dynamo's tracing context; blade.export's graph carries its fakes itself
+        fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._guards.detect_fake_mode(
+            [p for p in placeholders if isinstance(p, torch.Tensor)])
         shape_env = getattr(fake_mode, "shape_env", None)
         if shape_env is None:
             raise NotSymbolic("dynamo passed no ShapeEnv with the graph")
-        placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
         exprs = [e for e in _graph_exprs(gm) if e.free_symbols]
         symbols = sorted(set().union(*(e.free_symbols for e in exprs)), key=str) if exprs else []
         if not symbols:
@@ -98,7 +100,7 @@ class SizeSymbols:
         candidates = sorted(set(exprs), key=lambda e: (len(e.free_symbols), sympy.count_ops(e), str(e)))
         symbols_first = [s for s in symbols] + [e for e in candidates if e not in symbols]
         result = cls(ranges, points, symbols_first)
-        result.probes = [_arguments_at(placeholders, example_inputs, point) for point in points]
+        result.probes = [arguments_at(placeholders, example_inputs, point) for point in points]
         result.checks = _range_checks(placeholders, ranges)
         result.open = open_symbols
         for point, probe in zip(points[1:], result.probes[1:]):
@@ -284,7 +286,7 @@ def _other_points(ranges: dict, example: dict) -> list:
     return points
 
 
-def _arguments_at(placeholders: list, example_inputs: list, point: dict) -> list:
+def arguments_at(placeholders: list, example_inputs: list, point: dict) -> list:
     """The graph's arguments with every symbolic size at its value at ``point``: a SymInt becomes
     that int, a tensor is cut down or repeated cyclically along its symbolic dims (its values stay
     ones the model saw: token ids in range, masks of zeros and ones)."""

@@ -39,6 +39,7 @@ import torch.fx
 import blade._C as _C
 from blade.aot import CorruptArtifact, check_stamps, make_stamps
 from blade.config import Config, current
+from blade.dynamic import NotSymbolic, SizeSymbols, arguments_at
 from blade.pipeline import CompiledModule, compile_fx
 from blade.signature import SIGNATURE_FILE, ExportedModule, Signature
 
@@ -53,24 +54,49 @@ class ExportError(RuntimeError):
     """The model cannot be exported as a single graph (the message names the graph break)."""
 
 
-def capture_graph(model, example_inputs: tuple, example_kwargs: dict | None = None) -> torch.fx.GraphModule:
+def capture_graph(model, example_inputs: tuple, example_kwargs: dict | None = None,
+                  dynamic_shapes=None) -> torch.fx.GraphModule:
     """One FX graph for the whole model, with flat inputs and outputs; the structures they were
-    flattened from are kept as ``gm.meta["pytree_info"]`` (in_spec of (args, kwargs), out_spec)."""
+    flattened from are kept as ``gm.meta["pytree_info"]`` (in_spec of (args, kwargs), out_spec).
+    dynamic_shapes: torch.export's (``torch.export.Dim`` per input and dim); None: all static."""
     try:
         with torch.no_grad(), warnings.catch_warnings(), _tensor_attributes_kept(model):
             warnings.simplefilter("ignore", FutureWarning)  # torch._dynamo.export's notice
-            # Static shapes (engines are specialized to them anyway): dynamo's dim-constraint
-            # solver has nothing to do, and on some models (transformers' ResNet) it logs a
-            # page of sympy tracebacks while failing to print a constraint it never needed.
-            gm, _guards = torch._dynamo.export(model, *example_inputs, **(example_kwargs or {}),
-                                               assume_static_by_default=True, disable_constraint_solver=True)
+            # Static shapes unless dynamic_shapes says otherwise. Without dynamic dims dynamo's
+            # dim-constraint solver has nothing to do, and on some models (transformers' ResNet)
+            # it logs a page of sympy tracebacks while failing to print a constraint it never
+            # needed; with them it names a dim the model specializes (torch.export's error).
+            # backed_size_oblivious: a dim declared with min=1 keeps its symbol at 1 too (dynamo
+            # would otherwise specialize sizes 0 and 1, and the graph would not serve batch 1);
+            # compile_model checks the compiled graph against eager at the minima.
+            with torch.fx.experimental._config.patch(backed_size_oblivious=dynamic_shapes is not None):
+                gm, _guards = torch._dynamo.export(model, dynamic_shapes=dynamic_shapes, assume_static_by_default=True,
+                                                   disable_constraint_solver=dynamic_shapes is None)(
+                    *example_inputs, **(example_kwargs or {}))
     except Exception as err:  # dynamo's Unsupported / UserError name the break and its source line
         raise ExportError(f"blade.export needs one graph, but dynamo could not capture the model "
                           f"whole: {err}") from err
     gm.meta["pytree_info"] = gm.graph._codegen.pytree_info
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat positional inputs, flat tuple output
+    _sizes_as_methods(gm.graph)
     gm.recompile()
     return gm
+
+
+_SIZE_OPS = {torch.ops.aten.sym_size.int: "size", torch.ops.aten.sym_numel.default: "numel"}
+
+
+def _sizes_as_methods(graph: torch.fx.Graph) -> None:
+    """dynamo's export reads a dynamic dim as ``aten.sym_size.int(x, d)``, which TorchScript cannot
+    script; ``x.size(d)`` is the same size in the form torch.compile's graphs use."""
+    for node in list(graph.nodes):
+        method = _SIZE_OPS.get(node.target) if node.op == "call_function" else None
+        if method is not None:
+            with graph.inserting_before(node):
+                replacement = graph.call_method(method, node.args, node.kwargs)
+            replacement.meta = dict(node.meta)
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
 
 
 @contextlib.contextmanager
@@ -88,16 +114,49 @@ def _tensor_attributes_kept(model):
 
 
 def compile_model(model, example_inputs: tuple, config: Config | None = None, *,
-                  kwargs: dict | None = None) -> CompiledModule:
+                  kwargs: dict | None = None, dynamic_shapes=None) -> CompiledModule:
     """Capture and compile a model without dynamo guards: the CompiledModule behind export. It
     takes the flat leaves of (example_inputs, kwargs); its ``signature`` says how to call it like
-    the model (blade/signature.py)."""
-    gm = capture_graph(model, tuple(example_inputs), kwargs)
+    the model (blade/signature.py). dynamic_shapes: as torch.export's."""
+    config = config or current()
+    gm = capture_graph(model, tuple(example_inputs), kwargs, dynamic_shapes)
     flat_inputs = torch.utils._pytree.tree_leaves((tuple(example_inputs), dict(kwargs or {})))
-    compiled = compile_fx(gm, flat_inputs, config or current())
+    if dynamic_shapes is None:
+        compiled = compile_fx(gm, flat_inputs, config)
+    else:
+        compiled = _compile_symbolic(model, gm, flat_inputs, config)
     info = gm.meta["pytree_info"]
     compiled.signature = Signature.of(info.in_spec, info.out_spec, flat_inputs, compiled.runtime_inputs)
     return compiled
+
+
+def _compile_symbolic(model, gm, flat_inputs: list, config: Config) -> CompiledModule:
+    """One compile whose engines take the declared dims at run time (blade/dynamic.py), checked
+    against the model at each probe point (the symbols' minima included: the graph was captured
+    assuming no declared dim is special at 1)."""
+    try:
+        symbols = SizeSymbols.of(gm, flat_inputs, config.dynamic_max_size)
+    except NotSymbolic as err:
+        raise ExportError(f"blade.export: the dynamic_shapes cannot be kept: {err}") from err
+    compiled = compile_fx(gm, flat_inputs, config, symbols)
+    for refusal in compiled.report.symbolic_refusals:
+        warnings.warn(f"blade.export: a cluster stays in TorchScript: {refusal}")
+    with torch.no_grad():
+        for probe in symbols.probes + [_at_minima(gm, flat_inputs, symbols)]:
+            expected, got = gm(*probe), compiled(*probe)
+            for e, g in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(got)):
+                if e.shape != g.shape or not torch.allclose(e, g, rtol=1e-4, atol=1e-4 * max(1.0, e.abs().max().item())):
+                    raise ExportError(f"blade.export: the graph compiled for dynamic shapes differs from the model at "
+                                      f"input shapes {[tuple(p.shape) for p in probe if isinstance(p, torch.Tensor)]} "
+                                      f"(output {tuple(e.shape)} vs {tuple(g.shape)}); declare min=2 for dims the model "
+                                      f"treats specially at 1")
+    return compiled
+
+
+def _at_minima(gm, flat_inputs: list, symbols: SizeSymbols) -> list:
+    """The example's arguments cut down to every symbol's minimum (e.g. batch 1)."""
+    placeholders = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    return arguments_at(placeholders, flat_inputs, {sym: lo for sym, (lo, _) in symbols.ranges.items()})
 
 
 def _atomic_jit_save(module, path: str, extra_files: dict, check=lambda tmp: None) -> None:
@@ -156,11 +215,11 @@ def _save_with_record_digests(module, path: str, extra_files: dict) -> None:
 
 
 def export(model, example_inputs: tuple, path: str, config: Config | None = None, *,
-           kwargs: dict | None = None) -> CompiledModule:
+           kwargs: dict | None = None, dynamic_shapes=None) -> CompiledModule:
     """Capture ``model(*example_inputs, **kwargs)`` as one graph, compile it, and save the archive
-    at ``path``."""
+    at ``path``. dynamic_shapes: as torch.export's (``{"ids": {0: Dim("batch", max=16)}}``)."""
     config = config or current()
-    compiled = compile_model(model, example_inputs, config, kwargs=kwargs)
+    compiled = compile_model(model, example_inputs, config, kwargs=kwargs, dynamic_shapes=dynamic_shapes)
     stamps = make_stamps(compiled.report, config.fallback)
     if not stamps["engines"]:
         warnings.warn(f"blade.export: no cluster of the model compiled to an engine; {path} is plain "

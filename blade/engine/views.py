@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .symbolic import Const, Expr, add, size_less
+from .symbolic import Const, Expr, add, as_expr, proves_at_least, size_less
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,20 @@ def _reshape_index(node, idx):
     return src
 
 
+def _takes_next_dim(view_numel, dim, tensor_numel) -> bool:
+    """ATen's ``view_numel < tensor_numel || dim == 1``, for sizes that may be run-time
+    expressions. When the order is not provable (equal only where some size is 1, e.g. ``s1`` vs
+    ``s0 * s1`` with s0 >= 1), take the dim iff ``view_numel * dim <= tensor_numel`` provably: then
+    at run time either view_numel < tensor_numel (ATen takes it) or they are equal and dim is 1
+    (ATen takes it too). Otherwise stop: the caller finds the numels differ and copies instead."""
+    if dim == 1:
+        return True
+    try:
+        return size_less(view_numel, tensor_numel)
+    except TypeError:
+        return proves_at_least(tensor_numel, as_expr(view_numel) * dim)
+
+
 def reshape_strides(old_shape, old_strides, new_shape):
     """Strides that view (old_shape, old_strides) as new_shape without copying, or None
     (the algorithm of ATen's computeStride)."""
@@ -98,7 +112,7 @@ def reshape_strides(old_shape, old_strides, new_shape):
         tensor_numel *= old_shape[tensor_d]
         if tensor_d == 0 or (old_shape[tensor_d - 1] != 1
                              and old_strides[tensor_d - 1] != tensor_numel * chunk_base):
-            while view_d >= 0 and (size_less(view_numel, tensor_numel) or new_shape[view_d] == 1):
+            while view_d >= 0 and _takes_next_dim(view_numel, new_shape[view_d], tensor_numel):
                 new_strides[view_d] = view_numel * chunk_base
                 view_numel *= new_shape[view_d]
                 view_d -= 1

@@ -180,3 +180,39 @@ def test_transformers_output_class_is_rebuilt_in_a_fresh_process(tmp_path):
         torch.testing.assert_close(out["pooler_output"], io["pooled"], rtol=1e-4, atol=1e-4)
     """)
     assert out.strip() == "BaseModelOutputWithPoolingAndCrossAttentions"
+
+
+def test_dynamic_shapes_export_serves_every_size_in_a_fresh_process(tmp_path):
+    """blade.export(dynamic_shapes=...) with torch.export's Dims: one compile whose engines take
+    batch (from 1) and sequence at run time; a fresh process without a C++ compiler serves sizes
+    the export never saw, batch 1 included, and names the range of a size outside it."""
+    from aot_testing import Block
+    torch.manual_seed(0)
+    model = Block().eval()
+    x, mask = torch.randn(2, 8, 32), (torch.rand(2, 8, 1) > 0.3).float()
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=64)
+    path = str(tmp_path / "dynamic.blade.pt")
+    compiled = blade.export(model, (x, mask), path, dynamic_shapes={"x": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}})
+    assert compiled.report.size_symbols and all(c.status == "compiled" for c in compiled.report.clusters)
+    points = []
+    for b, s in ((1, 5), (3, 64), (8, 2), (1, 2)):
+        inputs = (torch.randn(b, s, 32), (torch.rand(b, s, 1) > 0.3).float())
+        with torch.no_grad():
+            points.append({"inputs": inputs, "expected": model(*inputs)})
+    torch.save(points, tmp_path / "points.pt")
+    env, compiler_mark = tripwire_compiler_env(tmp_path)
+    out = run_python(f"""
+        import torch, blade
+        m = blade.load({path!r})
+        with torch.no_grad():
+            for p in torch.load({str(tmp_path / 'points.pt')!r}):
+                got = m(*p["inputs"])
+                for g, want in zip(got, p["expected"]):
+                    torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5)
+            try:
+                m(torch.randn(9, 4, 32), torch.ones(9, 4, 1))
+            except RuntimeError as err:
+                print("refused:", str(err).splitlines()[-1])
+    """, env=env)
+    assert "refused:" in out and "9" in out and "8" in out, out
+    assert not compiler_mark.exists()

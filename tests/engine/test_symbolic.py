@@ -168,3 +168,25 @@ def test_substitution_resolves_symbols():
     expr = (seq * j0 + j1) // 16
     assert isinstance(expr, Expr) and expr.subs({seq: 64}).render() == "4 * j0 + j1 / 16"
     assert expr.evaluate({"seq": 64, "j0": 2, "j1": 20}) == 9
+
+
+def test_reshape_strides_with_sizes_that_may_be_one():
+    """Splitting [b*s, n] into [b, s, n] (and merging back) when b and s may be 1: the order of s
+    and b*s is not provable, but taking each dim keeps the view exact at every size; the strides
+    equal ATen's at every size in range (a size-1 dim's stride never matters)."""
+    import torch
+    from blade.engine.views import reshape_strides
+    b, s = Var("b", 1, 3), Var("s", 1, 3)
+    cases = [((b * s, 8), (8, 1), (b, s, 8)), ((b, s, 8), (s * 8, 8, 1), (b * s, 8)),
+             ((b, s, 8), (s * 8, 8, 1), (b, s, 2, 4))]
+    for old_shape, old_strides, new_shape in cases:
+        strides = reshape_strides(old_shape, old_strides, new_shape)
+        assert strides is not None, (old_shape, new_shape)
+        for bv, sv in itertools.product(range(1, 4), repeat=2):
+            def at(e):
+                return e if isinstance(e, int) else int(e.evaluate({"b": bv, "s": sv}))
+            shape = [at(d) for d in new_shape]
+            base = torch.empty([at(d) for d in old_shape]).as_strided([at(d) for d in old_shape],
+                                                                      [at(d) for d in old_strides])
+            want = base.view(shape).stride()
+            assert all(n == 1 or at(got) == w for n, got, w in zip(shape, strides, want)), (bv, sv)

@@ -1,0 +1,333 @@
+"""Dynamic shapes: one compile over a grid of batch sizes and sequence lengths (issue 12).
+
+    python bench/dynamic.py            # BERT and GPT-2 over batch {1,4,16} x seq {16,64,128,256,512}
+    python bench/dynamic.py --quick    # batch {1,4} x seq {16,128}: a smoke run
+
+Per model (the bench configs of bench/models.py, with an all-ones attention mask), in one process:
+
+- **tt_infer dynamic**: ``blade.compile_model(model, args, dynamic_shapes=...)`` compiled once with
+  dynamic batch and sequence (the serving path, no dynamo guards per call);
+- **tt_infer static**: ``blade.compile_model`` once per grid point (engines for that shape only);
+- **tt_infer torch.compile**: ``torch.compile(model, backend="tt_infer", dynamic=True)`` (the
+  torch.compile user's path: dynamo's guards per call), counting the graphs dynamo hands over;
+- **Inductor dynamic**: ``torch.compile(model, dynamic=True)`` at its defaults;
+- **ONNX Runtime**: default session options, one export with dynamic batch and sequence axes.
+
+Every backend is checked against eager at every point (rel err = max |diff| / max |eager|). Per
+point, the backends are timed in interleaved rounds (median call per round, best round), with
+bench/run.py's pause between backends. "first/steady" is tt_infer dynamic's first call at a new
+shape over its steady call. "g++" counts the engine compiles (cache misses) each tt_infer column
+needed over the whole grid; the engine cache is a fresh directory unless --warm-cache.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from backends import median_call_s  # noqa: E402
+from run import first_tensor, rel_err, wait_for_quiet  # noqa: E402
+
+BATCHES, SEQS = (1, 4, 16), (16, 64, 128, 256, 512)
+QUICK_BATCHES, QUICK_SEQS = (1, 4), (16, 128)
+MEASURE_S = 0.1
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def bert():
+    import transformers
+    cfg = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                  intermediate_size=1024)
+    return transformers.BertModel(cfg).eval(), cfg.vocab_size
+
+
+def gpt2():
+    import transformers
+    cfg = transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, use_cache=False)
+    return transformers.GPT2Model(cfg).eval(), cfg.vocab_size
+
+
+MODELS = {"BERT (4L, 256)": bert, "GPT-2 (4L, 256)": gpt2}
+
+
+class Flat(torch.nn.Module):
+    """(ids, mask) -> last hidden state: one tensor out for every backend."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def grid_inputs(vocab: int, batch: int, seq: int):
+    return torch.randint(0, vocab, (batch, seq)), torch.ones(batch, seq, dtype=torch.int64)
+
+
+def rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * PAGE / 2**20
+
+
+def engine_compiles(report) -> int:
+    return sum(c.status == "compiled" and not c.cache_hit for c in report.clusters) if report else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: each prepare(...) returns a callable (ids, mask) -> tensor
+# ---------------------------------------------------------------------------------------------
+
+def dynamic_shapes_spec(max_batch: int, max_seq: int) -> dict:
+    batch, seq = torch.export.Dim("batch", min=1, max=max_batch), torch.export.Dim("seq", min=1, max=max_seq)
+    return {"ids": {0: batch, 1: seq}, "mask": {0: batch, 1: seq}}
+
+
+def tt_dynamic(model, example, max_batch, max_seq, counts):
+    import blade
+    compiled = blade.compile_model(model, example, dynamic_shapes=dynamic_shapes_spec(max_batch, max_seq))
+    counts["g++"] += engine_compiles(compiled.report)
+    counts["graphs"] += 1
+    return compiled
+
+
+def tt_torch_compile(model, counts):
+    from blade.dynamo import tt_infer as backend
+
+    def counting_backend(gm, example_inputs):
+        compiled = backend(gm, example_inputs)
+        counts["graphs"] += 1
+        counts["g++"] += engine_compiles(getattr(compiled, "report", None))
+        return compiled
+    return torch.compile(model, backend=counting_backend, dynamic=True)
+
+
+def ort_dynamic(model, example):
+    import onnxruntime as ort
+    axes = {"ids": {0: "batch", 1: "seq"}, "mask": {0: "batch", 1: "seq"}}
+    errors = []
+    for dynamo in (True, False):  # the dynamo exporter first, the TorchScript one if it fails
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if dynamo:
+                    spec = dynamic_shapes_spec(64, 1024)
+                    onnx_bytes = torch.onnx.export(model, example, dynamo=True, verbose=False,
+                                                   input_names=["ids", "mask"], dynamic_shapes=spec
+                                                   ).model_proto.SerializeToString()
+                else:
+                    import io
+                    buffer = io.BytesIO()
+                    torch.onnx.export(model, example, buffer, dynamo=False, opset_version=17,
+                                      input_names=["ids", "mask"], dynamic_axes=axes)
+                    onnx_bytes = buffer.getvalue()
+            options = ort.SessionOptions()  # defaults, threads like torch's
+            options.intra_op_num_threads = torch.get_num_threads()
+            session = ort.InferenceSession(onnx_bytes, options, providers=["CPUExecutionProvider"])
+            names = [i.name for i in session.get_inputs()]
+            return lambda ids, mask: torch.from_numpy(
+                session.run(None, dict(zip(names, (ids.numpy(), mask.numpy()))))[0])
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"{'dynamo' if dynamo else 'TorchScript'}: {type(err).__name__}: {str(err)[:120]}")
+    raise RuntimeError("; ".join(errors))
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+def timed(fn, inputs) -> float:
+    """Seconds of one call (the first call at a shape)."""
+    start = time.perf_counter()
+    fn(*inputs)
+    return time.perf_counter() - start
+
+
+def bench_model(name, build, batches, seqs, rounds) -> dict:
+    import blade
+    torch.manual_seed(0)
+    inner, vocab = build()
+    model = Flat(inner).eval()
+    result = {"model": name, "points": [], "errors": {}, "compile_s": {}, "counts": {}}
+    example = grid_inputs(vocab, 2, 32)   # neither 1 (dynamo would specialize it) nor a grid point
+    dyn_counts = {"g++": 0, "graphs": 0}
+    tc_counts = {"g++": 0, "graphs": 0}
+    runners = {}
+    with torch.no_grad():
+        for column, prepare in (
+                ("tt_infer dynamic", lambda: tt_dynamic(model, example, max(batches), max(seqs), dyn_counts)),
+                ("tt_infer torch.compile", lambda: tt_torch_compile(copy.deepcopy(model), tc_counts)),
+                ("Inductor dynamic", lambda: torch.compile(copy.deepcopy(model), dynamic=True)),
+                ("ONNX Runtime", lambda: ort_dynamic(model, example))):
+            start = time.perf_counter()
+            try:
+                fn = prepare()
+                fn(*example)
+            except Exception as err:  # noqa: BLE001 - a backend that cannot take the model is reported
+                result["errors"][column] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                continue
+            result["compile_s"][column] = time.perf_counter() - start
+            runners[column] = fn
+        rss_after_largest = None
+        for batch in batches:
+            for seq in seqs:
+                inputs = grid_inputs(vocab, batch, seq)
+                expected = model(*inputs)
+                point = {"batch": batch, "seq": seq, "ms": {}, "err": {}}
+                point_runners = dict(runners)
+                start = time.perf_counter()
+                try:
+                    static = blade.compile_model(model, inputs)
+                    point["static_compile_s"] = time.perf_counter() - start
+                    point["static_g++"] = engine_compiles(static.report)
+                    point_runners["tt_infer static"] = static
+                except Exception as err:  # noqa: BLE001
+                    result["errors"]["tt_infer static"] = f"{type(err).__name__}: {str(err)[:200]}"
+                point_runners = {"eager": model, **point_runners}
+                for column, fn in point_runners.items():
+                    try:
+                        first = timed(fn, inputs)
+                        if column == "tt_infer dynamic":
+                            point["first_s"] = first
+                        point["err"][column] = rel_err(first_tensor(fn(*inputs)), expected)
+                    except Exception as err:  # noqa: BLE001
+                        result["errors"][f"{column} at {batch}x{seq}"] = f"{type(err).__name__}: {str(err)[:200]}"
+                        point_runners[column] = None
+                point_runners = {k: v for k, v in point_runners.items() if v is not None}
+                calls = max(3, min(50, int(MEASURE_S / max(median_call_s(model, inputs, 1), 1e-6))))
+                best = {}
+                order = list(point_runners)
+                for r in range(rounds):
+                    for column in order[r % len(order):] + order[:r % len(order)]:
+                        wait_for_quiet()
+                        point_runners[column](*inputs)
+                        t = median_call_s(point_runners[column], inputs, calls)
+                        best[column] = min(best.get(column, t), t)
+                point["ms"] = {k: 1e3 * v for k, v in best.items()}
+                point["rss_mib"] = rss_mib()
+                if batch == max(batches) and seq == max(seqs):
+                    rss_after_largest = point["rss_mib"]
+                result["points"].append(point)
+                print(f"{time.strftime('%H:%M:%S')} {name} {batch}x{seq}: " +
+                      ", ".join(f"{k} {v:.2f}" for k, v in point["ms"].items()), file=sys.stderr, flush=True)
+                del point_runners
+        result["served"] = serve_exported(model, example, vocab, batches, seqs)
+    result["counts"] = {"tt_infer dynamic": dict(dyn_counts), "tt_infer torch.compile": dict(tc_counts)}
+    result["rss_after_largest"] = rss_after_largest
+    return result
+
+
+def serve_exported(model, example, vocab, batches, seqs) -> str:
+    """blade.export with dynamic batch and sequence, then a fresh process (no C++ compiler on
+    PATH) loads the archive and runs every grid point against eager's outputs; its verdict line."""
+    import subprocess
+    import blade
+    work = Path(tempfile.mkdtemp(prefix="blade-dynamic-export-"))
+    try:
+        blade.export(model, example, str(work / "model.blade.pt"),
+                     dynamic_shapes=dynamic_shapes_spec(max(batches), max(seqs)))
+    except Exception as err:  # noqa: BLE001
+        return f"export failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    points = []
+    for batch in batches:
+        for seq in seqs:
+            inputs = grid_inputs(vocab, batch, seq)
+            points.append({"inputs": inputs, "expected": model(*inputs)})
+    torch.save(points, work / "points.pt")
+    script = f"""
+import time, torch, blade
+points = torch.load({str(work / 'points.pt')!r})
+start = time.perf_counter()
+m = blade.load({str(work / 'model.blade.pt')!r})
+loaded = time.perf_counter() - start
+worst = 0.0
+with torch.no_grad():
+    for p in points:
+        got = m(*p["inputs"])
+        worst = max(worst, ((got - p["expected"]).abs().max() / p["expected"].abs().max()).item())
+print(f"{{len(points)}} points served from one archive in a fresh process (loaded in {{loaded:.2f}} s, "
+      f"no C++ compiler on PATH), max rel err {{worst:.1e}}")
+"""
+    env = dict(os.environ, PATH="/nonexistent")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode:
+        return f"serving failed: {done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else done.returncode}"
+    return done.stdout.strip()
+
+
+COLUMNS = ("eager", "tt_infer static", "tt_infer dynamic", "tt_infer torch.compile", "Inductor dynamic",
+           "ONNX Runtime")
+
+
+def markdown(results, args) -> str:
+    lines = ["# Dynamic shapes: one compile over batch x sequence", "",
+             f"`python bench/dynamic.py{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds per "
+             f"point, 1-minute load {os.getloadavg()[0]:.1f} at the end). Milliseconds per call (best round's "
+             f"median); \"dyn/static\" = tt_infer dynamic over tt_infer static at that point (1.00 = as fast).", ""]
+    for res in results:
+        lines += [f"## {res['model']}", ""]
+        counts = res["counts"]
+        lines.append("Compiles over the whole grid: " + "; ".join(
+            f"{k}: {v['graphs']} graph(s), {v['g++']} engine compile(s)" for k, v in counts.items()) +
+            f"; tt_infer static: {sum(p.get('static_g++', 0) for p in res['points'])} engine compile(s) "
+            f"for {len(res['points'])} points.")
+        lines.append("Compile time (s, incl. first call): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in res["compile_s"].items()) + "; tt_infer static per point: " +
+            ", ".join(f"{p['static_compile_s']:.1f}" for p in res["points"] if "static_compile_s" in p))
+        lines += ["", "| batch x seq | " + " | ".join(COLUMNS) + " | dyn/static | first/steady | max rel err | RSS MiB |",
+                  "|---|" + "---|" * (len(COLUMNS) + 4)]
+        ratios = []
+        for p in res["points"]:
+            ms = p["ms"]
+            ratio = ms["tt_infer dynamic"] / ms["tt_infer static"] if {"tt_infer dynamic", "tt_infer static"} <= ms.keys() else None
+            if ratio:
+                ratios.append(ratio)
+            first = p["first_s"] * 1e3 / ms["tt_infer dynamic"] if "first_s" in p and "tt_infer dynamic" in ms else None
+            cells = [f"{ms[c]:.2f}" if c in ms else "-" for c in COLUMNS]
+            cells += [f"{ratio:.2f}" if ratio else "-", f"{first:.2f}" if first else "-",
+                      f"{max(p['err'].values()):.1e}", f"{p['rss_mib']:.0f}"]
+            lines.append(f"| {p['batch']} x {p['seq']} | " + " | ".join(cells) + " |")
+        if ratios:
+            geo = torch.tensor(ratios).log().mean().exp().item()
+            lines += ["", f"dyn/static geomean {geo:.3f}, worst {max(ratios):.2f}."]
+        lines += ["", f"Exported artifact: {res.get('served', '-')}"]
+        if res["errors"]:
+            lines += ["", "Errors:", ""] + [f"- {k}: {v}" for k, v in res["errors"].items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default="", help="comma-separated substrings of model names")
+    parser.add_argument("--warm-cache", action="store_true", help="use blade's engine cache as is")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "DYNAMIC.md"))
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    if not args.warm_cache:
+        os.environ["BLADE_CACHE_DIR"] = tempfile.mkdtemp(prefix="blade-dynamic-bench-")
+    batches, seqs = (QUICK_BATCHES, QUICK_SEQS) if args.quick else (BATCHES, SEQS)
+    wanted = [w.strip().lower() for w in args.models.split(",")]
+    results = []
+    for name, build in MODELS.items():
+        if any(w in name.lower() for w in wanted):
+            results.append(bench_model(name, build, batches, seqs, args.rounds))
+            if not args.no_write:
+                Path(args.out).write_text(markdown(results, args))
+    print(markdown(results, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
