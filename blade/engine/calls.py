@@ -12,7 +12,8 @@ from .ir import Node
 from .lines import DECLS, for_loop, indent
 from .optable import literal
 from .symbolic import Expr, Var, add
-from .views import Layout, contiguous_strides
+from . import views
+from .views import Layout, contiguous_strides, packed_matrix
 
 CHANNELS_LAST_MIN_INPUT_CHANNELS = 8   # fewer (an RGB image): a channels-last conv still reads NCHW
 
@@ -24,19 +25,46 @@ def _may_exceed_one(n) -> bool:
 
 
 def _gemm_operand(em, node: Node):
-    """(Strided, trans, ld) for a matmul operand, copying it to scratch if its layout can't be used."""
+    """(Strided, trans, ld) for a matmul operand. A computed operand whose matrix is not packed
+    (views.packed_matrix: an attention head's slice of a projection) is copied to dense scratch
+    first, as is one no stride pattern fits; a constant (a weight) is read where it is."""
     s = em.memory.strided_of(node)
-    if s is not None:
-        rows, cols = s.shape[-2:]
-        rs, cs = s.layout.strides[-2:]
-        if (cols == 1 or cs == 1) and (rows == 1 or rs >= cols):
-            return s, 0, rs if _may_exceed_one(rows) else max(cols, 1)
-        if (rows == 1 or rs == 1) and (cols == 1 or cs >= rows):
-            return s, 1, cs if _may_exceed_one(cols) else max(rows, 1)
-    copy = em.memory.new_scratch(node.dtype, node.shape)
-    em.kernels.emit_loop(f"contiguous copy of {node!r} for GEMM", copy,
-                         lambda scope, idx: em.values.value(node, idx, scope))
-    return copy, 0, max(node.shape[-1], 1)
+    if s is not None and (_source(node).op == "const" or packed_matrix(s.shape, s.layout.strides)):
+        fit = _fit(s)
+        if fit is not None:
+            return fit
+    # A transposed operand (K^T) is copied untransposed, so the copy reads and writes along rows.
+    transposed = _swaps_matrix_dims(node)
+    src = node.args[0] if transposed else node
+    copy = em.memory.new_scratch(src.dtype, src.shape)
+    em.kernels.emit_loop(f"contiguous copy of {src!r} for GEMM", copy,
+                         lambda scope, idx: em.values.value(src, idx, scope))
+    if transposed:
+        copy = Strided(copy.buf, node.shape, views.view_layout(node, copy.layout))
+    return _fit(copy)
+
+
+def _fit(s: Strided):
+    """(s, trans, ld) when s's matrix dims fit a GEMM operand's stride pattern, else None."""
+    rows, cols = s.shape[-2:]
+    rs, cs = s.layout.strides[-2:]
+    if (cols == 1 or cs == 1) and (rows == 1 or rs >= cols):
+        return s, 0, rs if _may_exceed_one(rows) else max(cols, 1)
+    if (rows == 1 or rs == 1) and (cols == 1 or cs >= rows):
+        return s, 1, cs if _may_exceed_one(cols) else max(rows, 1)
+    return None
+
+
+def _source(node: Node) -> Node:
+    """The node a chain of views looks at."""
+    while node.op == "view":
+        node = node.args[0]
+    return node
+
+
+def _swaps_matrix_dims(node: Node) -> bool:
+    perm = node.attrs.get("perm") if node.op == "view" and node.attrs["view"] == "permute" else None
+    return perm is not None and list(perm) == [*range(node.rank - 2), node.rank - 1, node.rank - 2]
 
 
 def emit_matmul(em, node, dest):

@@ -116,6 +116,9 @@ class Builder:
 
     def __init__(self):
         self.nodes: list[Node] = []
+        # (kind, x, axes) -> its reduce node: the same reduction asked twice is computed once (a
+        # masked softmax's row max, which the fully-masked-row check asks for again).
+        self._reductions: dict = {}
 
     def _add(self, op, shape, dtype, args=(), **attrs) -> Node:
         node = Node(op, tuple(_dim(d) for d in shape), dtype, tuple(args), attrs, f"v{len(self.nodes)}")
@@ -163,7 +166,10 @@ class Builder:
     def reduce(self, kind, x, axes, keepdims=True) -> Node:
         axes = sorted({normalize_axis(a, x.rank) for a in axes})
         kept = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
-        out = self._add("reduce", kept, x.dtype, [x], kind=kind, axes=axes)
+        key = (kind, x, tuple(axes))
+        if key not in self._reductions:
+            self._reductions[key] = self._add("reduce", kept, x.dtype, [x], kind=kind, axes=axes)
+        out = self._reductions[key]
         if keepdims:
             return out
         return self.reshape(out, [n for d, n in enumerate(x.shape) if d not in axes])
