@@ -142,6 +142,13 @@ CASES = [
     op_case("Conv", [(1, 4, 7, 7), (4, 1, 3, 3)], group=4, pads=[1, 1, 1, 1], name="Conv-depthwise",
             rtol=1e-4, atol=1e-5),
     op_case("Conv", [(2, 3, 11), (5, 3, 4)], strides=[3], name="Conv-1d", rtol=1e-4, atol=1e-5),
+    # windows that tile the input (a ViT patch embedding) are one GEMM of the patches; a ragged
+    # edge the windows never reach is dropped; 1-D and 3-D too, and a bias-free one
+    op_case("Conv", [(2, 16, 10, 9), (8, 16, 4, 4), (8,)], strides=[4, 4], name="Conv-patches-as-gemm",
+            rtol=1e-4, atol=1e-5),
+    op_case("Conv", [(1, 32, 17), (5, 32, 8)], strides=[8], name="Conv-1d-patches-as-gemm", rtol=1e-4, atol=1e-5),
+    op_case("Conv", [(1, 8, 4, 6, 8), (3, 8, 4, 2, 4), (3,)], strides=[4, 2, 4], name="Conv-3d-patches-as-gemm",
+            rtol=1e-4, atol=1e-5),
     # TF-style "same" padding: a zero Pad of the spatial dims folds into the Conv's own (asymmetric)
     # pads; with a second reader, or a non-zero pad value, the Pad stays a kernel of its own.
     graph_case("Pad-folds-into-Conv", [node("Pad", ["x", "p"], ["t"]), node("Conv", ["t", "w"], ["y"], group=6,
