@@ -148,14 +148,16 @@ struct BlasGemm {
   const float* packed(int n0, int width) const {
     return packed_gemm_weight(weights, b_columns(0, n0), trans_b, stride_b, batch, width, m, k, alpha, ldb);
   }
-  void run(int64_t i, int n0, int width, const float* packed_b) const {
-    const float* a_i = a + i * stride_a;
-    float* c_columns = c + i * stride_c + n0;
+  void run(int64_t i, int n0, int width, const float* packed_b) const { run_rows(i, 0, m, n0, width, packed_b); }
+  // Rows [r0, r0 + rows) of C: A's rows start at row r0 (column r0 when A is stored transposed).
+  void run_rows(int64_t i, int64_t r0, int rows, int n0, int width, const float* packed_b) const {
+    const float* a_i = a + i * stride_a + (ta == 'T' ? r0 : r0 * lda);
+    float* c_columns = c + i * stride_c + r0 * ldc + n0;
     if (packed_b != nullptr) {
       const char packed_slot = 'P';
-      mkl().compute(&packed_slot, &ta, &width, &m, &k, packed_b, &ldb, a_i, &lda, &beta, c_columns, &ldc);
+      mkl().compute(&packed_slot, &ta, &width, &rows, &k, packed_b, &ldb, a_i, &lda, &beta, c_columns, &ldc);
     } else {
-      mkl().sgemm(&tb, &ta, &width, &m, &k, &alpha, b_columns(i, n0), &ldb, a_i, &lda, &beta, c_columns, &ldc);
+      mkl().sgemm(&tb, &ta, &width, &rows, &k, &alpha, b_columns(i, n0), &ldb, a_i, &lda, &beta, c_columns, &ldc);
     }
   }
 };
@@ -193,8 +195,17 @@ void mkl_gemm(const GemmArgs& g, PackedWeights* weights) {
     return;
   }
   // Many small GEMMs (attention heads): one per task; MKL runs serially inside a parallel region.
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) gemm.run(i, 0, width, packed_b);
+  // When the threads do not divide the batch (ViT's 3 heads on 2 threads: one thread would run 2
+  // heads, the other 1), each GEMM is split in row blocks, one per thread, so they share evenly.
+  const int64_t threads = at::get_num_threads();
+  const int64_t row_blocks = batch % threads == 0 ? 1 : std::min<int64_t>(threads, g.m);
+  const int64_t block_rows = (g.m + row_blocks - 1) / row_blocks;
+  at::parallel_for(0, batch * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / row_blocks, r0 = task % row_blocks * block_rows;
+      if (r0 >= g.m) continue;
+      gemm.run_rows(i, r0, static_cast<int>(std::min(block_rows, g.m - r0)), 0, width, packed_b);
+    }
   });
 }
 

@@ -116,6 +116,9 @@ class Builder:
 
     def __init__(self):
         self.nodes: list[Node] = []
+        # (kind, x, axes) -> its reduce node: the same reduction asked twice is computed once (a
+        # masked softmax's row max, which the fully-masked-row check asks for again).
+        self._reductions: dict = {}
 
     def _add(self, op, shape, dtype, args=(), **attrs) -> Node:
         node = Node(op, tuple(_dim(d) for d in shape), dtype, tuple(args), attrs, f"v{len(self.nodes)}")
@@ -163,7 +166,10 @@ class Builder:
     def reduce(self, kind, x, axes, keepdims=True) -> Node:
         axes = sorted({normalize_axis(a, x.rank) for a in axes})
         kept = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
-        out = self._add("reduce", kept, x.dtype, [x], kind=kind, axes=axes)
+        key = (kind, x, tuple(axes))
+        if key not in self._reductions:
+            self._reductions[key] = self._add("reduce", kept, x.dtype, [x], kind=kind, axes=axes)
+        out = self._reductions[key]
         if keepdims:
             return out
         return self.reshape(out, [n for d, n in enumerate(x.shape) if d not in axes])
@@ -508,8 +514,45 @@ def _conv(b, attrs, x, w, bias=None):
         raise UnsupportedOnnxOp(f"Conv on {x.dtype} with {spatial} spatial dims (float32, 1-3 supported)")
     if attrs.get("auto_pad", "NOTSET") != "NOTSET":
         raise UnsupportedOnnxOp("Conv with auto_pad (explicit pads are supported)")
-    return [b.conv(x, w, bias, attrs.get("strides", [1] * spatial), attrs.get("pads", [0] * 2 * spatial),
-                   attrs.get("dilations", [1] * spatial), attrs.get("group", 1))]
+    strides, pads = attrs.get("strides", [1] * spatial), attrs.get("pads", [0] * 2 * spatial)
+    dilations, groups = attrs.get("dilations", [1] * spatial), attrs.get("group", 1)
+    if _patch_conv(x, w, strides, pads, dilations, groups):
+        return [_patches_times_weight(b, x, w, bias)]
+    return [b.conv(x, w, bias, strides, pads, dilations, groups)]
+
+
+# A convolution whose windows tile the engine's input image (stride == kernel, no padding or
+# dilation: a vision transformer's patch embedding) is one GEMM of the patches, [pixels, C * kernel]
+# x [C * kernel, out]: the patches are a reordering copy of the input, no im2col duplication. One
+# core, ViT's 16x16 stride-16 embedding of a 224x224 image: oneDNN's direct convolution 487 us, the
+# copy plus MKL's GEMM 340. Not for a computed input (ConvNeXt's 2x2 downsampling after a layer
+# norm: 3.02 -> 3.36 ms for the model, the copy then recomputes and transposes it), nor for a short
+# reduction (a 4x4 stem on RGB, C * kernel = 48), where the direct convolution is the better kernel.
+PATCH_GEMM_MIN_REDUCTION = 256
+
+
+def _patch_conv(x, w, strides, pads, dilations, groups) -> bool:
+    kernel = list(w.shape[2:])
+    return (x.op == "input" and groups == 1 and list(strides) == kernel and not any(pads)
+            and all(d == 1 for d in dilations) and is_static(x.shape) and is_static(w.shape)
+            and math.prod(kernel) > 1 and math.prod(w.shape[1:]) >= PATCH_GEMM_MIN_REDUCTION)
+
+
+def _patches_times_weight(b, x, w, bias) -> Node:
+    """conv(x, w) + bias as [N * pixels, C * kernel] @ [C * kernel, out], viewed back as NCHW."""
+    spatial, kernel = x.rank - 2, list(w.shape[2:])
+    out = [n // k for n, k in zip(x.shape[2:], kernel)]
+    if [o * k for o, k in zip(out, kernel)] != list(x.shape[2:]):   # windows drop the ragged edge
+        x = b.slice(x, [0] * x.rank, [1] * x.rank, list(x.shape[:2]) + [o * k for o, k in zip(out, kernel)])
+    split = b.reshape(x, [*x.shape[:2], *(n for pair in zip(out, kernel) for n in pair)])    # N, C, O1, K1, ...
+    perm = [0, *(2 + 2 * d for d in range(spatial)), 1, *(3 + 2 * d for d in range(spatial))]  # N, O.., C, K..
+    reduction = math.prod(w.shape[1:])
+    patches = b.reshape(b.permute(split, perm), [x.shape[0] * math.prod(out), reduction])
+    y = b.matmul(patches, b.permute(b.reshape(w, [w.shape[0], reduction]), [1, 0]))
+    if bias is not None:
+        y = b.ew("Add", y, b.reshape(bias, [1, w.shape[0]]))
+    y = b.reshape(y, [x.shape[0], *out, w.shape[0]])
+    return b.permute(y, [0, spatial + 1, *range(1, spatial + 1)])
 
 
 def _pool(kind):

@@ -176,17 +176,24 @@ def _materialized(graph: Graph, live: list) -> dict:
     for node in outputs:
         reads[node] += 1
     must_store = {}
+    copied = set()   # views under a GEMM operand that is copied: computed by the copy's loop
     for node in reversed(live):
         for arg in node.args:
             if node.op == "view":
                 grows = node.attrs["view"] == "expand" and proves_less(arg.numel, node.numel)
                 reads[arg] += max(reads[node], 2) if grows and reads[node] else reads[node]
-                if node.attrs["view"] == "reshape" and not views.only_unit_dims_change(arg.shape, node.shape):
+                if node in copied and arg.op == "view":
+                    copied.add(arg)
+                if node.attrs["view"] == "reshape" and not views.only_unit_dims_change(arg.shape, node.shape) \
+                        and not (node in copied and views.splits_dims(arg.shape, node.shape)):
                     must_store.setdefault(arg, "feeds a reshape strides cannot express")
             else:
                 reads[arg] += 1
             if node.op in DENSE_OPERANDS:
-                must_store.setdefault(arg, f"read from memory by {node.op}")
+                if _copied_gemm_operand(node, arg):
+                    copied.add(arg)
+                else:
+                    must_store.setdefault(arg, f"read from memory by {node.op}")
     chosen, cost_memo = {}, {}
     for node in live:
         if node.op in ALWAYS_MATERIALIZED:
@@ -208,6 +215,28 @@ def _materialized(graph: Graph, live: list) -> dict:
         if node.op in COMPUTED and node not in chosen:
             chosen[node] = why if node is viewed else f"viewed by {viewed!r}, which is {why}"
     return chosen
+
+
+def _copied_gemm_operand(node: Node, arg: Node) -> bool:
+    """Whether matmul `node` reads its operand `arg` through a dense copy (calls._gemm_operand)
+    instead of from its compute source's memory: arg views a computed value whose row-major
+    buffer would leave arg's matrix unpacked (views.packed_matrix; Q, K and V as heads of one
+    [seq, 3 * heads * dim] projection). That source then need not be stored for the matmul: the
+    copy computes it (a bias add fuses into the copy of each head) where it would have been stored."""
+    if node.op != "matmul":
+        return False
+    chain = []
+    while arg.op == "view":
+        chain.append(arg)
+        arg = arg.args[0]
+    if not chain or arg.op not in COMPUTED:
+        return False
+    layout = views.Layout(0, contiguous_strides(arg.shape))
+    for view in reversed(chain):
+        layout = views.view_layout(view, layout)
+        if layout is None:
+            return False
+    return not views.packed_matrix(chain[0].shape, layout.strides)
 
 
 def _permuted_matmul_output(node: Node, users: list):

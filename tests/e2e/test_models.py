@@ -48,6 +48,26 @@ def test_attention_block():
     assert capture.report.coverage == 1.0
 
 
+class PatchEmbedding(torch.nn.Module):
+    """ViT's stem: a conv whose windows tile the image (one GEMM of the patches in the engine),
+    flattened to tokens, a class token prepended."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Conv2d(3, 32, kernel_size=10, stride=10)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 32))
+
+    def forward(self, x):
+        tokens = self.proj(x).flatten(2).transpose(1, 2)
+        return torch.cat([self.cls.expand(x.shape[0], -1, -1), tokens], dim=1)
+
+
+@pytest.mark.parametrize("size", [40, 47], ids=["tiled", "ragged edge"])
+def test_patch_embedding(size):
+    torch.manual_seed(0)
+    compile_and_check(PatchEmbedding().eval(), (torch.randn(2, 3, size, size),), min_cluster_size=1)
+
+
 def _coverage_check(capture, name):
     report = capture.report
     print(f"\n{name}: {report.aten_in_engines}/{report.aten_total} aten nodes in engines "

@@ -73,6 +73,29 @@ def test_transposed_operand_folds_into_gemm_flags_and_weight_broadcast_has_strid
     assert args[0] == "2" and args[11] == "0" and args[12] == "1"   # batch, stride_b == 0, trans_b
 
 
+def test_attention_heads_are_copied_dense_with_the_bias_add_and_the_row_max_is_shared():
+    (case,) = [c for c in CASES if c.name == "attention-heads-of-a-fused-projection"]
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    text = planned.describe()
+    (bias_add,) = [line for line in text.splitlines() if " = Add(" in line]
+    assert bias_add.endswith("inline (computed where it is read)"), "the copies compute the bias add"
+    assert text.count("reduce max") == 1, "softmax and the fully-masked-row check share one row max"
+    program = source_of(case)
+    assert sum(k.count("contiguous copy") for k in kernels(program)) == 3
+    calls = [[a.strip() for a in call.split(",")] for call in re.findall(r"rt->sgemm\((.*)\);", program.source)]
+    scores = calls[1]   # after the projection: q @ k^T, both read dense (k^T as k with trans_b)
+    assert (scores[0], scores[6], scores[10], scores[12]) == ("2", "4", "4", "1")   # batch, lda, ldb, trans_b
+
+
+def test_a_patch_embedding_is_one_gemm_and_other_convolutions_stay_convolutions():
+    programs = {c.name: source_of(c) for c in CASES if c.name.startswith("Conv-")}
+    for name in ("Conv-patches-as-gemm", "Conv-1d-patches-as-gemm", "Conv-3d-patches-as-gemm"):
+        assert "rt->conv(" not in programs[name].source and programs[name].source.count("rt->sgemm(") == 1
+    # C * kernel under PATCH_GEMM_MIN_REDUCTION; overlapping windows
+    for name in ("Conv-1d", "Conv-2x3x9x8-4x3x3x3-4-float32"):
+        assert "rt->conv(" in programs[name].source
+
+
 def test_arena_reuses_dead_buffers():
     chain = [node("Exp", ["x"], ["e1"]), node("ReduceSum", ["e1"], ["s1"]),
              node("Sub", ["x", "s1"], ["d1"]), node("Exp", ["d1"], ["e2"]), node("ReduceSum", ["e2"], ["s2"]),

@@ -142,6 +142,13 @@ CASES = [
     op_case("Conv", [(1, 4, 7, 7), (4, 1, 3, 3)], group=4, pads=[1, 1, 1, 1], name="Conv-depthwise",
             rtol=1e-4, atol=1e-5),
     op_case("Conv", [(2, 3, 11), (5, 3, 4)], strides=[3], name="Conv-1d", rtol=1e-4, atol=1e-5),
+    # windows that tile the input (a ViT patch embedding) are one GEMM of the patches; a ragged
+    # edge the windows never reach is dropped; 1-D and 3-D too, and a bias-free one
+    op_case("Conv", [(2, 16, 10, 9), (8, 16, 4, 4), (8,)], strides=[4, 4], name="Conv-patches-as-gemm",
+            rtol=1e-4, atol=1e-5),
+    op_case("Conv", [(1, 32, 17), (5, 32, 8)], strides=[8], name="Conv-1d-patches-as-gemm", rtol=1e-4, atol=1e-5),
+    op_case("Conv", [(1, 8, 4, 6, 8), (3, 8, 4, 2, 4), (3,)], strides=[4, 2, 4], name="Conv-3d-patches-as-gemm",
+            rtol=1e-4, atol=1e-5),
     # TF-style "same" padding: a zero Pad of the spatial dims folds into the Conv's own (asymmetric)
     # pads; with a second reader, or a non-zero pad value, the Pad stays a kernel of its own.
     graph_case("Pad-folds-into-Conv", [node("Pad", ["x", "p"], ["t"]), node("Conv", ["t", "w"], ["y"], group=6,
@@ -255,6 +262,24 @@ CASES = [
                                           node("Reshape", ["t", "shape"], ["r"]), node("Relu", ["r"], ["y"])],
                {"a": ((2, 3, 4, 5), "float32"), "b": ((2, 3, 5, 6), "float32")}, ["y"],
                {"shape": arr([2, 4, 18], i64)}, rtol=1e-4),
+    # GPT-2's heads: one biased projection [seq, 3 * heads * dim] split into q, k and v by views. The
+    # bias add is not stored: each head's operand is copied dense with the add fused in (q, k
+    # untransposed), and the masked softmax's max is the one its fully-masked-row check reads.
+    graph_case("attention-heads-of-a-fused-projection", [
+        node("MatMul", ["x", "w"], ["p"]), node("Add", ["p", "b"], ["qkv"]),
+        node("Reshape", ["qkv", "split"], ["r"]), node("Transpose", ["r"], ["h"], perm=[1, 2, 0, 3]),
+        *[node("Slice", ["h", f"s{i}", f"s{i + 1}", "ax0"], [z]) for i, z in enumerate("qkv")],
+        node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["s"]),
+        node("Where", ["keep", "s", "ninf"], ["ms"]), node("Softmax", ["ms"], ["a"], axis=-1),
+        node("ReduceMax", ["ms", "ax3"], ["peak"], keepdims=1), node("Equal", ["peak", "ninf"], ["none"]),
+        node("Where", ["none", "zero", "a"], ["pa"]), node("MatMul", ["pa", "v"], ["y"])],
+        {"x": ((6, 8), "float32"), "keep": ((6, 6), "bool")}, ["y"],
+        {"w": np.random.default_rng(1).standard_normal((8, 24)).astype(f32),
+         "b": np.linspace(-1, 1, 24).astype(f32), "split": arr([6, 3, 2, 4], i64),
+         "s0": arr([0], i64), "s1": arr([1], i64), "s2": arr([2], i64), "s3": arr([3], i64),
+         "ax0": arr([0], i64), "ax3": arr([3], i64), "ninf": arr(-np.inf, f32), "zero": arr(0, f32)},
+        values={"keep": np.tril(np.ones((6, 6), bool)) & np.array([1, 1, 1, 1, 1, 0], bool)[:, None]},
+        rtol=1e-4),
     graph_case("shared-exp-two-outputs", [node("Exp", ["x"], ["e"]), node("Add", ["e", "e"], ["y"]),
                                           node("Neg", ["e"], ["z"])],
                {"x": ((5, 6), "float32")}, ["y", "z", "e"]),

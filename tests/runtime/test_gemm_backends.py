@@ -49,6 +49,19 @@ def test_batches(gemm_backend, shared_a, shared_b, trans_a, trans_b, pack):
                   pack=pack, seed=1)
 
 
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("m", [1, 7, 197])
+def test_batch_the_threads_do_not_divide(gemm_backend, trans_a, m):
+    """3 heads on 2 threads: MKL's batch path splits each GEMM in row blocks (uneven for odd m)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_sgemm(3, m, 13, 19, 1.0, 0.0, trans_a, True, pad=2)
+        run_sgemm(3, m, 13, 19, -0.5, 1.0, trans_a, False, shared_b=True, pad=3, seed=1)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("alpha", [1.0, 0.125])
 def test_attention_heads(gemm_backend, alpha):
     """Q @ K^T and P @ V as codegen passes them for [batch, heads, seq, 64] attention: the heads of
