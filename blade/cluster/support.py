@@ -1003,23 +1003,14 @@ def _unbind(ctx: LowerCtx, node):
 
 
 def _cumsum(ctx: LowerCtx, node):
-    """cumsum(x, dim): a sum against a constant lower-triangular mask (small dims: O(n^2) is fine)."""
+    """cumsum(x, dim): ONNX CumSum (the engine's scan: a running sum along the axis)."""
     x, dim = _args(node)[:2]
     dtype = _out_dtype(node)
-    shape = ctx.shape(x)
-    rank = len(shape)
-    dim = ctx.const(dim) % max(rank, 1)
+    rank = len(ctx.shape(x))
     if rank == 0:
         return [ctx.as_dtype(x, dtype)]
-    n = shape[dim]
-    moved = ctx.b.op("Transpose", [ctx.as_dtype(x, dtype)], perm=[d for d in range(rank) if d != dim] + [dim])
-    # [.., 1, n] * mask[n(out), n(in)] -> sum over in
-    prod = ctx.b.op("Where", [ctx.b.constant(np.tril(np.ones((n, n), bool)), "mask"),
-                              ctx.b.op("Unsqueeze", [moved, ctx.b.ints([-2])]), ctx.scalar(0, dtype)])
-    summed = ctx.b.op("ReduceSum", [prod, ctx.b.ints([-1])], keepdims=0)
-    back = list(range(rank - 1))
-    back.insert(dim, rank - 1)
-    return [ctx.b.op("Transpose", [summed], perm=back)]
+    axis = ctx.b.constant(np.asarray(ctx.const(dim) % rank, dtype=np.int64), "axis")
+    return [ctx.b.op("CumSum", [ctx.as_dtype(x, dtype), axis])]
 
 
 # ---- reductions composed of ONNX ops ----

@@ -7,6 +7,7 @@ A cluster becomes a DAG of a handful of primitives, each with a static shape and
   view            index remapping without compute: permute, expand, slice, reshape, window (views.py)
   pad             x padded per dim: a constant fill, or reflect/edge index remapping
   reduce          sum / prod / max / min over axes, keeping the reduced dims as size 1
+  scan            inclusive running sum along one axis (cumsum), same shape as its argument
   matmul          float32 batched [.., m, k] @ [.., k, n] with equal batch dims (alpha scale)
   gather          data[..., indices[...], ...] along one axis (range-checked at run time)
   conv            float32 N-d convolution [n, c, *size] * [o, c/g, *k] (+ bias), through the runtime
@@ -167,6 +168,9 @@ class Builder:
         if keepdims:
             return out
         return self.reshape(out, [n for d, n in enumerate(x.shape) if d not in axes])
+
+    def scan(self, kind, x, axis) -> Node:
+        return self._add("scan", x.shape, x.dtype, [x], kind=kind, axis=normalize_axis(axis, x.rank))
 
     def mean(self, x, axes, keepdims=True) -> Node:
         count = math.prod(x.shape[normalize_axis(a, x.rank)] for a in axes)
@@ -370,6 +374,12 @@ def _reduction(kind):
     return rule
 
 
+def _cumsum(b, attrs, x, axis_node):
+    if attrs.get("exclusive", 0) or attrs.get("reverse", 0):
+        raise UnsupportedOnnxOp("CumSum with exclusive or reverse")
+    return [b.scan("sum", x, int(b.const_value(axis_node, "CumSum axis").reshape(-1)[0]))]
+
+
 def _softmax(log):
     def rule(b, attrs, x):
         axis = attrs.get("axis", -1)
@@ -564,6 +574,7 @@ ONNX_RULES = {
     "ReduceMax": _reduction("max"),
     "ReduceMin": _reduction("min"),
     "ReduceProd": _reduction("prod"),
+    "CumSum": _cumsum,
     "Softmax": _softmax(log=False),
     "LogSoftmax": _softmax(log=True),
     "LayerNormalization": _layer_norm,
