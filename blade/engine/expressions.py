@@ -15,7 +15,7 @@ from . import views
 from .buffers import Memory, Strided
 from .ir import Node
 from .lines import Access, Names, Scope, for_loop
-from .optable import CODE_FOR_OP, REDUCE, CType, literal
+from .optable import ARG_REDUCE, CODE_FOR_OP, REDUCE, CType, literal
 from .symbolic import Const, Var, as_expr
 
 
@@ -116,6 +116,8 @@ class Values:
     def reduction_value(self, node: Node, idx, scope: Scope) -> str:
         """The accumulator loop of a reduce node for one output element (its input fused in)."""
         (src,), kind = node.args, node.attrs["kind"]
+        if kind in ARG_REDUCE:
+            return self._arg_reduction_value(node, idx, scope)
         rule, ctype = REDUCE[kind], CType(node.dtype)
         acc = self.names.fresh("acc")
         scope.lines.append(f"{ctype} {acc} = {rule.init(ctype)};")
@@ -145,6 +147,22 @@ class Values:
                                                      body, pragma)
         scope.lines[:] = body + after
         return acc
+
+    def _arg_reduction_value(self, node: Node, idx, scope: Scope) -> str:
+        """The index loop of an argmax/argmin node (one axis) for one output element: a scalar
+        loop, since the first-index and NaN rules make each step depend on the one before."""
+        (src,), (axis,) = node.args, node.attrs["axes"]
+        better, init = ARG_REDUCE[node.attrs["kind"]]
+        vtype = CType(src.dtype)
+        best, pos = self.names.fresh("best"), self.names.fresh("pos")
+        scope.lines += [f"{vtype} {best} = {init(vtype)};", f"int64_t {pos} = 0;"]
+        r = Var.loop(self.names.fresh("r"), src.shape[axis])
+        body = scope.child([r])
+        v = self.value(src, [r if d == axis else i for d, i in enumerate(idx)], body)
+        nan_rule = f"{best} == {best} && ({v} != {v} || {better(best, v)})" if vtype.is_float else better(best, v)
+        body.lines.append(f"if ({nan_rule}) {{ {best} = {v}; {pos} = {r}; }}")
+        scope.lines[:] = scope.lines + for_loop(r, 0, src.shape[axis], body.lines)
+        return pos
 
 
 LAZY = {

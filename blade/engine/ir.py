@@ -6,7 +6,8 @@ A cluster becomes a DAG of a handful of primitives, each with a static shape and
   ew              elementwise op over arguments of the node's own shape (broadcasts are explicit views)
   view            index remapping without compute: permute, expand, slice, reshape, window (views.py)
   pad             x padded per dim: a constant fill, or reflect/edge index remapping
-  reduce          sum / prod / max / min over axes, keeping the reduced dims as size 1
+  reduce          sum / prod / max / min over axes, keeping the reduced dims as size 1; argmax /
+                  argmin (int64, one axis): torch's index rules (the first NaN, else the first extreme)
   scan            inclusive running sum along one axis (cumsum), same shape as its argument
   matmul          float32 batched [.., m, k] @ [.., k, n] with equal batch dims (alpha scale)
   gather          data[..., indices[...], ...] along one axis (range-checked at run time)
@@ -168,6 +169,12 @@ class Builder:
         if keepdims:
             return out
         return self.reshape(out, [n for d, n in enumerate(x.shape) if d not in axes])
+
+    def arg_reduce(self, kind, x, axis, keepdims=True) -> Node:
+        axis = normalize_axis(axis, x.rank)
+        kept = tuple(1 if d == axis else n for d, n in enumerate(x.shape))
+        out = self._add("reduce", kept, "int64", [x], kind=kind, axes=[axis])
+        return out if keepdims else self.reshape(out, [n for d, n in enumerate(x.shape) if d != axis])
 
     def scan(self, kind, x, axis) -> Node:
         return self._add("scan", x.shape, x.dtype, [x], kind=kind, axis=normalize_axis(axis, x.rank))
@@ -374,6 +381,14 @@ def _reduction(kind):
     return rule
 
 
+def _arg_reduction(kind):
+    def rule(b, attrs, x):
+        if attrs.get("select_last_index", 0):
+            raise UnsupportedOnnxOp(f"{kind} with select_last_index")
+        return [b.arg_reduce(kind, x, int(attrs.get("axis", 0)), bool(attrs.get("keepdims", 1)))]
+    return rule
+
+
 def _cumsum(b, attrs, x, axis_node):
     if attrs.get("exclusive", 0) or attrs.get("reverse", 0):
         raise UnsupportedOnnxOp("CumSum with exclusive or reverse")
@@ -575,6 +590,8 @@ ONNX_RULES = {
     "ReduceMin": _reduction("min"),
     "ReduceProd": _reduction("prod"),
     "CumSum": _cumsum,
+    "ArgMax": _arg_reduction("argmax"),
+    "ArgMin": _arg_reduction("argmin"),
     "Softmax": _softmax(log=False),
     "LogSoftmax": _softmax(log=True),
     "LayerNormalization": _layer_norm,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from . import views
 from .buffers import CHANNELS_LAST, channels_last_order, same_strides, strides_in_order
 from .ir import Graph, Node
-from .optable import EXPENSIVE_OPS
+from .optable import ARG_REDUCE, EXPENSIVE_OPS
 from .symbolic import proves_less
 from .views import contiguous_strides
 
@@ -116,6 +116,8 @@ def window_form(node: Node) -> bool:
     """Whether a reduce node is emitted in window form (a small window per output, along a long
     enough output row: loops.emit_reduce). Run-time dims do not count as long: the window form's
     loops are planned on static rows only."""
+    if node.attrs["kind"] in ARG_REDUCE:
+        return False   # the window form keeps one accumulator per output, not a (value, index) pair
     src, dims = node.args[0], [n for n in node.shape if n != 1 and isinstance(n, int)]
     window = math.prod(src.shape[a] for a in node.attrs["axes"])
     return bool(dims) and window <= WINDOW_REDUCE_MAX and max(dims) >= WINDOW_REDUCE_MIN_ROW
