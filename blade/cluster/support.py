@@ -1115,8 +1115,11 @@ def _min_max(onnx_op: str):
 
 def _min_max_check(node):
     args = _args(node)
-    if len(args) >= 2 and not is_tensor(args[1]) and not args[0].type().sizes():
-        return f"{node.kind()} along a dim of a 0-d tensor"
+    if len(args) >= 2 and not is_tensor(args[1]):
+        if not args[0].type().sizes():
+            return f"{node.kind()} along a dim of a 0-d tensor"
+        if args[0].type().dtype() == torch.bool:
+            return f"{node.kind()} along a dim of a bool tensor"
     return None
 
 
@@ -1135,8 +1138,11 @@ def _arg_min_max(onnx_op: str):
 
 
 def _arg_min_max_check(node):
-    if not _args(node)[0].type().sizes():
+    x = _args(node)[0]
+    if not x.type().sizes():
         return f"{node.kind()} of a 0-d tensor"
+    if x.type().dtype() == torch.bool:
+        return f"{node.kind()} of a bool tensor"
     return None
 
 

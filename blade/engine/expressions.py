@@ -149,19 +149,32 @@ class Values:
         return acc
 
     def _arg_reduction_value(self, node: Node, idx, scope: Scope) -> str:
-        """The index loop of an argmax/argmin node (one axis) for one output element: a scalar
-        loop, since the first-index and NaN rules make each step depend on the one before."""
+        """The index of an argmax/argmin node (one axis) for one output element, in two vectorized
+        passes: the extreme (NaN-ignoring, with a NaN flag), then the first index holding it (the
+        first NaN when there is one), a min-reduction over candidate indices."""
         (src,), (axis,) = node.args, node.attrs["axes"]
         better, init = ARG_REDUCE[node.attrs["kind"]]
-        vtype = CType(src.dtype)
-        best, pos = self.names.fresh("best"), self.names.fresh("pos")
-        scope.lines += [f"{vtype} {best} = {init(vtype)};", f"int64_t {pos} = 0;"]
-        r = Var.loop(self.names.fresh("r"), src.shape[axis])
-        body = scope.child([r])
-        v = self.value(src, [r if d == axis else i for d, i in enumerate(idx)], body)
-        nan_rule = f"{best} == {best} && ({v} != {v} || {better(best, v)})" if vtype.is_float else better(best, v)
-        body.lines.append(f"if ({nan_rule}) {{ {best} = {v}; {pos} = {r}; }}")
-        scope.lines[:] = scope.lines + for_loop(r, 0, src.shape[axis], body.lines)
+        vtype, n = CType(src.dtype), src.shape[axis]
+        best, nan, pos = self.names.fresh("best"), self.names.fresh("nan"), self.names.fresh("pos")
+        scope.lines += [f"{vtype} {best} = {init(vtype)};", f"int32_t {nan} = 0;", f"int64_t {pos} = {n};"]
+        simd_op = "max" if node.attrs["kind"] == "argmax" else "min"
+
+        def pass_over_axis(body_lines, pragma):
+            r = Var.loop(self.names.fresh("r"), n)
+            body = scope.child([r])
+            v = self.value(src, [r if d == axis else i for d, i in enumerate(idx)], body)
+            body.lines += body_lines(v, r)
+            scope.lines += for_loop(r, 0, n, body.lines, pragma)
+
+        pass_over_axis(lambda v, r: [f"{best} = {better(best, v)} ? {v} : {best};", f"{nan} |= {v} != {v};"],
+                       f"#pragma omp simd reduction({simd_op}:{best}) reduction(|:{nan})")
+        candidate = self.names.fresh("hit")
+        # bitwise & and | of the conditions, not ?: or &&: g++ vectorizes masks, not branches
+        def hit(v):
+            return f"(({v} != {v}) & ({nan} != 0)) | (({v} == {best}) & ({nan} == 0))" if vtype.is_float else f"{v} == {best}"
+        pass_over_axis(lambda v, r: [f"const int64_t {candidate} = ({hit(v)}) ? {r} : {n};",
+                                     f"{pos} = {candidate} < {pos} ? {candidate} : {pos};"],
+                       f"#pragma omp simd reduction(min:{pos})")
         return pos
 
 

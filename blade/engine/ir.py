@@ -172,6 +172,8 @@ class Builder:
 
     def arg_reduce(self, kind, x, axis, keepdims=True) -> Node:
         axis = normalize_axis(axis, x.rank)
+        if x.shape[axis] == 0:
+            raise UnsupportedOnnxOp(f"{kind} over an empty axis (torch raises)")
         kept = tuple(1 if d == axis else n for d, n in enumerate(x.shape))
         out = self._add("reduce", kept, "int64", [x], kind=kind, axes=[axis])
         return out if keepdims else self.reshape(out, [n for d, n in enumerate(x.shape) if d != axis])

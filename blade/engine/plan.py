@@ -32,10 +32,16 @@ from .views import contiguous_strides
 COMPUTED = ("ew", "gather", "pad")       # computed per element: inlined into consumers or stored
 ALWAYS_MATERIALIZED = ("reduce", "scan", "matmul", "concat", "conv")
 DENSE_OPERANDS = ("matmul", "conv")      # ops whose arguments the runtime reads from memory
-READS_PER_ELEMENT = {"scan": 2}          # ops reading each argument element more than once (loops.emit_scan)
+
 RECOMPUTE_MAX_COST = 2                   # per-element cost above which a value read twice is stored
 WINDOW_REDUCE_MAX = 32         # reductions over at most this many elements per output ...
 WINDOW_REDUCE_MIN_ROW = 8      # ... with an innermost output dim this long use the window form
+
+
+def reads_per_element(node: Node) -> int:
+    """How often node's kernel reads each element of its argument: a scan (loops.emit_scan) and an
+    arg reduction (expressions: the extreme, then its index) read it twice."""
+    return 2 if node.op == "scan" or (node.op == "reduce" and node.attrs["kind"] in ARG_REDUCE) else 1
 
 
 @dataclass(frozen=True)
@@ -185,7 +191,7 @@ def _materialized(graph: Graph, live: list) -> dict:
                 if node.attrs["view"] == "reshape" and not views.only_unit_dims_change(arg.shape, node.shape):
                     must_store.setdefault(arg, "feeds a reshape strides cannot express")
             else:
-                reads[arg] += READS_PER_ELEMENT.get(node.op, 1)
+                reads[arg] += reads_per_element(node)
             if node.op in DENSE_OPERANDS:
                 must_store.setdefault(arg, f"read from memory by {node.op}")
     chosen, cost_memo = {}, {}
