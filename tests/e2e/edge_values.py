@@ -153,9 +153,11 @@ CALLS = {
                     Call("unary", lambda x: torch.where(x > 0, x, 0))],
     "aten::masked_fill": [Call("binary", lambda x, y: x.masked_fill(y > 0, -math.inf))],
     "aten::max": [Call("reduction", lambda x: torch.max(x)), Call("binary", lambda x, y: torch.max(x, y)),
-                  Call("reduction", lambda x: torch.max(x, 1)), Call("reduction", lambda x: torch.max(x, 0, keepdim=True))],
+                  Call("reduction", lambda x: torch.max(x, 1).values), Call("reduction", lambda x: torch.max(x, 1).indices),
+                  Call("reduction", lambda x: torch.max(x, 0, keepdim=True).indices)],
     "aten::min": [Call("reduction", lambda x: torch.min(x)), Call("binary", lambda x, y: torch.min(x, y)),
-                  Call("reduction", lambda x: torch.min(x, 1)), Call("reduction", lambda x: torch.min(x, 0, keepdim=True))],
+                  Call("reduction", lambda x: torch.min(x, 1).values), Call("reduction", lambda x: torch.min(x, 1).indices),
+                  Call("reduction", lambda x: torch.min(x, 0, keepdim=True).indices)],
     "aten::argmax": [Call("reduction", lambda x: torch.argmax(x, 1)), Call("reduction", lambda x: torch.argmax(x))],
     "aten::argmin": [Call("reduction", lambda x: torch.argmin(x, 0, keepdim=True)), Call("reduction", lambda x: torch.argmin(x))],
     "aten::to": [Call("unary", lambda x, to=to: x.to(to))
