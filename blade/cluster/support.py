@@ -1046,23 +1046,14 @@ def _unbind(ctx: LowerCtx, node):
 
 
 def _cumsum(ctx: LowerCtx, node):
-    """cumsum(x, dim): a sum against a constant lower-triangular mask (small dims: O(n^2) is fine)."""
+    """cumsum(x, dim): ONNX CumSum (the engine's scan: a running sum along the axis)."""
     x, dim = _args(node)[:2]
     dtype = _out_dtype(node)
-    shape = ctx.shape(x)
-    rank = len(shape)
-    dim = ctx.const(dim) % max(rank, 1)
+    rank = len(ctx.shape(x))
     if rank == 0:
         return [ctx.as_dtype(x, dtype)]
-    n = shape[dim]
-    moved = ctx.b.op("Transpose", [ctx.as_dtype(x, dtype)], perm=[d for d in range(rank) if d != dim] + [dim])
-    # [.., 1, n] * mask[n(out), n(in)] -> sum over in
-    prod = ctx.b.op("Where", [ctx.b.constant(np.tril(np.ones((n, n), bool)), "mask"),
-                              ctx.b.op("Unsqueeze", [moved, ctx.b.ints([-2])]), ctx.scalar(0, dtype)])
-    summed = ctx.b.op("ReduceSum", [prod, ctx.b.ints([-1])], keepdims=0)
-    back = list(range(rank - 1))
-    back.insert(dim, rank - 1)
-    return [ctx.b.op("Transpose", [summed], perm=back)]
+    axis = ctx.b.constant(np.asarray(ctx.const(dim) % rank, dtype=np.int64), "axis")
+    return [ctx.b.op("CumSum", [ctx.as_dtype(x, dtype), axis])]
 
 
 # ---- reductions composed of ONNX ops ----
@@ -1148,20 +1139,53 @@ def _bool_reduce(onnx_op: str):
 
 
 def _min_max(onnx_op: str):
-    """max(x) / min(x) (all elements) and max/min(x, y) (elementwise)."""
+    """max(x) / min(x) (all elements), max/min(x, y) (elementwise) and max/min(x, dim, keepdim)
+    (values and indices: ONNX ArgMax/ArgMin, which the engine computes with torch's first-index
+    and NaN rules)."""
     def lower(ctx: LowerCtx, node):
         args = _args(node)
         if len(args) == 1:
             return reduce(onnx_op)(ctx, node)
-        return binary("Max" if onnx_op == "ReduceMax" else "Min")(ctx, node)
+        if is_tensor(args[1]):
+            return binary("Max" if onnx_op == "ReduceMax" else "Min")(ctx, node)
+        x, dim = ctx.tensor(args[0]), ctx.const(args[1]) % len(ctx.shape(args[0]))
+        keepdims = int(bool(ctx.const(args[2]))) if len(args) > 2 else 0
+        values = ctx.b.op(onnx_op, [x, ctx.b.ints([dim])], keepdims=keepdims)
+        arg_op = "ArgMax" if onnx_op == "ReduceMax" else "ArgMin"
+        return [values, ctx.b.op(arg_op, [x], axis=dim, keepdims=keepdims)]
     return lower
 
 
 def _min_max_check(node):
-    if len(list(node.outputs())) > 1:
-        return f"{node.kind()} along a dim (returns indices)"
-    if len(_args(node)) == 2 and not is_tensor(_args(node)[1]):
-        return f"{node.kind()} with a dim returns indices"
+    args = _args(node)
+    if len(args) >= 2 and not is_tensor(args[1]):
+        if not args[0].type().sizes():
+            return f"{node.kind()} along a dim of a 0-d tensor"
+        if args[0].type().dtype() == torch.bool:
+            return f"{node.kind()} along a dim of a bool tensor"
+    return None
+
+
+def _arg_min_max(onnx_op: str):
+    """argmax/argmin(x, dim=None, keepdim): over one dim, or over the flattened tensor."""
+    def lower(ctx: LowerCtx, node):
+        x, dim = _args(node)[:2]
+        keepdims = int(bool(ctx.const(_args(node)[2]))) if len(_args(node)) > 2 else 0
+        rank = len(ctx.shape(x))
+        if ctx.const(dim) is None:
+            flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
+            out = ctx.b.op(onnx_op, [flat], axis=0, keepdims=0)
+            return [ctx.b.op("Reshape", [out, ctx.b.ints([1] * rank)]) if keepdims else out]
+        return [ctx.b.op(onnx_op, [ctx.tensor(x)], axis=ctx.const(dim) % max(rank, 1), keepdims=keepdims)]
+    return lower
+
+
+def _arg_min_max_check(node):
+    x = _args(node)[0]
+    if not x.type().sizes():
+        return f"{node.kind()} of a 0-d tensor"
+    if x.type().dtype() == torch.bool:
+        return f"{node.kind()} of a bool tensor"
     return None
 
 
@@ -1348,6 +1372,8 @@ LOWERING: dict[str, Rule] = {
     "aten::linalg_vector_norm": Rule(_norm, _norm_check),
     "aten::logsumexp": Rule(_logsumexp),
     "aten::cumsum": Rule(_cumsum),
+    "aten::argmax": Rule(_arg_min_max("ArgMax"), _arg_min_max_check),
+    "aten::argmin": Rule(_arg_min_max("ArgMin"), _arg_min_max_check),
     "aten::batch_norm": Rule(_batch_norm, _needs_const_false(5, "batch_norm in training mode")),
     "aten::group_norm": Rule(_group_norm),
     "aten::instance_norm": Rule(_instance_norm, _instance_norm_check),

@@ -20,7 +20,7 @@ from .ir import UnsupportedOnnxOp
 from .calls import emit_conv, emit_matmul
 from .expressions import Values
 from .lines import Names
-from .loops import Kernels, emit_concat, emit_elementwise, emit_pad, emit_reduce
+from .loops import Kernels, emit_concat, emit_elementwise, emit_pad, emit_reduce, emit_scan
 from .manifest import SizeSymbol, TensorSpec
 from .plan import Plan
 from .render import keep_rows_on_stack, render_source
@@ -49,6 +49,7 @@ MATERIALIZE = {
     "gather": emit_elementwise,
     "pad": emit_pad,
     "reduce": emit_reduce,
+    "scan": emit_scan,
     "concat": emit_concat,
     "matmul": emit_matmul,
     "conv": emit_conv,

@@ -15,7 +15,7 @@ from . import views
 from .buffers import Memory, Strided
 from .ir import Node
 from .lines import Access, Names, Scope, for_loop
-from .optable import CODE_FOR_OP, REDUCE, CType, literal
+from .optable import ARG_REDUCE, CODE_FOR_OP, REDUCE, CType, literal
 from .symbolic import Const, Var, as_expr
 
 
@@ -116,6 +116,8 @@ class Values:
     def reduction_value(self, node: Node, idx, scope: Scope) -> str:
         """The accumulator loop of a reduce node for one output element (its input fused in)."""
         (src,), kind = node.args, node.attrs["kind"]
+        if kind in ARG_REDUCE:
+            return self._arg_reduction_value(node, idx, scope)
         rule, ctype = REDUCE[kind], CType(node.dtype)
         acc = self.names.fresh("acc")
         scope.lines.append(f"{ctype} {acc} = {rule.init(ctype)};")
@@ -145,6 +147,35 @@ class Values:
                                                      body, pragma)
         scope.lines[:] = body + after
         return acc
+
+    def _arg_reduction_value(self, node: Node, idx, scope: Scope) -> str:
+        """The index of an argmax/argmin node (one axis) for one output element, in two vectorized
+        passes: the extreme (NaN-ignoring, with a NaN flag), then the first index holding it (the
+        first NaN when there is one), a min-reduction over candidate indices."""
+        (src,), (axis,) = node.args, node.attrs["axes"]
+        better, init = ARG_REDUCE[node.attrs["kind"]]
+        vtype, n = CType(src.dtype), src.shape[axis]
+        best, nan, pos = self.names.fresh("best"), self.names.fresh("nan"), self.names.fresh("pos")
+        scope.lines += [f"{vtype} {best} = {init(vtype)};", f"int32_t {nan} = 0;", f"int64_t {pos} = {n};"]
+        simd_op = "max" if node.attrs["kind"] == "argmax" else "min"
+
+        def pass_over_axis(body_lines, pragma):
+            r = Var.loop(self.names.fresh("r"), n)
+            body = scope.child([r])
+            v = self.value(src, [r if d == axis else i for d, i in enumerate(idx)], body)
+            body.lines += body_lines(v, r)
+            scope.lines += for_loop(r, 0, n, body.lines, pragma)
+
+        pass_over_axis(lambda v, r: [f"{best} = {better(best, v)} ? {v} : {best};", f"{nan} |= {v} != {v};"],
+                       f"#pragma omp simd reduction({simd_op}:{best}) reduction(|:{nan})")
+        candidate = self.names.fresh("hit")
+        # bitwise & and | of the conditions, not ?: or &&: g++ vectorizes masks, not branches
+        def hit(v):
+            return f"(({v} != {v}) & ({nan} != 0)) | (({v} == {best}) & ({nan} == 0))" if vtype.is_float else f"{v} == {best}"
+        pass_over_axis(lambda v, r: [f"const int64_t {candidate} = ({hit(v)}) ? {r} : {n};",
+                                     f"{pos} = {candidate} < {pos} ? {candidate} : {pos};"],
+                       f"#pragma omp simd reduction(min:{pos})")
+        return pos
 
 
 LAZY = {

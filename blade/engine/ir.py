@@ -6,7 +6,9 @@ A cluster becomes a DAG of a handful of primitives, each with a static shape and
   ew              elementwise op over arguments of the node's own shape (broadcasts are explicit views)
   view            index remapping without compute: permute, expand, slice, reshape, window (views.py)
   pad             x padded per dim: a constant fill, or reflect/edge index remapping
-  reduce          sum / prod / max / min over axes, keeping the reduced dims as size 1
+  reduce          sum / prod / max / min over axes, keeping the reduced dims as size 1; argmax /
+                  argmin (int64, one axis): torch's index rules (the first NaN, else the first extreme)
+  scan            inclusive running sum along one axis (cumsum), same shape as its argument
   matmul          float32 batched [.., m, k] @ [.., k, n] with equal batch dims (alpha scale)
   gather          data[..., indices[...], ...] along one axis (range-checked at run time)
   conv            float32 N-d convolution [n, c, *size] * [o, c/g, *k] (+ bias), through the runtime
@@ -173,6 +175,17 @@ class Builder:
         if keepdims:
             return out
         return self.reshape(out, [n for d, n in enumerate(x.shape) if d not in axes])
+
+    def arg_reduce(self, kind, x, axis, keepdims=True) -> Node:
+        axis = normalize_axis(axis, x.rank)
+        if x.shape[axis] == 0:
+            raise UnsupportedOnnxOp(f"{kind} over an empty axis (torch raises)")
+        kept = tuple(1 if d == axis else n for d, n in enumerate(x.shape))
+        out = self._add("reduce", kept, "int64", [x], kind=kind, axes=[axis])
+        return out if keepdims else self.reshape(out, [n for d, n in enumerate(x.shape) if d != axis])
+
+    def scan(self, kind, x, axis) -> Node:
+        return self._add("scan", x.shape, x.dtype, [x], kind=kind, axis=normalize_axis(axis, x.rank))
 
     def mean(self, x, axes, keepdims=True) -> Node:
         count = math.prod(x.shape[normalize_axis(a, x.rank)] for a in axes)
@@ -374,6 +387,20 @@ def _reduction(kind):
         keep = bool(attrs.get("keepdims", 1))
         return [b.mean(x, axes, keep) if kind == "mean" else b.reduce(kind, x, axes, keep)]
     return rule
+
+
+def _arg_reduction(kind):
+    def rule(b, attrs, x):
+        if attrs.get("select_last_index", 0):
+            raise UnsupportedOnnxOp(f"{kind} with select_last_index")
+        return [b.arg_reduce(kind, x, int(attrs.get("axis", 0)), bool(attrs.get("keepdims", 1)))]
+    return rule
+
+
+def _cumsum(b, attrs, x, axis_node):
+    if attrs.get("exclusive", 0) or attrs.get("reverse", 0):
+        raise UnsupportedOnnxOp("CumSum with exclusive or reverse")
+    return [b.scan("sum", x, int(b.const_value(axis_node, "CumSum axis").reshape(-1)[0]))]
 
 
 def _softmax(log):
@@ -633,6 +660,9 @@ ONNX_RULES = {
     "ReduceMax": _reduction("max"),
     "ReduceMin": _reduction("min"),
     "ReduceProd": _reduction("prod"),
+    "CumSum": _cumsum,
+    "ArgMax": _arg_reduction("argmax"),
+    "ArgMin": _arg_reduction("argmin"),
     "Softmax": _softmax(log=False),
     "LogSoftmax": _softmax(log=True),
     "LayerNormalization": _layer_norm,

@@ -306,3 +306,119 @@ def emit_concat(em, node, dest):
         em.kernels.emit_loop(f"{node!r} = concat part {arg!r}", part,
                              lambda scope, idx, arg=arg: em.values.value(arg, idx, scope))
         start += arg.shape[axis]
+
+
+SCAN_CHUNKS = (16, 8, 4)     # a contiguous scan axis is cut into this many chunks (the first that divides it) ...
+SCAN_MIN_CHUNK = 16          # ... of at least this many elements each
+
+
+def emit_scan(em, node, dest):
+    """An inclusive running sum (cumsum) along node's axis, parallel over the dims before it.
+    Along a contiguous axis one running sum is a chain of dependent adds (4 cycles each), so the
+    row is cut into chunks: pass 1 sums each chunk (vectorized), pass 2 runs the chunks' sums
+    side by side, each starting from the total of the chunks before it (independent chains).
+    With dims after the axis, each step adds a whole vectorizable slice to the previous one.
+    Float sums accumulate in double along a contiguous axis, as torch's CPU cumsum does."""
+    axis, shape = node.attrs["axis"], node.shape
+    comment = f"{node!r} = scan {node.attrs['kind']} over axis {axis}"
+    make = _contiguous_scan_kernel if all(n == 1 for n in shape[axis + 1:]) else _slice_scan_kernel
+    if em.kernels.group is not None and len(em.kernels.group.rows) > axis:
+        em.kernels.close_group()   # its row loop would run over the scan axis
+    em.kernels.emit_loop(comment, dest, None, 3, rows=axis,
+                         make=lambda c, d, _, w, g: make(em, node, c, d, w, g))
+
+
+def _scan_kernel_start(em, node, comment, dest, group):
+    """The kernel, its index, its prologue scope, the scope of one scan line (inside the loops
+    over the dims before the axis that the group's rows do not cover) and wrap(lines): those loops."""
+    kernel = Kernel(group.number, comment)
+    kernel.use(dest.buf, write=True)
+    idx = loop_vars(dest.shape)
+    prologue = Scope(kernel, em.kernels.names)
+    chain = [prologue.child([idx[d] for d in range(len(group.rows)) if dest.shape[d] != 1])]
+    outer = [d for d in range(len(group.rows), node.attrs["axis"]) if dest.shape[d] != 1]
+    for d in outer:
+        chain.append(chain[-1].child([idx[d]]))
+
+    def wrap(lines):
+        for level in range(len(outer), 0, -1):
+            lines = chain[level - 1].lines + for_loop(idx[outer[level - 1]], 0, dest.shape[outer[level - 1]], lines)
+        return lines
+    return kernel, idx, prologue, chain[-1], wrap
+
+
+def _store(kernel, dest, idx, value):
+    kernel.accesses.append((dest, idx, True))
+    return (Access(dest.buf, dest.address(idx)), f" = {value};")
+
+
+def _contiguous_scan_kernel(em, node, comment, dest: Strided, work_per_element, group) -> Kernel:
+    (src,), axis, n = node.args, node.attrs["axis"], node.shape[node.attrs["axis"]]
+    names, ctype = em.kernels.names, CType(node.dtype)
+    acc_type = "double" if ctype.is_float else ctype.name
+    kernel, idx, prologue, row, wrap = _scan_kernel_start(em, node, comment, dest, group)
+    chunks = next((v for v in SCAN_CHUNKS if isinstance(n, int) and n % v == 0 and n // v >= SCAN_MIN_CHUNK), 1)
+    length = n // chunks if chunks > 1 else n
+    v, i = Var.loop(names.fresh("c"), chunks), Var.loop(names.fresh("s"), length)
+    at = lambda c, s: idx[:axis] + [c * length + s] + idx[axis + 1:]
+    acc = names.fresh("acc")
+    lines = [f"{acc_type} {acc}[{chunks}];"]
+    c = v.name
+    if chunks > 1:
+        # pass 1: acc[c] = the sum of the chunks before c (exclusive prefix of the chunk sums)
+        total, carry = names.fresh("sum"), names.fresh("carry")
+        outer = row.child([v])
+        inner = outer.child([i])
+        x = em.values.value(src, at(v, i), inner)
+        inner.lines.append(f"{total} += static_cast<{acc_type}>({x});")
+        sums = outer.lines + [f"{acc_type} {total} = 0;"] + \
+            for_loop(i, 0, length, inner.lines, f"#pragma omp simd reduction(+:{total})") + \
+            [f"{acc}[{c}] = {carry};", f"{carry} += {total};"]
+        lines += [f"{acc_type} {carry} = 0;"] + for_loop(v, 0, chunks, sums)
+    else:
+        lines.append(f"{acc}[0] = 0;")
+    # pass 2: the chunks' running sums side by side
+    outer = row.child([i])
+    inner = outer.child([v])
+    x = em.values.value(src, at(v, i), inner)
+    inner.lines += [f"{acc}[{c}] += static_cast<{acc_type}>({x});",
+                    _store(kernel, dest, at(v, i), f"static_cast<{ctype}>({acc}[{c}])")]
+    lines += for_loop(i, 0, length, outer.lines + for_loop(v, 0, chunks, inner.lines, f"#pragma GCC unroll {chunks}"))
+    kernel.prologue, kernel.body = prologue.lines, wrap(row.lines + lines)
+    kernel.work = math.prod(dest.shape[len(group.rows):]) * work_per_element
+    return kernel
+
+
+def _slice_scan_kernel(em, node, comment, dest: Strided, work_per_element, group) -> Kernel:
+    (src,), axis, n = node.args, node.attrs["axis"], node.shape[node.attrs["axis"]]
+    names = em.kernels.names
+    kernel, idx, prologue, row, wrap = _scan_kernel_start(em, node, comment, dest, group)
+    trailing = [d for d in range(axis + 1, len(dest.shape)) if dest.shape[d] != 1]
+    step = Var.loop(names.fresh("s"), n)
+
+    def slice_loop(first: bool):
+        # out[.., j, ..] = x[.., j, ..] (+ out[.., j - 1, ..] after the first step), over the trailing dims
+        chain = [row.child([] if first else [step])]
+        for d in trailing:
+            chain.append(chain[-1].child([idx[d]]))
+        j = Const(0) if first else step
+        here = idx[:axis] + [j] + idx[axis + 1:]
+        x = em.values.value(src, here, chain[-1])
+        if not first:
+            before = idx[:axis] + [step - 1] + idx[axis + 1:]
+            kernel.accesses.append((dest, before, False))
+            prev = names.fresh("prev")
+            chain[-1].lines.append((f"const {CType(node.dtype)} {prev} = ", Access(dest.buf, dest.address(before)), ";"))
+            x = f"{prev} + {x}"
+        chain[-1].lines.append(_store(kernel, dest, here, x))
+        body = chain[-1].lines
+        for level in range(len(trailing), 0, -1):
+            body = chain[level - 1].lines + for_loop(idx[trailing[level - 1]], 0, dest.shape[trailing[level - 1]], body)
+        return body
+
+    first = slice_loop(True)
+    rest = slice_loop(False)
+    kernel.prologue = prologue.lines
+    kernel.body = wrap(row.lines + first + for_loop(step, 1, n, rest))
+    kernel.work = math.prod(dest.shape[len(group.rows):]) * work_per_element
+    return kernel

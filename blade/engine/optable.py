@@ -151,3 +151,11 @@ REDUCE = {
     "min": Reduction(_inf_or_max, lambda acc, v: f"({v} != {v} || {v} < {acc}) ? {v} : {acc}", "min",
                      lambda acc, v: f"{v} < {acc} ? {v} : {acc}"),
 }
+
+# Arg reductions: (the comparison that makes v the new extreme, the initial extreme). A strict
+# comparison keeps the first of equal extremes, and a NaN is taken once (v != v) and then kept
+# (best != best), which are torch's rules for max/min(dim) and argmax/argmin.
+ARG_REDUCE = {
+    "argmax": (lambda best, v: f"{v} > {best}", _neg_inf_or_lowest),
+    "argmin": (lambda best, v: f"{v} < {best}", _inf_or_max),
+}

@@ -25,16 +25,23 @@ from dataclasses import dataclass, field
 from . import views
 from .buffers import CHANNELS_LAST, channels_last_order, same_strides, strides_in_order
 from .ir import Graph, Node
-from .optable import EXPENSIVE_OPS
+from .optable import ARG_REDUCE, EXPENSIVE_OPS
 from .symbolic import proves_less
 from .views import contiguous_strides
 
 COMPUTED = ("ew", "gather", "pad")       # computed per element: inlined into consumers or stored
-ALWAYS_MATERIALIZED = ("reduce", "matmul", "concat", "conv")
+ALWAYS_MATERIALIZED = ("reduce", "scan", "matmul", "concat", "conv")
 DENSE_OPERANDS = ("matmul", "conv")      # ops whose arguments the runtime reads from memory
+
 RECOMPUTE_MAX_COST = 2                   # per-element cost above which a value read twice is stored
 WINDOW_REDUCE_MAX = 32         # reductions over at most this many elements per output ...
 WINDOW_REDUCE_MIN_ROW = 8      # ... with an innermost output dim this long use the window form
+
+
+def reads_per_element(node: Node) -> int:
+    """How often node's kernel reads each element of its argument: a scan (loops.emit_scan) and an
+    arg reduction (expressions: the extreme, then its index) read it twice."""
+    return 2 if node.op == "scan" or (node.op == "reduce" and node.attrs["kind"] in ARG_REDUCE) else 1
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,8 @@ def window_form(node: Node) -> bool:
     """Whether a reduce node is emitted in window form (a small window per output, along a long
     enough output row: loops.emit_reduce). Run-time dims do not count as long: the window form's
     loops are planned on static rows only."""
+    if node.attrs["kind"] in ARG_REDUCE:
+        return False   # the window form keeps one accumulator per output, not a (value, index) pair
     src, dims = node.args[0], [n for n in node.shape if n != 1 and isinstance(n, int)]
     window = math.prod(src.shape[a] for a in node.attrs["axes"])
     if not isinstance(window, int):
@@ -188,7 +197,7 @@ def _materialized(graph: Graph, live: list) -> dict:
                         and not (node in copied and views.splits_dims(arg.shape, node.shape)):
                     must_store.setdefault(arg, "feeds a reshape strides cannot express")
             else:
-                reads[arg] += 1
+                reads[arg] += reads_per_element(node)
             if node.op in DENSE_OPERANDS:
                 if _copied_gemm_operand(node, arg):
                     copied.add(arg)

@@ -152,8 +152,14 @@ CALLS = {
     "aten::where": [Call("binary", lambda x, y: torch.where(x > y, x, y)),
                     Call("unary", lambda x: torch.where(x > 0, x, 0))],
     "aten::masked_fill": [Call("binary", lambda x, y: x.masked_fill(y > 0, -math.inf))],
-    "aten::max": [Call("reduction", lambda x: torch.max(x)), Call("binary", lambda x, y: torch.max(x, y))],
-    "aten::min": [Call("reduction", lambda x: torch.min(x)), Call("binary", lambda x, y: torch.min(x, y))],
+    "aten::max": [Call("reduction", lambda x: torch.max(x)), Call("binary", lambda x, y: torch.max(x, y)),
+                  Call("reduction", lambda x: torch.max(x, 1).values), Call("reduction", lambda x: torch.max(x, 1).indices),
+                  Call("reduction", lambda x: torch.max(x, 0, keepdim=True).indices)],
+    "aten::min": [Call("reduction", lambda x: torch.min(x)), Call("binary", lambda x, y: torch.min(x, y)),
+                  Call("reduction", lambda x: torch.min(x, 1).values), Call("reduction", lambda x: torch.min(x, 1).indices),
+                  Call("reduction", lambda x: torch.min(x, 0, keepdim=True).indices)],
+    "aten::argmax": [Call("reduction", lambda x: torch.argmax(x, 1)), Call("reduction", lambda x: torch.argmax(x))],
+    "aten::argmin": [Call("reduction", lambda x: torch.argmin(x, 0, keepdim=True)), Call("reduction", lambda x: torch.argmin(x))],
     "aten::to": [Call("unary", lambda x, to=to: x.to(to))
                  for to in (torch.float32, torch.float64, torch.int64, torch.int32, torch.bool)],
     "aten::type_as": [Call("unary", lambda x: x.type_as(torch.zeros((), dtype=torch.int32)))],
@@ -170,7 +176,7 @@ CALLS = {
     "aten::group_norm": [Call("reduction", lambda x: F.group_norm(x.unsqueeze(0), 2).squeeze(0))],
     "aten::instance_norm": [Call("reduction", lambda x: F.instance_norm(x.unsqueeze(0)).squeeze(0))],
     "aten::batch_norm": [Call("reduction", lambda x: F.batch_norm(x.unsqueeze(0), *BN_STATS).squeeze(0))],
-    "aten::cumsum": [Call("reduction", lambda x: torch.cumsum(x, 0))],
+    "aten::cumsum": [Call("reduction", lambda x: torch.cumsum(x, 0)), Call("reduction", lambda x: torch.cumsum(x, 1))],
 }
 
 _SHAPES = "shapes, views and data movement: no arithmetic on values"

@@ -46,6 +46,7 @@ ROWS_NOT_COMPARED = {"aten::layer_norm#0": ([5, 8], HUGE_NORM_ROWS), "aten::inst
 REFUSED = {
     **{(kind, dtype): "bitwise integer ops are not supported" for dtype in ("int64", "int32")
        for kind in ("aten::__and__", "aten::__or__", "aten::bitwise_and", "aten::bitwise_or", "aten::bitwise_not")},
+    **{(kind, "bool"): "of a bool tensor" for kind in ("aten::max", "aten::min", "aten::argmax", "aten::argmin")},
 }
 
 

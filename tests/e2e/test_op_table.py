@@ -39,6 +39,13 @@ def ints(values, dtype=torch.int64):
     return lambda: torch.tensor(values, dtype=dtype)
 
 
+def finite(values_indices):
+    """(values with NaN and infinities as 7, indices): the comparison helper measures errors, which
+    non-finite values would poison."""
+    values, indices = values_indices
+    return torch.where(values.isfinite(), values, 7.0), indices
+
+
 def sdpa_mask(keep_row: int, dtype=torch.bool):
     """A [4, 6] attention mask whose row `keep_row` masks every key (all False / all -inf)."""
     def make():
@@ -220,6 +227,13 @@ CASES = {
     "unbind": (lambda x: [t * 2 for t in (x + 1).unbind(1)], [f32(2, 3, 4)]),
     "cumsum": (lambda x: torch.cumsum(x * 2, dim=1), [f32(3, 6, 2)]),
     "cumsum_int": (lambda x: (x + 1).cumsum(-1), [i64(2, 7)]),
+    # a long contiguous axis is scanned in chunks (loops.emit_scan); other axes slice by slice
+    "cumsum_long_rows": (lambda x: torch.cumsum(x * 2 + 1, dim=-1) - 1, [f32(5, 1024)]),
+    "cumsum_long_rows_int": (lambda x: x.cumsum(1), [i64(3, 640, high=1000)]),
+    "cumsum_bool": (lambda m: m.cumsum(-1) * 2, [boolean(4, 96)]),
+    "cumsum_middle_axis": (lambda x: torch.cumsum(x.exp(), dim=1) * 0.5, [f32(2, 33, 3, 8)]),
+    "cumsum_after_row_group": (lambda x: torch.cumsum(torch.softmax(x, -1), dim=1) + x, [f32(3, 4, 256)]),
+    "cumsum_first_axis": (lambda x: torch.cumsum(x + 1, dim=0), [f32(37, 5)]),
     "arange": (lambda x: x + torch.arange(8), [f32(3, 8)]),
     "arange_start_step": (lambda x: x * torch.arange(1, 9, 2, dtype=torch.float32), [f32(2, 4)]),
     "zeros_ones_full": (lambda x: x + torch.zeros(3, 4) + torch.ones(4) * torch.full((3, 1), 2.5), [f32(3, 4)]),
@@ -237,6 +251,15 @@ CASES = {
     "max_all": (lambda x: x.max() + 1, [f32(4, 9)]),
     "min_all_int": (lambda x: x.min() + 1, [i64(4, 9)]),
     "max_binary": (lambda x, y: torch.max(x, y), [f32(4, 9), f32(9)]),
+    # max/min along a dim return values and indices: the first index of the extreme, the first NaN
+    "max_dim_ties_nan": (lambda x: finite(torch.max(x * 2, dim=1)), [ints([[1, 3, 3, 0], [-1, float("nan"), 5, float("nan")],
+                                                                  [float("-inf")] * 4, [2, 2, 2, 2]], torch.float32)]),
+    "min_dim_keepdim": (lambda x: finite(torch.min(x + 0, dim=0, keepdim=True)), [ints([[1, 3, float("nan")], [1, -4, 2],
+                                                                               [0, -4, float("nan")]], torch.float32)]),
+    "max_dim_int": (lambda x: x.max(-1), [i64(6, 5, high=3)]),
+    "max_dim_values_chain": (lambda x: x.max(-1).values * 2 + x.min(-1).indices, [f32(8, 300)]),
+    "argmax_dims": (lambda x: (x.argmax(-1), x.argmin(0, keepdim=True), x.argmax()), [f32(5, 7)]),
+    "argmin_int_ties": (lambda x: (x.argmin(1), x.argmax(keepdim=True)), [i64(4, 9, high=2)]),
     "prod": (lambda x: x.prod(dim=1) * 2, [pos(4, 5)]),
     "any_all": (lambda x: (x > 0).any(dim=1) & (x > -2).all(dim=1), [f32(4, 9)]),
     "logsumexp": (lambda x: torch.logsumexp(x, dim=-1), [f32(4, 9)]),

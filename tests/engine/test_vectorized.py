@@ -140,3 +140,21 @@ def test_report_parsing_sees_a_scalar_loop(tmp_path):
     case = graph_case("exp-f64", [node("Exp", ["x"], ["y"])], {"x": (SHAPE, "float64")}, ["y"])
     loops = compile_with_report(case.model, tmp_path / "exp64", ISA)
     assert loops and not any(loop.vectorized for loop in loops)
+
+
+def test_scan_and_arg_reduction_loops_vectorize(tmp_path):
+    """cumsum's chunk sums and slice-by-slice steps, and both passes of argmax/argmin (the extreme,
+    then its first index), vectorize; the one scalar loop is cumsum's chunks running side by side
+    (independent add chains, loops.emit_scan)."""
+    nodes = [node("ArgMax", ["x"], ["amax"], axis=1), node("ArgMin", ["i"], ["amin"], axis=1),
+             node("CumSum", ["r", "last"], ["rows"]), node("CumSum", ["x3", "middle"], ["slices"])]
+    inits = {"last": np.array(1, np.int64), "middle": np.array(1, np.int64)}
+    case = graph_case("scan-arg", nodes, {"x": (SHAPE, "float32"), "i": (SHAPE, "int64"), "r": ((2, 1024), "float32"),
+                                          "x3": ((2, 64, 1027), "float32")},
+                      ["amax", "amin", "rows", "slices"], inits)
+    loops = compile_with_report(case.model, tmp_path / "scan", ISA)
+    kinds = ("argmax", "argmin", "scan sum over axis 1")
+    # innermost loops: two passes per arg reduction; a chunked scan's two, a sliced scan's first step and the rest
+    assert {kind: sum(kind in loop.kernel for loop in loops) for kind in kinds} == dict(zip(kinds, (2, 2, 4)))
+    scalar = [loop for loop in loops if not loop.vectorized]
+    assert len(scalar) == 1 and "scan" in scalar[0].kernel, [(l.kernel, l.lines) for l in scalar]
