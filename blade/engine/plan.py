@@ -360,10 +360,13 @@ def _activation(p: Plan, value: Node, only_user, is_ew) -> tuple:
 
 
 def _scalar_bound(node: Node, value: Node) -> float | None:
-    """The float32 scalar constant that node (Max/Min) compares its first operand `value` with."""
+    """The float32 scalar constant that node (Max/Min) compares its first operand `value` with
+    (looking through the views that broadcast it)."""
     if node.args[0] is not value or value.dtype != "float32":
         return None
     bound = node.args[1]
+    while bound.op == "view":
+        bound = bound.args[0]
     if bound.op != "const" or bound.dtype != "float32" or bound.numel != 1 or "value" not in bound.attrs:
         return None
     return float(bound.attrs["value"].reshape(()))
