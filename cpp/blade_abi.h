@@ -82,7 +82,7 @@ int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void
 #define BLADE_ACTIVATION_RELU 1            // v < 0 ? 0 : v (NaN stays NaN)
 // v = (v != v || v >= lo) ? v : lo, then (v != v || v <= hi) ? v : hi: the engine's Max then Min
 // (NaN stays NaN; a tie keeps v, so -0 stays -0). ReLU6 and hardtanh; lo = -inf or hi = +inf for
-// a one-sided clamp.
+// a one-sided clamp. The bounds must not be NaN.
 #define BLADE_ACTIVATION_CLAMP 2
 
 #define BLADE_OK 0

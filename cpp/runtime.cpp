@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -298,6 +299,7 @@ Clamp clamp_of(const BladeActivation* activation) {
   if (activation->kind == BLADE_ACTIVATION_RELU) return {true, 0.0f, inf};  // v < 0 ? 0 : v is exactly clamp(0, +inf)
   TORCH_CHECK(activation->kind == BLADE_ACTIVATION_CLAMP, "blade runtime: unknown convolution activation ",
               activation->kind);
+  TORCH_CHECK(!std::isnan(activation->lo) && !std::isnan(activation->hi), "blade runtime: a NaN clamp bound");
   return {true, activation->lo, activation->hi};
 }
 

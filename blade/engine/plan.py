@@ -369,4 +369,5 @@ def _scalar_bound(node: Node, value: Node) -> float | None:
         bound = bound.args[0]
     if bound.op != "const" or bound.dtype != "float32" or bound.numel != 1 or "value" not in bound.attrs:
         return None
-    return float(bound.attrs["value"].reshape(()))
+    value = float(bound.attrs["value"].reshape(()))
+    return None if math.isnan(value) else value   # the runtime's clamp takes no NaN bound
