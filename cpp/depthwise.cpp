@@ -63,7 +63,12 @@ __attribute__((always_inline)) inline void pixel_remainder(const DepthwiseShape&
                                                             Clamp clamp, int64_t oh, int64_t ow, int64_t c0,
                                                             int64_t width, float* out) {
   float acc[16];
-  for (int64_t c = 0; c < width; ++c) acc[c] = bias != nullptr ? bias[c0 + c] : 0.0f;
+  // The bias branch outside the loop too (a masked load through the null pointer otherwise).
+  if (bias != nullptr) {
+    for (int64_t c = 0; c < width; ++c) acc[c] = bias[c0 + c];
+  } else {
+    for (int64_t c = 0; c < width; ++c) acc[c] = 0.0f;
+  }
   for_each_tap(s, image, taps, oh, ow, c0, [&](const float* x, const float* w) {
     for (int64_t c = 0; c < width; ++c) acc[c] += x[c] * w[c];
   });
