@@ -13,12 +13,20 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 4
+#define BLADE_ABI_VERSION 5
 
 extern "C" {
 
 // A chunk [begin, end) of a parallel loop; ctx is the caller's closure.
 typedef void (*blade_range_fn)(void* ctx, int64_t begin, int64_t end);
+
+// The activation a convolution applies to its result (after bias and sum): `kind` is one of
+// BLADE_ACTIVATION_*, and `lo`, `hi` are BLADE_ACTIVATION_CLAMP's bounds (unused by the others).
+// Each computes exactly what the engine's unfused elementwise code computes for the same op.
+struct BladeActivation {
+  int32_t kind;
+  float lo, hi;
+};
 
 struct BladeRuntime {
   int32_t abi_version;  // == BLADE_ABI_VERSION
@@ -45,11 +53,11 @@ struct BladeRuntime {
   //   kernel: the runtime zero-pads first). out_size[d] = (in + begin + end - dilation * (k - 1) - 1)
   //   / stride + 1.
   //   Epilogue, fused into the convolution: `sum` (nullptr, or a tensor of the output's shape and
-  //   layout, e.g. a residual) is added to the result, then `activation` (BLADE_ACTIVATION_*).
+  //   layout, e.g. a residual) is added to the result, then `activation` (nullptr: none).
   void (*conv)(int32_t spatial, const int64_t* input_shape, const float* input,
                const int64_t* weight_shape, const float* weight, const float* bias,
                const int64_t* strides, const int64_t* pads, const int64_t* dilations, int64_t groups,
-               float* output, int32_t layout, const float* sum, int32_t activation);
+               float* output, int32_t layout, const float* sum, const BladeActivation* activation);
 };
 
 // Every engine .so exports these two symbols.
@@ -70,8 +78,12 @@ int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void
 
 #define BLADE_CONV_INPUT_CHANNELS_LAST 1   // BladeRuntime::conv layout bits
 #define BLADE_CONV_OUTPUT_CHANNELS_LAST 2
-#define BLADE_ACTIVATION_NONE 0            // BladeRuntime::conv activation
-#define BLADE_ACTIVATION_RELU 1
+#define BLADE_ACTIVATION_NONE 0            // BladeActivation::kind
+#define BLADE_ACTIVATION_RELU 1            // v < 0 ? 0 : v (NaN stays NaN)
+// v = (v != v || v >= lo) ? v : lo, then (v != v || v <= hi) ? v : hi: the engine's Max then Min
+// (NaN stays NaN; a tie keeps v, so -0 stays -0). ReLU6 and hardtanh; lo = -inf or hi = +inf for
+// a one-sided clamp. The bounds must not be NaN.
+#define BLADE_ACTIVATION_CLAMP 2
 
 #define BLADE_OK 0
 #define BLADE_ERR_INDEX_OUT_OF_RANGE 1  // a gather/embedding index outside its dimension

@@ -3,8 +3,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
 
+#include "activation.h"
 #include "blade_abi.h"
 #include "isa_clones.h"
 #include "runtime.h"
@@ -12,36 +12,40 @@
 namespace blade {
 namespace {
 
-// Rows [begin, end) of the output seen as [rows, width]: the bias broadcast along a row (channels
-// last: one bias per column) or down it (NCHW: one bias per row), plus the residual. Each case is
-// its own loop: with `residual ? residual[j] : 0` inside one, GCC emits a masked load through the
-// null pointer, which AMD cores execute ~50x slower than a plain load (seen: 3 ms for 600K floats).
-BLADE_ISA_CLONES void prefill_rows(float* out, const float* bias, const float* sum, int64_t width, bool bias_per_column,
-                                   int64_t bias_rows, int64_t begin, int64_t end) {
+// The epilogue on rows [begin, end) of the output seen as [rows, width], after the GEMM wrote it:
+// out = clamp(out + bias + sum), the bias broadcast along a row (channels last: one bias per
+// column) or down it (NCHW: one bias per row). Each combination is its own loop: with
+// `residual ? residual[j] : 0` inside one, GCC emits a masked load through the null pointer, which
+// AMD cores execute ~50x slower than a plain load (seen: 3 ms for 600K floats). A missing bias is
+// not added as 0 either: -0 + 0 is +0.
+enum Bias { kNoBias, kBiasPerColumn, kBiasPerRow };
+
+template <int kBias, bool kSum, bool kClamp>
+BLADE_ISA_CLONES void epilogue_rows(float* out, const float* bias, const float* sum, int64_t width, int64_t bias_rows,
+                                    Clamp clamp, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     float* row = out + r * width;
-    const float* residual = sum != nullptr ? sum + r * width : nullptr;
-    if (bias == nullptr) {
-      std::memcpy(row, residual, width * sizeof(float));
-    } else if (bias_per_column && residual != nullptr) {
+    const float* residual = kSum ? sum + r * width : nullptr;
+    const float row_bias = kBias == kBiasPerRow ? bias[r % bias_rows] : 0.0f;
 #pragma omp simd
-      for (int64_t j = 0; j < width; ++j) row[j] = bias[j] + residual[j];
-    } else if (bias_per_column) {
-      std::memcpy(row, bias, width * sizeof(float));
-    } else if (residual != nullptr) {
-      const float b = bias[r % bias_rows];
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) row[j] = b + residual[j];
-    } else {
-      std::fill(row, row + width, bias[r % bias_rows]);
+    for (int64_t j = 0; j < width; ++j) {
+      float v = row[j];
+      if (kBias == kBiasPerColumn) v += bias[j];
+      if (kBias == kBiasPerRow) v += row_bias;
+      if (kSum) v += residual[j];
+      if (kClamp) v = clamp_value(v, clamp.lo, clamp.hi);
+      row[j] = v;
     }
   }
 }
 
-BLADE_ISA_CLONES void relu_range(float* out, int64_t begin, int64_t end) {
-#pragma omp simd
-  for (int64_t i = begin; i < end; ++i) out[i] = out[i] < 0.0f ? 0.0f : out[i];  // NaN stays NaN
-}
+using EpilogueRows = void (*)(float*, const float*, const float*, int64_t, int64_t, Clamp, int64_t, int64_t);
+#define BLADE_EPILOGUE_ROWS(bias)                                                  \
+  {{epilogue_rows<bias, false, false>, epilogue_rows<bias, false, true>},          \
+   {epilogue_rows<bias, true, false>, epilogue_rows<bias, true, true>}}
+const EpilogueRows kEpilogueRows[3][2][2] = {BLADE_EPILOGUE_ROWS(kNoBias), BLADE_EPILOGUE_ROWS(kBiasPerColumn),
+                                             BLADE_EPILOGUE_ROWS(kBiasPerRow)};
+#undef BLADE_EPILOGUE_ROWS
 
 }  // namespace
 
@@ -61,30 +65,26 @@ std::optional<PointwiseShape> pointwise_shape(int32_t spatial, const int64_t* in
 }
 
 void pointwise_conv(const PointwiseShape& s, const float* input, const float* weight, const float* bias,
-                    const float* sum, bool relu, float* output) {
+                    const float* sum, Clamp clamp, float* output) {
   const int64_t total = s.batch * s.pixels * s.out_channels;
   if (total == 0) return;
-  // Channels last: [batch * pixels, out] rows; NCHW: [batch * out, pixels] rows.
-  const int64_t rows = s.channels_last ? s.batch * s.pixels : s.batch * s.out_channels;
-  const int64_t width = total / rows;
-  const bool accumulate = bias != nullptr || sum != nullptr;
-  if (accumulate) {
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
-      prefill_rows(output, bias, sum, width, s.channels_last, s.out_channels, begin, end);
-    });
-  }
-  const float beta = accumulate ? 1.0f : 0.0f;
   const BladeRuntime* rt = runtime();
   if (s.channels_last) {  // [P, out] = [P, in] · W^T
     rt->sgemm(1, s.batch * s.pixels, s.out_channels, s.in_channels, 1.0f, input, s.in_channels, 0, 0, weight,
-              s.in_channels, 0, 1, beta, output, s.out_channels, 0);
+              s.in_channels, 0, 1, 0.0f, output, s.out_channels, 0);
   } else {  // per image [out, P] = W · [in, P]
     rt->sgemm(s.batch, s.out_channels, s.pixels, s.in_channels, 1.0f, weight, s.in_channels, 0, 0, input, s.pixels,
-              s.in_channels * s.pixels, 0, beta, output, s.pixels, s.out_channels * s.pixels);
+              s.in_channels * s.pixels, 0, 0.0f, output, s.pixels, s.out_channels * s.pixels);
   }
-  if (relu) {
-    at::parallel_for(0, total, 16384, [&](int64_t begin, int64_t end) { relu_range(output, begin, end); });
-  }
+  // Channels last: [batch * pixels, out] rows; NCHW: [batch * out, pixels] rows.
+  const int64_t rows = s.channels_last ? s.batch * s.pixels : s.batch * s.out_channels;
+  const int64_t width = total / rows;
+  const int bias_kind = bias == nullptr ? kNoBias : s.channels_last ? kBiasPerColumn : kBiasPerRow;
+  if (bias_kind == kNoBias && sum == nullptr && !clamp.on) return;
+  const EpilogueRows epilogue = kEpilogueRows[bias_kind][sum != nullptr][clamp.on];
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+    epilogue(output, bias, sum, width, s.out_channels, clamp, begin, end);
+  });
 }
 
 }  // namespace blade

@@ -4,12 +4,15 @@
 // NCHW, output[n] = W · input[n] with pixels as columns. Through the runtime's sgemm it writes the
 // engine's buffer directly and takes whichever GEMM kernel the runtime picked for that shape with
 // the weight packed once per engine, where oneDNN's convolution (as torch's convolution op reaches
-// it) returns a fresh tensor that is then copied into the buffer. The bias and a residual are
-// written into the output first and the GEMM accumulates onto them (beta = 1); ReLU is a pass after.
+// it) returns a fresh tensor that is then copied into the buffer. Bias, residual and activation are
+// one pass over the GEMM's output (no prefill the GEMM accumulates onto), in the order the unfused
+// engine computes them: conv + bias, then + sum, then the clamp.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+
+#include "activation.h"
 
 namespace blade {
 
@@ -24,9 +27,9 @@ std::optional<PointwiseShape> pointwise_shape(int32_t spatial, const int64_t* in
                                               const int64_t* strides, const int64_t* pads, const int64_t* dilations,
                                               int64_t groups, int32_t layout);
 
-// output = relu?(conv1x1(input) + bias + sum); weight is [out_channels, in_channels] dense; bias and
+// output = clamp(conv1x1(input) + bias + sum); weight is [out_channels, in_channels] dense; bias and
 // sum may be null; sum and output in the shape's layout.
 void pointwise_conv(const PointwiseShape& shape, const float* input, const float* weight, const float* bias,
-                    const float* sum, bool relu, float* output);
+                    const float* sum, Clamp clamp, float* output);
 
 }  // namespace blade

@@ -1,4 +1,5 @@
 #include "depthwise.h"
+#include "activation.h"
 #include "isa_clones.h"
 
 #include <ATen/Parallel.h>
@@ -40,7 +41,7 @@ __attribute__((always_inline)) inline void for_each_tap(const DepthwiseShape& s,
 template <int64_t Vectors>
 __attribute__((always_inline)) inline void pixel_vectors(const DepthwiseShape& s, const float* image,
                                                           const float* taps, const float* bias, const float* sum,
-                                                          bool relu, int64_t oh, int64_t ow, int64_t c0, float* out) {
+                                                          Clamp clamp, int64_t oh, int64_t ow, int64_t c0, float* out) {
   Floats16 acc[Vectors];
 #pragma GCC unroll 4
   for (int64_t v = 0; v < Vectors; ++v) acc[v] = bias != nullptr ? load16(bias + c0 + 16 * v) : Floats16{};
@@ -51,8 +52,7 @@ __attribute__((always_inline)) inline void pixel_vectors(const DepthwiseShape& s
 #pragma GCC unroll 4
   for (int64_t v = 0; v < Vectors; ++v) {
     if (sum != nullptr) acc[v] += load16(sum + 16 * v);
-    // NaN stays NaN, as torch's relu: NaN < 0 is false.
-    if (relu) acc[v] = acc[v] < 0.0f ? Floats16{} : acc[v];
+    if (clamp.on) acc[v] = clamp_value(acc[v], clamp.lo, clamp.hi);
     store16(out + 16 * v, acc[v]);
   }
 }
@@ -60,10 +60,15 @@ __attribute__((always_inline)) inline void pixel_vectors(const DepthwiseShape& s
 // The last `width` (< 16) channels from c0, the same way with a short array.
 __attribute__((always_inline)) inline void pixel_remainder(const DepthwiseShape& s, const float* image,
                                                             const float* taps, const float* bias, const float* sum,
-                                                            bool relu, int64_t oh, int64_t ow, int64_t c0,
+                                                            Clamp clamp, int64_t oh, int64_t ow, int64_t c0,
                                                             int64_t width, float* out) {
   float acc[16];
-  for (int64_t c = 0; c < width; ++c) acc[c] = bias != nullptr ? bias[c0 + c] : 0.0f;
+  // The bias branch outside the loop too (a masked load through the null pointer otherwise).
+  if (bias != nullptr) {
+    for (int64_t c = 0; c < width; ++c) acc[c] = bias[c0 + c];
+  } else {
+    for (int64_t c = 0; c < width; ++c) acc[c] = 0.0f;
+  }
   for_each_tap(s, image, taps, oh, ow, c0, [&](const float* x, const float* w) {
     for (int64_t c = 0; c < width; ++c) acc[c] += x[c] * w[c];
   });
@@ -72,7 +77,10 @@ __attribute__((always_inline)) inline void pixel_remainder(const DepthwiseShape&
   if (sum != nullptr) {
     for (int64_t c = 0; c < width; ++c) acc[c] += sum[c];
   }
-  for (int64_t c = 0; c < width; ++c) out[c] = relu && acc[c] < 0.0f ? 0.0f : acc[c];
+  if (clamp.on) {
+    for (int64_t c = 0; c < width; ++c) acc[c] = clamp_value(acc[c], clamp.lo, clamp.hi);
+  }
+  for (int64_t c = 0; c < width; ++c) out[c] = acc[c];
 }
 
 // kPixels adjacent output pixels of a stride-1, undilated row whose taps all lie inside the image
@@ -84,7 +92,7 @@ constexpr int64_t kPixels = 4;
 
 template <int64_t Width>
 __attribute__((always_inline)) inline void pixel_run(const DepthwiseShape& s, const float* image, const float* taps,
-                                                      const float* bias, const float* sum, bool relu, int64_t oh,
+                                                      const float* bias, const float* sum, Clamp clamp, int64_t oh,
                                                       int64_t ow0, int64_t c0, float* out) {
   Floats16 acc[kPixels];
   const Floats16 initial = bias != nullptr ? load16(bias + c0) : Floats16{};
@@ -111,27 +119,27 @@ __attribute__((always_inline)) inline void pixel_run(const DepthwiseShape& s, co
   for (int64_t p = 0; p < kPixels; ++p) {
     const int64_t at = p * s.channels;
     if (sum != nullptr) acc[p] += load16(sum + at);
-    if (relu) acc[p] = acc[p] < 0.0f ? Floats16{} : acc[p];
+    if (clamp.on) acc[p] = clamp_value(acc[p], clamp.lo, clamp.hi);
     store16(out + at, acc[p]);
   }
 }
 
 // Output pixels [ow_begin, ow_end) of row `oh` one at a time, every channel.
 __attribute__((always_inline)) inline void pixels(const DepthwiseShape& s, const float* image, const float* taps,
-                                                   const float* bias, const float* sum_row, bool relu, int64_t oh,
+                                                   const float* bias, const float* sum_row, Clamp clamp, int64_t oh,
                                                    int64_t ow_begin, int64_t ow_end, float* out_row) {
   for (int64_t ow = ow_begin; ow < ow_end; ++ow) {
     const int64_t at = ow * s.channels;
     const auto sum_from = [&](int64_t c0) { return sum_row != nullptr ? sum_row + at + c0 : nullptr; };
     int64_t c0 = 0;
     for (; c0 + kBlock <= s.channels; c0 += kBlock) {
-      pixel_vectors<kVectors>(s, image, taps, bias, sum_from(c0), relu, oh, ow, c0, out_row + at + c0);
+      pixel_vectors<kVectors>(s, image, taps, bias, sum_from(c0), clamp, oh, ow, c0, out_row + at + c0);
     }
     for (; c0 + 16 <= s.channels; c0 += 16) {
-      pixel_vectors<1>(s, image, taps, bias, sum_from(c0), relu, oh, ow, c0, out_row + at + c0);
+      pixel_vectors<1>(s, image, taps, bias, sum_from(c0), clamp, oh, ow, c0, out_row + at + c0);
     }
     if (c0 < s.channels) {
-      pixel_remainder(s, image, taps, bias, sum_from(c0), relu, oh, ow, c0, s.channels - c0, out_row + at + c0);
+      pixel_remainder(s, image, taps, bias, sum_from(c0), clamp, oh, ow, c0, s.channels - c0, out_row + at + c0);
     }
   }
 }
@@ -141,19 +149,19 @@ __attribute__((always_inline)) inline void pixels(const DepthwiseShape& s, const
 // (fewer than 16) pixel by pixel.
 template <int64_t Width>
 __attribute__((always_inline)) inline void pixel_runs(const DepthwiseShape& s, const float* image, const float* taps,
-                                                       const float* bias, const float* sum_row, bool relu,
+                                                       const float* bias, const float* sum_row, Clamp clamp,
                                                        int64_t oh, int64_t ow_begin, int64_t ow_end, float* out_row) {
   const int64_t vector_channels = s.channels / 16 * 16;
   for (int64_t ow0 = ow_begin; ow0 < ow_end; ow0 += kPixels) {
     const int64_t at = ow0 * s.channels;
     for (int64_t c0 = 0; c0 < vector_channels; c0 += 16) {
-      pixel_run<Width>(s, image, taps, bias, sum_row != nullptr ? sum_row + at + c0 : nullptr, relu, oh, ow0, c0,
+      pixel_run<Width>(s, image, taps, bias, sum_row != nullptr ? sum_row + at + c0 : nullptr, clamp, oh, ow0, c0,
                        out_row + at + c0);
     }
     if (vector_channels < s.channels) {
       for (int64_t ow = ow0; ow < ow0 + kPixels; ++ow) {
         const int64_t pixel_at = ow * s.channels + vector_channels;
-        pixel_remainder(s, image, taps, bias, sum_row != nullptr ? sum_row + pixel_at : nullptr, relu, oh, ow,
+        pixel_remainder(s, image, taps, bias, sum_row != nullptr ? sum_row + pixel_at : nullptr, clamp, oh, ow,
                         vector_channels, s.channels - vector_channels, out_row + pixel_at);
       }
     }
@@ -163,7 +171,7 @@ __attribute__((always_inline)) inline void pixel_runs(const DepthwiseShape& s, c
 // Output rows [begin, end) of the flattened (batch, out_h) range. Stride-1, undilated rows with a
 // 3, 5 or 7 wide kernel take the runs of pixel_run between their borders.
 BLADE_ISA_CLONES void depthwise_rows(const DepthwiseShape& s, const float* input, const float* taps,
-                                     const float* bias, const float* sum, bool relu, float* output, int64_t begin,
+                                     const float* bias, const float* sum, Clamp clamp, float* output, int64_t begin,
                                      int64_t end) {
   const int64_t row_floats = s.out_w * s.channels;
   const bool runs = s.stride_w == 1 && s.dilation_w == 1 && (s.kernel_w == 3 || s.kernel_w == 5 || s.kernel_w == 7);
@@ -176,14 +184,14 @@ BLADE_ISA_CLONES void depthwise_rows(const DepthwiseShape& s, const float* input
     const float* image = input + n * s.in_h * s.in_w * s.channels;
     const float* sum_row = sum != nullptr ? sum + row * row_floats : nullptr;
     float* out_row = output + row * row_floats;
-    pixels(s, image, taps, bias, sum_row, relu, oh, 0, first, out_row);
+    pixels(s, image, taps, bias, sum_row, clamp, oh, 0, first, out_row);
     switch (runs ? s.kernel_w : 0) {
-      case 3: pixel_runs<3>(s, image, taps, bias, sum_row, relu, oh, first, run_end, out_row); break;
-      case 5: pixel_runs<5>(s, image, taps, bias, sum_row, relu, oh, first, run_end, out_row); break;
-      case 7: pixel_runs<7>(s, image, taps, bias, sum_row, relu, oh, first, run_end, out_row); break;
+      case 3: pixel_runs<3>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
+      case 5: pixel_runs<5>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
+      case 7: pixel_runs<7>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
       default: break;
     }
-    pixels(s, image, taps, bias, sum_row, relu, oh, run_end, s.out_w, out_row);
+    pixels(s, image, taps, bias, sum_row, clamp, oh, run_end, s.out_w, out_row);
   }
 }
 
@@ -199,13 +207,13 @@ at::Tensor depthwise_tap_weight(const float* weight, int64_t channels, int64_t t
 }
 
 void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
-                      const float* sum, bool relu, float* output) {
+                      const float* sum, Clamp clamp, float* output) {
   const int64_t rows = shape.batch * shape.out_h;
   // A chunk of rows worth a thread wake-up: about 32K multiply-adds.
   const int64_t per_row = std::max<int64_t>(1, shape.out_w * shape.channels * shape.kernel_h * shape.kernel_w);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / per_row);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    depthwise_rows(shape, input, tap_weight, bias, sum, relu, output, begin, end);
+    depthwise_rows(shape, input, tap_weight, bias, sum, clamp, output, begin, end);
   });
 }
 

@@ -5,13 +5,15 @@
 // "same" padding of TF-style models, e.g. MobileNet's stride-2 blocks, needs a padded copy of the
 // input first). A depthwise convolution is a few multiply-adds per output element, so those passes
 // over memory cost as much as the arithmetic. Here each output pixel's channels are one vector
-// loop over the taps, written straight into the engine's buffer with bias, residual and ReLU, and
+// loop over the taps, written straight into the engine's buffer with bias, residual and activation, and
 // taps that fall into the padding are skipped, whatever the padding on each side.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+
+#include "activation.h"
 
 namespace blade {
 
@@ -26,9 +28,9 @@ struct DepthwiseShape {
 // contiguous over the channels, the order the kernel reads them in.
 at::Tensor depthwise_tap_weight(const float* weight, int64_t channels, int64_t taps);
 
-// output = relu?(depthwise(input) + bias + sum); input, sum and output are dense NHWC; bias and sum
+// output = clamp(depthwise(input) + bias + sum); input, sum and output are dense NHWC; bias and sum
 // may be null. Parallel over output rows on ATen's pool.
 void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
-                      const float* sum, bool relu, float* output);
+                      const float* sum, Clamp clamp, float* output);
 
 }  // namespace blade

@@ -14,9 +14,11 @@
 // exception unwinds through the engine's frames (g++ emits unwind tables on x86-64 by default) into
 // Engine::execute, where torch turns it into a RuntimeError; an engine never catches it.
 #include "runtime.h"
+#include "activation.h"
 #include "conv_gemm.h"
 #include "depthwise.h"
 #include "gemm.h"
+#include "isa_clones.h"
 #include "winograd.h"
 
 #include <ATen/Parallel.h>
@@ -31,6 +33,8 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -58,6 +62,18 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, blade_range_fn fn, 
 
 // ---- convolution ----
 
+template <bool kClamp>
+BLADE_ISA_CLONES void copy_range(const float* from, float* to, int64_t begin, int64_t end, Clamp clamp) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) to[i] = kClamp ? clamp_value(from[i], clamp.lo, clamp.hi) : from[i];
+}
+
+// to[i] = clamp(from[i]) for `count` dense floats (from == to: in place), in parallel.
+void copy_clamped(const float* from, float* to, int64_t count, Clamp clamp) {
+  const auto copy = clamp.on ? copy_range<true> : copy_range<false>;
+  at::parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) { copy(from, to, begin, end, clamp); });
+}
+
 at::Tensor dense(const float* data, at::IntArrayRef sizes) {
   return at::from_blob(const_cast<float*>(data), sizes, at::TensorOptions().dtype(at::kFloat));
 }
@@ -70,27 +86,25 @@ at::Tensor engine_tensor(const float* data, at::IntArrayRef sizes, bool channels
 }
 
 // oneDNN's convolution on a weight already in its blocked layout (what torch's own frozen-model
-// passes and Inductor's CPU freezing call): mkldnn::_convolution_pointwise, with the epilogue as
-// oneDNN post-ops (a binary "add" post-op reading `sum`, an eltwise one for the activation; the
-// "sum" post-op is only offered in place, into `sum` itself).
+// passes and Inductor's CPU freezing call): mkldnn::_convolution_pointwise, with `sum` as a binary
+// "add" post-op (the "sum" post-op is only offered in place, into `sum` itself).
 at::Tensor onednn_conv(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias,
                        at::IntArrayRef padding, at::IntArrayRef stride, at::IntArrayRef dilation, int64_t groups,
-                       const std::optional<at::Tensor>& sum = std::nullopt, int32_t activation = BLADE_ACTIVATION_NONE) {
+                       const std::optional<at::Tensor>& sum = std::nullopt) {
   static const c10::OperatorHandle unary =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise", "");
   static const c10::OperatorHandle binary =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise", "binary");
-  const bool relu = activation == BLADE_ACTIVATION_RELU;
   const c10::IValue b = bias ? c10::IValue(*bias) : c10::IValue();
   const auto no_scalars = c10::List<std::optional<at::Scalar>>();
   std::vector<c10::IValue> stack;
   if (sum) {
     stack = {x, *sum, packed_weight, b, padding.vec(), stride.vec(), dilation.vec(), groups, std::string("add"),
-             at::Scalar(1.0), relu ? c10::IValue(std::string("relu")) : c10::IValue(), no_scalars, c10::IValue()};
+             at::Scalar(1.0), c10::IValue(), no_scalars, c10::IValue()};
     binary.callBoxed(&stack);
   } else {
     stack = {x, packed_weight, b, padding.vec(), stride.vec(), dilation.vec(), groups,
-             std::string(relu ? "relu" : "none"), no_scalars, c10::IValue()};
+             std::string("none"), no_scalars, c10::IValue()};
     unary.callBoxed(&stack);
   }
   return std::move(stack[0]).toTensor();
@@ -195,9 +209,8 @@ std::optional<DepthwiseShape> depthwise_shape(int32_t spatial, const int64_t* in
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
           const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
           const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
-          int32_t activation) {
-  TORCH_CHECK(activation == BLADE_ACTIVATION_NONE || activation == BLADE_ACTIVATION_RELU,
-              "blade runtime: unknown convolution activation ", activation);
+          const BladeActivation* activation) {
+  const Clamp clamp = clamp_of(activation);
   TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
   if (const auto shape = winograd_shape(spatial, input_shape, weight_shape, weight, strides, pads, dilations, groups,
                                        layout)) {
@@ -207,8 +220,7 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
       weights->add_constant(transformed.const_data_ptr(), transformed.nbytes());  // so its GEMMs pack it
       return transformed;
     });
-    winograd_conv3x3(*shape, input, u.const_data_ptr<float>(), bias, sum, activation == BLADE_ACTIVATION_RELU,
-                     output, weights);
+    winograd_conv3x3(*shape, input, u.const_data_ptr<float>(), bias, sum, clamp, output, weights);
     winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -220,14 +232,13 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
     const at::Tensor tap_weight = weights != nullptr && weights->is_constant(weight)
                                       ? weights->get({reinterpret_cast<int64_t>(weight), -2 /* depthwise */}, relayout)
                                       : relayout();
-    depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum,
-                     activation == BLADE_ACTIVATION_RELU, output);
+    depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum, clamp, output);
     depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   if (pointwise_kernel.enabled.load(std::memory_order_relaxed)) {
     if (const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
-      pointwise_conv(*shape, input, weight, bias, sum, activation == BLADE_ACTIVATION_RELU, output);
+      pointwise_conv(*shape, input, weight, bias, sum, clamp, output);
       pointwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
       return;
     }
@@ -256,17 +267,24 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   if (sum != nullptr) {
     addend = engine_tensor(sum, conv_output_sizes(x, w, padding, stride, dilation), out_channels_last);
   }
+  // The activation is the runtime's own, applied while copying into the engine's buffer: oneDNN's
+  // eltwise post-ops (relu, clip) turn NaN into 0 or a bound, where torch keeps NaN.
   if (auto packed = packed_conv_weight(spatial, weight, w, x, padding, stride, dilation, groups, out_format)) {
-    y = onednn_conv(x, *packed, b, padding, stride, dilation, groups, addend, activation);
+    y = onednn_conv(x, *packed, b, padding, stride, dilation, groups, addend);
   } else {
     const std::vector<int64_t> output_padding(spatial, 0);
     y = at::convolution(x, w, b, stride, padding, dilation, false, output_padding, groups);
     if (addend) y.add_(*addend);
-    if (activation == BLADE_ACTIVATION_RELU) y.relu_();
   }
   // Both return a fresh tensor: one cheap pass into the engine's buffer (the same layout when
   // the probe above kept oneDNN), next to the convolution.
-  if (y.numel() > 0) engine_tensor(output, y.sizes(), out_channels_last).copy_(y);
+  if (y.numel() == 0) return;
+  if (y.is_contiguous(out_format)) {
+    copy_clamped(y.const_data_ptr<float>(), output, y.numel(), clamp);
+  } else {
+    engine_tensor(output, y.sizes(), out_channels_last).copy_(y);
+    if (clamp.on) copy_clamped(output, output, y.numel(), clamp);
+  }
 }
 
 const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv};
@@ -274,6 +292,16 @@ const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv};
 }  // namespace
 
 const BladeRuntime* runtime() { return &kRuntime; }
+
+Clamp clamp_of(const BladeActivation* activation) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  if (activation == nullptr || activation->kind == BLADE_ACTIVATION_NONE) return {false, -inf, inf};
+  if (activation->kind == BLADE_ACTIVATION_RELU) return {true, 0.0f, inf};  // v < 0 ? 0 : v is exactly clamp(0, +inf)
+  TORCH_CHECK(activation->kind == BLADE_ACTIVATION_CLAMP, "blade runtime: unknown convolution activation ",
+              activation->kind);
+  TORCH_CHECK(!std::isnan(activation->lo) && !std::isnan(activation->hi), "blade runtime: a NaN clamp bound");
+  return {true, activation->lo, activation->hi};
+}
 
 void set_conv_kernel_enabled(const std::string& kernel, bool enabled) {
   conv_kernel_switch(kernel)->enabled.store(enabled, std::memory_order_relaxed);

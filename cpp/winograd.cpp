@@ -42,11 +42,11 @@ BLADE_ISA_CLONES void input_transform(const float* const* pixel, int64_t channel
   }
 }
 
-// out[q][k] = act((A^T m A)[q] + bias[k] + sum[q][k]) for the 2x2 outputs q of one tile, m[e] at
+// out[q][k] = clamp((A^T m A)[q] + bias[k] + sum[q][k]) for the 2x2 outputs q of one tile, m[e] at
 // m[e * plane + k]. Outputs outside the image point at a scratch row (written, never read).
-template <bool kSum, bool kRelu>
+template <bool kSum, bool kClamp>
 BLADE_ISA_CLONES void output_transform(const float* m, int64_t plane, int64_t channels, const float* bias,
-                                       const float* const* sum, float* const* out) {
+                                       const float* const* sum, Clamp clamp, float* const* out) {
 #pragma omp simd
   for (int64_t k = 0; k < channels; ++k) {
     float s[kPoints], t[8];
@@ -67,13 +67,14 @@ BLADE_ISA_CLONES void output_transform(const float* m, int64_t plane, int64_t ch
     for (int q = 0; q < 4; ++q) {
       float value = y[q] + bias[k];
       if (kSum) value += sum[q][k];
-      if (kRelu) value = value > 0.0f ? value : 0.0f;
+      if (kClamp) value = clamp_value(value, clamp.lo, clamp.hi);
       out[q][k] = value;
     }
   }
 }
 
-using OutputTransform = void (*)(const float*, int64_t, int64_t, const float*, const float* const*, float* const*);
+using OutputTransform = void (*)(const float*, int64_t, int64_t, const float*, const float* const*, Clamp,
+                                 float* const*);
 const OutputTransform kOutputTransforms[2][2] = {{output_transform<false, false>, output_transform<false, true>},
                                                  {output_transform<true, false>, output_transform<true, true>}};
 
@@ -109,7 +110,7 @@ at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in
 }
 
 void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float* transformed_weight,
-                      const float* bias, const float* sum, bool relu, float* output, PackedWeights* weights) {
+                      const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights) {
   const Conv3x3Shape& s = shape;
   const int64_t c_in = s.in_channels, c_out = s.out_channels;
   const int64_t tiles_h = ceil_div(s.out_h, 2), tiles_w = ceil_div(s.out_w, 2), tiles = winograd_tiles(s);
@@ -151,7 +152,7 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
     runtime()->sgemm(1, tiles, c_out, c_in, 1.0f, v + e * tiles * c_in, c_in, 0, 0,
                      transformed_weight + e * c_in * c_out, c_out, 0, 0, 0.0f, m + e * tiles * c_out, c_out, 0);
   }
-  const OutputTransform transform = kOutputTransforms[sum != nullptr][relu];
+  const OutputTransform transform = kOutputTransforms[sum != nullptr][clamp.on];
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> discard(c_out);  // outputs of edge tiles that fall outside the image
     for (int64_t t = begin; t < end; ++t) {
@@ -166,7 +167,7 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
         out[q] = inside ? output + offset : discard.data();
         addend[q] = inside && sum != nullptr ? sum + offset : zeros;
       }
-      transform(m + t * c_out, tiles * c_out, c_out, bias != nullptr ? bias : zeros, addend, out);
+      transform(m + t * c_out, tiles * c_out, c_out, bias != nullptr ? bias : zeros, addend, clamp, out);
     }
   });
 }

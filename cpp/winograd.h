@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "activation.h"
 #include "runtime.h"
 
 namespace blade {
@@ -27,10 +28,10 @@ int64_t winograd_tiles(const Conv3x3Shape& shape);
 // weight [out_channels, in_channels, 3, 3] -> G w G^T as [16, in_channels, out_channels].
 at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in_channels);
 
-// output = activation(conv3x3(input) + bias + sum); input, sum and output are dense NHWC,
+// output = clamp(conv3x3(input) + bias + sum); input, sum and output are dense NHWC,
 // `transformed_weight` comes from winograd_weight and lies in `weights`' constants (its GEMMs pack
 // it there once); bias and sum may be null.
 void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float* transformed_weight,
-                      const float* bias, const float* sum, bool relu, float* output, PackedWeights* weights);
+                      const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights);
 
 }  // namespace blade

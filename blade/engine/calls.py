@@ -3,7 +3,7 @@
 GEMM goes through rt->sgemm (MKL, packed weights) with the operands' strides folded into its
 transpose flags, leading dimensions and batch strides; an operand no stride pattern fits is copied
 to dense scratch first. A convolution goes through rt->conv (oneDNN), reading and writing NCHW or
-NHWC, with the plan's epilogue (a residual sum, a ReLU) as post-ops.
+NHWC, with the plan's epilogue (a residual sum, a ReLU or clamp) applied by the runtime.
 """
 from __future__ import annotations
 
@@ -160,15 +160,15 @@ def _conv_input(em, node: Node, channels_last: bool) -> tuple:
 
 
 def emit_conv(em, node, dest):
-    """dest = conv(node's args) [+ addend] [then relu], with the plan's epilogue (the runtime's)."""
+    """dest = conv(node's args) [+ addend] [then an activation], with the plan's epilogue (the runtime's)."""
     if node.numel == 0:
         return
     epilogue = em.plan.epilogues.get(node)
     addend = epilogue and epilogue.addend
-    relu = bool(epilogue and epilogue.relu)
+    activation = epilogue and epilogue.activation
     out_nhwc = node.rank == 4 and not same_strides(node.shape, dest.layout.strides, contiguous_strides(node.shape))
     (x, in_nhwc), *params = _conv_input(em, node.args[0], out_nhwc), *(_dense_operand(em, a) for a in node.args[1:])
-    described = (f" + {addend!r}" if addend is not None else "") + (" then relu" if relu else "")
+    described = (f" + {addend!r}" if addend is not None else "") + (f" then {activation}" if activation else "")
     kernel = em.kernels.begin_call(f"{node!r} = conv {' * '.join(map(repr, node.args))} "
                                    f"stride {node.attrs['strides']} pads {node.attrs['pads']} "
                                    f"dilation {node.attrs['dilations']} groups {node.attrs['groups']}{described}"
@@ -179,8 +179,11 @@ def emit_conv(em, node, dest):
     arrays = {"xs": node.args[0].shape, "ws": node.args[1].shape, "st": node.attrs["strides"],
               "pd": node.attrs["pads"], "dl": node.attrs["dilations"]}
     decls = [f"const int64_t {name}[] = {{{', '.join(map(str, values))}}};" for name, values in arrays.items()]
+    if activation:
+        decls.append(f"const BladeActivation act = {{BLADE_ACTIVATION_{activation.kind.upper()}, "
+                     f"{literal(activation.lo, 'float32')}, {literal(activation.hi, 'float32')}}};")
     layout = " | ".join(["BLADE_CONV_INPUT_CHANNELS_LAST"] * in_nhwc + ["BLADE_CONV_OUTPUT_CHANNELS_LAST"] * out_nhwc)
     call = (f"rt->conv({node.rank - 2}, xs, {ptrs[0]}, ws, {ptrs[1]}, {bias}, st, pd, dl, "
             f"{node.attrs['groups']}, {kernel.use(dest.buf, write=True)} + {dest.layout.offset}, {layout or 0}, "
-            f"{addend_ptr}, {'BLADE_ACTIVATION_RELU' if relu else 'BLADE_ACTIVATION_NONE'});")
+            f"{addend_ptr}, {'&act' if activation else 'nullptr'});")
     em.kernels.end_call(kernel, ["{", *indent([DECLS] + decls + [call]), "}"])

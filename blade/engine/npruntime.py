@@ -21,9 +21,13 @@ PARALLEL_FOR_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.
                                    ctypes.c_void_p)
 CONV_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                           ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)
+                           ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p)
 CONV_INPUT_CHANNELS_LAST, CONV_OUTPUT_CHANNELS_LAST = 1, 2   # blade_abi.h BLADE_CONV_* layout bits
-ACTIVATION_RELU = 1                                          # blade_abi.h BLADE_ACTIVATION_RELU
+ACTIVATION_RELU, ACTIVATION_CLAMP = 1, 2                     # blade_abi.h BLADE_ACTIVATION_*
+
+
+class BladeActivation(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("lo", ctypes.c_float), ("hi", ctypes.c_float)]
 
 
 class BladeRuntime(ctypes.Structure):
@@ -103,8 +107,15 @@ def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, grou
     out_channels_last = bool(layout & CONV_OUTPUT_CHANNELS_LAST)
     if addend:
         result += _activation(addend, result.shape, out_channels_last)
-    if activation == ACTIVATION_RELU:
-        result = np.maximum(result, 0)
+    if activation:
+        act = BladeActivation.from_address(activation)
+        if act.kind == ACTIVATION_RELU:
+            result = np.where(result < 0, 0.0, result)   # NaN stays NaN
+        elif act.kind == ACTIVATION_CLAMP:   # Max then Min: NaN stays NaN
+            result = np.where(np.isnan(result) | (result >= act.lo), result, act.lo)
+            result = np.where(np.isnan(result) | (result <= act.hi), result, act.hi)
+        else:
+            raise ValueError(f"unknown activation kind {act.kind}")
     if result.size:
         _activation(out, result.shape, out_channels_last)[...] = result.astype(np.float32)
 

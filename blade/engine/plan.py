@@ -9,8 +9,9 @@ Decided from the graph alone, before any code exists (compiler.STAGES dumps it a
 - the dim order of each stored buffer: row-major, channels-last (convolutions and the values between
   them: oneDNN then reads and writes without reordering), or the order of the one permute that reads
   a batched matmul (attention heads back to [seq, heads * dim], written by sgemm's strides);
-- convolution epilogues: relu(conv), conv + addend and relu(conv + addend) computed by the
-  convolution itself (oneDNN post-ops) when the sum's addend is stored before the convolution runs;
+- convolution epilogues: act(conv), conv + addend and act(conv + addend), act a ReLU or a clamp
+  (ReLU6, hardtanh), computed by the convolution itself (the runtime's kernels, oneDNN post-ops)
+  when the sum's addend is stored before the convolution runs;
 - reductions in *window form* (small windows accumulated along the output row: pooling) and
   constant pads stored as a fill plus a copy of the interior.
 
@@ -45,11 +46,24 @@ def reads_per_element(node: Node) -> int:
 
 
 @dataclass(frozen=True)
+class Activation:
+    """An activation a convolution applies itself (blade_abi.h BladeActivation): "relu", or
+    "clamp" to [lo, hi], computed as the engine's Max(v, lo) then Min(v, hi) (a one-sided clamp has
+    lo = -inf or hi = inf, which leave every value, NaN included, as it is)."""
+    kind: str
+    lo: float = -math.inf
+    hi: float = math.inf
+
+    def __str__(self):
+        return "relu" if self.kind == "relu" else f"clamp[{self.lo}, {self.hi}]"
+
+
+@dataclass(frozen=True)
 class Epilogue:
-    """A convolution computes `target` = relu(conv), conv + addend or relu(conv + addend) itself."""
+    """A convolution computes `target` = act(conv), conv + addend or act(conv + addend) itself."""
     target: Node
     addend: Node | None
-    relu: bool
+    activation: Activation | None
 
 
 @dataclass
@@ -95,8 +109,9 @@ class Plan:
             parts.append(f"computed by the epilogue of {targets[node].name}")
         if node in self.epilogues:   # the convolution writes the target's buffer, it has none of its own
             e = self.epilogues[node]
-            parts.append(f"its epilogue writes {e.target.name} = {'relu(' if e.relu else ''}conv"
-                         f"{f' + {e.addend.name}' if e.addend is not None else ''}{')' if e.relu else ''}")
+            value = f"conv{f' + {e.addend.name}' if e.addend is not None else ''}"
+            parts.append(f"its epilogue writes {e.target.name} = "
+                         + (f"{e.activation}({value})" if e.activation is not None else value))
         elif node in self.outputs:
             parts.append(f"written into output {self.outputs[node]}")
         elif node in self.orders:
@@ -327,10 +342,11 @@ def _plan_epilogues(p: Plan, channels_last: set) -> None:
 
 
 def _conv_epilogue(p: Plan, conv: Node, written: set, channels_last: set) -> Epilogue | None:
-    """relu(conv), relu(conv + addend) or conv + addend when conv is used only by that stored
-    value (the addend written already, in the target's layout): the convolution computes it with
-    oneDNN post-ops (a ResNet block's ReLU and residual sum) instead of another pass over the
-    activation. None otherwise."""
+    """act(conv), act(conv + addend) or conv + addend when conv is used only by that stored value
+    (the nodes in between inline, each the only user of the one before; the addend written already,
+    in the target's layout): the convolution computes it in its own output pass (a ResNet block's
+    ReLU and residual sum, MobileNet's ReLU6) instead of another pass over the activation. None
+    otherwise."""
     graph_outputs = {node for _, node in p.graph.outputs}
 
     def only_user(node):
@@ -346,19 +362,52 @@ def _conv_epilogue(p: Plan, conv: Node, written: set, channels_last: set) -> Epi
         if len(others) != 1 or others[0].shape != conv.shape or others[0].dtype != conv.dtype:
             return None
         addend = others[0]
-        if user not in p.materialized and is_ew(only_user(user), "Relu"):
-            user = only_user(user)
-    elif not is_ew(user, "Relu"):
-        return None
-    if user not in p.materialized or user in written:
+        activation, target = (None, user) if user in p.materialized else _activation(p, user, only_user, is_ew)
+    else:
+        activation, target = _activation(p, conv, only_user, is_ew)
+        if activation is None:
+            return None
+    if target not in p.materialized or target in written:
         return None
     if addend is not None:
         if addend not in written:   # not stored yet (computed later, e.g. a downsample)
             return None
-        planned = (strides_in_order(conv.shape, CHANNELS_LAST) if user in channels_last
+        planned = (strides_in_order(conv.shape, CHANNELS_LAST) if target in channels_last
                    else contiguous_strides(conv.shape))
         order = p.orders.get(addend)
         stored = contiguous_strides(addend.shape) if order is None else strides_in_order(addend.shape, order)
         if not same_strides(conv.shape, stored, planned):
             return None
-    return Epilogue(user, addend, user.attrs.get("fn") == "Relu")
+    return Epilogue(target, addend, activation)
+
+
+def _activation(p: Plan, value: Node, only_user, is_ew) -> tuple:
+    """(Activation, the node computing it) for the activation applied to `value` by its only user
+    (Relu; Max with a scalar constant bound, then possibly Min with one: a clamp, as ONNX Clip and
+    torch's clamp/relu6/hardtanh lower), or (None, value). Only the first operand of Max/Min may be
+    the value: Max(v, lo) keeps v on a NaN or a tie, Max(lo, v) keeps lo on a tie. A stored Max
+    ends the clamp there (its value is read elsewhere)."""
+    user = only_user(value)
+    if is_ew(user, "Relu"):
+        return Activation("relu"), user
+    bounds, node = {}, value
+    for fn, side in (("Max", "lo"), ("Min", "hi")):
+        user = only_user(node) if node is value or node not in p.materialized else None
+        bound = _scalar_bound(user, node) if is_ew(user, fn) else None
+        if bound is not None:
+            bounds[side], node = bound, user
+    return (Activation("clamp", **bounds), node) if bounds else (None, value)
+
+
+def _scalar_bound(node: Node, value: Node) -> float | None:
+    """The float32 scalar constant that node (Max/Min) compares its first operand `value` with
+    (looking through the views that broadcast it)."""
+    if node.args[0] is not value or value.dtype != "float32":
+        return None
+    bound = node.args[1]
+    while bound.op == "view":
+        bound = bound.args[0]
+    if bound.op != "const" or bound.dtype != "float32" or bound.numel != 1 or "value" not in bound.attrs:
+        return None
+    value = float(bound.attrs["value"].reshape(()))
+    return None if math.isnan(value) else value   # the runtime's clamp takes no NaN bound

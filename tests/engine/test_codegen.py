@@ -188,6 +188,21 @@ def test_a_conv_epilogue_never_reads_an_addend_written_later():
     assert "then relu" not in source_of(case).source
 
 
+def test_clamps_after_convolutions_are_their_epilogues():
+    (block,) = [c for c in CASES if c.name == "conv-clip-mobilenet-block"]
+    planned = plan.make_plan(ir.lower_onnx(block.model))
+    relu6 = plan.Activation("clamp", 0.0, 6.0)
+    assert sorted((e.activation == relu6, e.addend is not None) for e in planned.epilogues.values()) == [
+        (False, True), (True, False), (True, False)]
+    assert source_of(block).source.count("BLADE_ACTIVATION_CLAMP, 0.0f, 6.0f") == 2
+    (forms,) = [c for c in CASES if c.name == "conv-clamp-forms"]
+    planned = plan.make_plan(ir.lower_onnx(forms.model))
+    activations = {planned.outputs[e.target]: e.activation for e in planned.epilogues.values()}   # by output
+    lo, hi = float(np.float32(-0.5)), float(np.float32(0.8))
+    assert activations == {0: plan.Activation("clamp", lo=lo), 1: plan.Activation("clamp", hi=hi),
+                           3: plan.Activation("clamp", lo, hi)}   # y3 = Max(lo, conv) stays a loop
+
+
 def test_zero_pad_folds_into_the_convolution_pads():
     """Only when nothing else reads the padded tensor and the pad value is +0.0."""
     folded, read_twice, nonzero = (source_of(c) for c in CASES if c.name in (

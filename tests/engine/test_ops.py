@@ -214,6 +214,40 @@ CASES = [
         {"x": ((1, 8, 6, 6), "float32"), "x2": ((1, 8, 6, 6), "float32")}, ["y", "z"],
         {"w": np.random.default_rng(15).standard_normal((8, 8, 3, 3)).astype(f32), "two": np.asarray(2.0, f32)},
         rtol=1e-4, atol=1e-4),
+    # MobileNetV2's inverted residual block: each Clip (ReLU6, lowered to Max then Min) is the
+    # epilogue of the convolution before it (1x1 as a GEMM, depthwise, both channels-last); NaN and
+    # infinities in the input go through every kernel's clamp.
+    graph_case("conv-clip-mobilenet-block", [
+        node("Conv", ["x", "w1", "b1"], ["c1"]), node("Clip", ["c1", "zero", "six"], ["r1"]),
+        node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], group=48),
+        node("Clip", ["c2", "zero", "six"], ["r2"]), node("Conv", ["r2", "w3", "b3"], ["c3"]),
+        node("Add", ["c3", "x"], ["y"])],
+        {"x": ((2, 16, 9, 7), "float32")}, ["y"],
+        {"w1": (np.random.default_rng(16).standard_normal((48, 16, 1, 1)) / 2).astype(f32),
+         "b1": np.random.default_rng(17).standard_normal((48,)).astype(f32),
+         "w2": np.random.default_rng(18).standard_normal((48, 1, 3, 3)).astype(f32),
+         "b2": np.random.default_rng(19).standard_normal((48,)).astype(f32),
+         "w3": (np.random.default_rng(20).standard_normal((16, 48, 1, 1)) / 4).astype(f32),
+         "b3": np.random.default_rng(21).standard_normal((16,)).astype(f32),
+         "zero": np.asarray(0.0, f32), "six": np.asarray(6.0, f32)},
+        values={"x": np.where(np.arange(2 * 16 * 9 * 7).reshape(2, 16, 9, 7) % 97 == 5, np.nan,
+                              np.where(np.arange(2 * 16 * 9 * 7).reshape(2, 16, 9, 7) % 89 == 3, -np.inf,
+                                       np.random.default_rng(22).standard_normal((2, 16, 9, 7)) * 3)).astype(f32)},
+        rtol=1e-4, atol=1e-4),
+    # Clamps in the forms the plan absorbs (clamp_min, clamp_max, after a residual sum, NCHW graph
+    # outputs) and one it must not: Max(lo, conv) keeps lo on a tie, not the conv's value.
+    graph_case("conv-clamp-forms", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), node("Max", ["c1", "lo"], ["y1"]),
+        node("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1]), node("Min", ["c2", "hi"], ["y2"]),
+        node("Conv", ["x", "w3"], ["c3"], pads=[1, 1, 1, 1]), node("Max", ["lo", "c3"], ["y3"]),
+        node("Conv", ["x", "w4"], ["c4"], pads=[1, 1, 1, 1]), node("Add", ["c4", "x"], ["s4"]),
+        node("Clip", ["s4", "lo", "hi"], ["y4"])],
+        {"x": ((1, 8, 6, 5), "float32")}, ["y1", "y2", "y3", "y4"],
+        {**{f"w{k}": np.random.default_rng(22 + k).standard_normal((8, 8, 3, 3)).astype(f32) for k in range(1, 5)},
+         "lo": np.asarray(-0.5, f32), "hi": np.asarray(0.8, f32)},
+        values={"x": np.where(np.arange(240).reshape(1, 8, 6, 5) % 41 == 7, np.nan,
+                              np.random.default_rng(27).standard_normal((1, 8, 6, 5))).astype(f32)},
+        rtol=1e-4, atol=1e-4),
     op_case("MaxPool", [(2, 3, 9, 8)], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
     op_case("MaxPool", [(1, 2, 7, 7)], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1, name="MaxPool-ceil"),
     op_case("MaxPool", [(1, 2, 8)], kernel_shape=[3], dilations=[2], name="MaxPool-1d-dilated"),

@@ -1,0 +1,55 @@
+"""Activations after convolutions (ReLU6, hardtanh, clamp) computed in the convolution's own
+output pass, through tt_infer against eager, with NaN and infinities in the input: every runtime
+kernel (1x1 as a GEMM, depthwise, Winograd, oneDNN) in channels-last and NCHW."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blade._C import _testing
+from blade_testing import Capture
+
+KERNELS = ("pointwise", "depthwise", "winograd")
+
+
+class InvertedResidual(torch.nn.Module):
+    """MobileNetV2's block (1x1 expand, depthwise 3x3, 1x1 project, residual), then a 3x3 conv with
+    64 channels each way (Winograd) and a 16-channel one (oneDNN), each with its activation; the last
+    convolution feeds no convolution, so it writes NCHW."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+        self.expand, self.depthwise = torch.nn.Conv2d(16, 64, 1), torch.nn.Conv2d(64, 64, 3, padding=1, groups=64)
+        self.project, self.wide = torch.nn.Conv2d(64, 16, 1), torch.nn.Conv2d(16, 64, 1)
+        self.winograd, self.general = torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.Conv2d(64, 16, 3, padding=1)
+        self.head = torch.nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        y = self.act(self.depthwise(self.act(self.expand(x))))
+        y = self.project(y) + x
+        y = self.act(self.general(self.act(self.winograd(self.act(self.wide(y))))))
+        return self.act(self.head(y))
+
+
+ACTIVATIONS = {
+    "relu6": F.relu6,
+    "hardtanh": lambda x: F.hardtanh(x, -0.5, 0.8),
+    "clamp-min": lambda x: torch.clamp(x, min=0.25),
+    "clamp-max": lambda x: torch.clamp(x, max=1.5),
+    "relu": F.relu,
+}
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_activation_epilogues_match_eager_with_nan_and_inf(name):
+    torch.manual_seed(0)
+    model = InvertedResidual(ACTIVATIONS[name]).eval()
+    x = torch.randn(2, 16, 12, 10) * 3
+    x[0, 3, 4, 5], x[1, 7, 0, 0], x[1, 2, 9, 9] = float("nan"), float("inf"), -float("inf")
+    calls = {k: _testing.conv_kernel_calls(k) for k in KERNELS}
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=Capture())(x)
+    assert {k: _testing.conv_kernel_calls(k) > calls[k] for k in KERNELS} == dict.fromkeys(KERNELS, True)
+    assert expected.isnan().any() and (actual.isnan() == expected.isnan()).all()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4, equal_nan=True)
