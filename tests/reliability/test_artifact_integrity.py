@@ -66,7 +66,9 @@ def test_cpp_loaders_get_a_check_of_the_records_torch_does_not(exported, tmp_pat
     for region in ("ts_constant", "code", "pickle"):
         span = exported[2][region][0]
         path = fuzz.damaged_copy(raw, [span.start + len(span) // 2], random.Random(0), tmp_path / f"{region}.pt")
-        with pytest.raises(RuntimeError, match=f"blade archive {path} is damaged: the SHA-256 of record"):
+        # a damaged compressed record may already fail to inflate: damaged either way, nothing loaded
+        with pytest.raises(RuntimeError, match=f"blade archive {path} is damaged: (the SHA-256 of record|"
+                                               f"PytorchStreamReader failed).*nothing of it was loaded"):
             blade._C.verify_archive(str(path))
     blade._C.verify_archive(str(exported[0]))
 
