@@ -114,8 +114,10 @@ def memory_order(s: Strided) -> tuple:
             sa, sb = s.layout.strides[a], s.layout.strides[b]
             if as_expr(sa) == sb:
                 return 0
-            if proves_at_least(sa, sb) or proves_at_least(sb, sa):
-                return -1 if proves_at_least(sa, sb) else 1
+            if proves_at_least(sa, sb):
+                return -1
+            if proves_at_least(sb, sa):
+                return 1
             raise TypeError(f"the memory order of strides {strides} depends on run-time sizes")
         moving.sort(key=functools.cmp_to_key(larger_first))
     else:

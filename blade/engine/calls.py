@@ -11,7 +11,7 @@ from .buffers import CHANNELS_LAST, Strided, memory_order, permuted, same_stride
 from .ir import Node
 from .lines import DECLS, for_loop, indent
 from .optable import literal
-from .symbolic import Expr, Var, add, size_less
+from .symbolic import Expr, Var, add, proves_at_least
 from . import views
 from .views import Layout, contiguous_strides, packed_matrix
 
@@ -22,15 +22,6 @@ def _may_exceed_one(n) -> bool:
     """Whether a GEMM dim can be larger than 1: a run-time dim (an Expr) counts as one that can,
     so its operand's leading dimension is its row stride, which is a valid one at size 1 too."""
     return isinstance(n, Expr) or n > 1
-
-
-def _at_least(a, b) -> bool:
-    """a >= b, for sizes that may be run-time expressions (unprovable: False, so the operand is
-    copied to dense scratch rather than passed with a leading dimension that may be too small)."""
-    try:
-        return not size_less(a, b)
-    except TypeError:
-        return False
 
 
 def _gemm_operand(em, node: Node):
@@ -75,9 +66,11 @@ def _fit(s: Strided):
     """(s, trans, ld) when s's matrix dims fit a GEMM operand's stride pattern, else None."""
     rows, cols = s.shape[-2:]
     rs, cs = s.layout.strides[-2:]
-    if (cols == 1 or cs == 1) and (rows == 1 or _at_least(rs, cols)):
+    # proves_at_least: an order run-time sizes leave open fits no pattern (the operand is copied to
+    # dense scratch rather than passed with a leading dimension that may be too small)
+    if (cols == 1 or cs == 1) and (rows == 1 or proves_at_least(rs, cols)):
         return s, 0, rs if _may_exceed_one(rows) else max(cols, 1)
-    if (rows == 1 or rs == 1) and (cols == 1 or _at_least(cs, rows)):
+    if (rows == 1 or rs == 1) and (cols == 1 or proves_at_least(cs, rows)):
         return s, 1, cs if _may_exceed_one(cols) else max(rows, 1)
     return None
 
