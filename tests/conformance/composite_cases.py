@@ -137,6 +137,18 @@ def _split_samples(dt):
             (make((0, 4), dt), 2, 0), (make((4, 6), dt, noncontig=True), 4, -2)]
 
 
+def _arg_reduction_samples(dt):
+    """argmax/argmin: ties (the first index wins), NaN (the first NaN wins), dim None, keepdim."""
+    ties = torch.tensor([[1, 3, 3, 0], [2, 2, 2, 2], [0, -1, 5, 5]]).to(dt)
+    samples = [(make((3, 5), dt), 1, False), (make((3, 5), dt), None, False), (make((2, 3, 4), dt), -2, True),
+               (make((2, 3, 4), dt), None, True), (ties, 1, False), (ties, 0, True),
+               (make((1, 6), dt), 0, False), (make((4, 3), dt, noncontig=True), 1, False)]
+    if dt.is_floating_point:
+        nans = torch.tensor([[1.0, math.nan, 3.0, math.nan], [-math.inf, 2.0, math.inf, 0.0]]).to(dt)
+        samples += [(nans, 1, False), (nans, None, False), (nans, 0, True)]
+    return samples
+
+
 COMPOSITE_CASES = [
     # views and data movement, each feeding a consumer
     Composite("aten::permute", viewed(lambda x, dims: x.permute(dims)), lambda dt: [
@@ -154,6 +166,9 @@ COMPOSITE_CASES = [
     Composite("aten::flatten", viewed(lambda x, start, end: torch.flatten(x, start, end)), lambda dt: [
         (make((2, 3, 4), dt), 1, -1), (make((2, 3, 4), dt), 0, 1), (make((0, 3, 4), dt), 0, -1),
         (make((3, 4, 2), dt, noncontig=True), 0, -1), (make((), dt), 0, -1), (make((5,), dt), 0, 0)]),
+    Composite("aten::unflatten", viewed(lambda x, dim, sizes: x.unflatten(dim, sizes)), lambda dt: [
+        (make((2, 12), dt), 1, (3, 4)), (make((2, 12), dt), -1, (-1, 2)), (make((6, 2), dt), 0, (1, 6)),
+        (make((0, 4), dt), 1, (2, 2)), (make((4, 6), dt, noncontig=True), 1, (2, 3))]),
     Composite("aten::view_as", viewed(lambda x, y: x.view_as(y)), lambda dt: [
         (make((2, 3, 4), dt), make((6, 4), dt)), (make((1, 5), dt), make((5,), dt)),
         (make((0, 3), dt), make((3, 0), dt)), (make((4,), dt), make((1, 4, 1), dt))]),
@@ -208,6 +223,9 @@ COMPOSITE_CASES = [
     Composite("aten::bitwise_not", lambda x: ~x, lambda dt: [
         (make((3, 4), dt),), (make((0,), dt),), (make((), dt),), (make((3, 4), dt, noncontig=True),)], ("bool",)),
     # reductions and normalizations
+    *[Composite(kind, fn, _arg_reduction_samples, NUMBERS) for kind, fn in (
+        ("aten::argmax", lambda x, dim, keep: torch.argmax(x, dim, keep)),
+        ("aten::argmin", lambda x, dim, keep: torch.argmin(x, dim, keep)))],
     Composite("aten::linalg_vector_norm", lambda x, order, dim, keep: torch.linalg.vector_norm(x, order, dim, keep),
               lambda dt: [(make((3, 4), dt), 2, None, False), (make((3, 4), dt), 1, -1, True),
                           (make((2, 3, 4), dt), math.inf, (0, -1), False), (make((0, 4), dt), 2, None, False),
