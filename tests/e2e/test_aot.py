@@ -92,3 +92,38 @@ def test_incompatible_stamps_are_refused_at_load(precompiled):
     state["format"] = 99
     with pytest.raises(IncompatibleArtifact, match="format 99"):
         PrecompiledModule.deserialize_compile_artifacts(seal(pickle.dumps(state)))
+
+
+def test_dynamic_graph_precompiles_once_and_serves_every_size_in_range(tmp_path):
+    """Dynamo's precompile of a graph with symbolic batch and sequence dims: one compile, and a
+    fresh process with no compiler serves sizes it never saw; a size outside the declared range
+    is stopped by dynamo's guards. (Dynamo specializes sizes 0 and 1, hence min=2.)"""
+    model, _ = make_model_and_inputs(seed=2)
+    x, mask = torch.randn(4, 8, 32), (torch.rand(4, 8, 1) > 0.3).float()
+    for tensor in (x, mask):
+        torch._dynamo.mark_dynamic(tensor, 0, min=2, max=16)
+        torch._dynamo.mark_dynamic(tensor, 1, min=2, max=64)
+    fn = blade.precompile(model, (x, mask), str(tmp_path / "dyn.aot"))
+    report = fn.func._artifacts.compiled_fn.report
+    assert report.size_symbols and report.engine_calls >= 1 and not report.symbolic_refusals, report
+    env, compiler_mark = tripwire_compiler_env(tmp_path)
+    out = run_python(f"""
+        import torch, blade
+        from aot_testing import make_model_and_inputs
+        model, _ = make_model_and_inputs(seed=2)
+        fn = blade.load_precompiled({str(tmp_path / 'dyn.aot')!r}, model)
+        assert {ENGINE_CALL!r} in str(fn.func._artifacts.compiled_fn.module.graph)
+        with torch.no_grad():
+            for batch, seq in ((2, 2), (3, 17), (16, 64), (5, 8)):
+                x, mask = torch.randn(batch, seq, 32), (torch.rand(batch, seq, 1) > 0.3).float()
+                for got, want in zip(fn(x, mask), model(x, mask)):
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            try:
+                fn(torch.randn(17, 8, 32), torch.ones(17, 8, 1))
+            except RuntimeError as err:
+                assert "GuardManager check failed" in str(err), err
+            else:
+                raise AssertionError("a batch outside [2, 16] was not stopped")
+        print("ok")
+    """, env=env)
+    assert "ok" in out and not compiler_mark.exists()
