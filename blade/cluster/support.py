@@ -1278,11 +1278,20 @@ def _cat_check(node):
     return None
 
 
-def _bool_only(node):
-    if any(is_tensor(v) and v.type().dtype() != torch.bool for v in node.inputs()):
-        return f"{node.kind()} on non-bool tensors (bitwise integer ops are not supported)"
-    if node.output().type().dtype() != torch.bool:   # a bool tensor and an int scalar
-        return f"{node.kind()} with an integer result (bitwise integer ops are not supported)"
+def bitwise(logical: str, integer: str):
+    """and/or/xor/not: ONNX's logical op on bools, its Bitwise op on integers (the operands in the
+    result's dtype: a bool tensor & an int scalar computes in int64, as in eager)."""
+    def lower(ctx: LowerCtx, node):
+        dtype = _out_dtype(node)
+        operands = [ctx.as_dtype(a, dtype) for a in _args(node)]
+        return [ctx.b.op(logical if dtype == np.bool_ else integer, operands)]
+    return lower
+
+
+def _bitwise_check(node):
+    dtype = node.output().type().dtype()
+    if dtype is not None and (dtype.is_floating_point or dtype.is_complex):
+        return f"{node.kind()} with a {dtype} result (bitwise ops are for bools and integers)"
     return None
 
 
@@ -1345,11 +1354,11 @@ LOWERING: dict[str, Rule] = {
     "aten::logical_not": Rule(unary("Not")),
     "aten::logical_and": Rule(binary("And")),
     "aten::logical_or": Rule(binary("Or")),
-    "aten::__and__": Rule(binary("And"), _bool_only),
-    "aten::__or__": Rule(binary("Or"), _bool_only),
-    "aten::bitwise_and": Rule(binary("And"), _bool_only),
-    "aten::bitwise_or": Rule(binary("Or"), _bool_only),
-    "aten::bitwise_not": Rule(unary("Not"), _bool_only),
+    **{kind: Rule(bitwise(logical, integer), _bitwise_check) for kinds, logical, integer in (
+        (("aten::__and__", "aten::bitwise_and"), "And", "BitwiseAnd"),
+        (("aten::__or__", "aten::bitwise_or"), "Or", "BitwiseOr"),
+        (("aten::__xor__", "aten::bitwise_xor"), "Xor", "BitwiseXor"),
+        (("aten::bitwise_not",), "Not", "BitwiseNot")) for kind in kinds},
     # casts
     "aten::to": Rule(cast_to_output, _to_check),
     "aten::type_as": Rule(cast_to_output),

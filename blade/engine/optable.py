@@ -122,6 +122,13 @@ CODE_FOR_OP = {
     "Not": lambda t, a: f"!{a}",
     "And": lambda t, a, b: f"{a} && {b}",
     "Or": lambda t, a, b: f"{a} || {b}",
+    "Xor": lambda t, a, b: f"{a} != {b}",
+    # integers only (bools take Not/And/Or/Xor); the cast undoes C++'s promotion of narrow types
+    # to int, so ~uint8 stays a uint8 in the expressions it feeds
+    "BitwiseNot": lambda t, a: f"{t}(~{a})",
+    "BitwiseAnd": lambda t, a, b: f"{t}({a} & {b})",
+    "BitwiseOr": lambda t, a, b: f"{t}({a} | {b})",
+    "BitwiseXor": lambda t, a, b: f"{t}({a} ^ {b})",
     # +a: a bool operand is promoted to int first (g++ does not vectorize bool -> float conversions;
     # every other operand type is unchanged by the unary +)
     "Cast": lambda t, a: f"{a} != 0" if t.dtype == "bool" else f"static_cast<{t}>(+{a})",

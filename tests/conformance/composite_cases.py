@@ -5,8 +5,7 @@ OpInfo's one-op graphs leave some kinds without an engine case: a view op alone 
 of its graph input, which rightly stays in TorchScript (cluster/aliasing.py); OpInfo's wrappers
 reach the frontend as other aten spellings (F.pad is aten::pad, never aten::reflection_pad2d) or
 with arguments the rule refuses (max_pool with return_indices, adaptive pools to sizes that do
-not divide, training-mode norms); integer-only ops' first samples are integers, which the bool-only
-bitwise rules refuse. Here each kind gets a graph in which an engine must compute it (a view feeds
+not divide, training-mode norms); OpInfo's bitwise samples lack Python-scalar operands. Here each kind gets a graph in which an engine must compute it (a view feeds
 a consumer inside the graph), over the dtypes it applies to, with edge shapes: empty tensors,
 size-1 dims, non-contiguous inputs, negative dims. A case that matches eager while its kind stays
 in TorchScript is recorded as "refused", with blade's reason: a failure, not a pass.
@@ -210,18 +209,22 @@ COMPOSITE_CASES = [
     Composite("aten::rsub", lambda x, other, alpha: torch.rsub(x, other, alpha=alpha), lambda dt: [
         (make((3, 4), dt), 2, 1), (make((3, 4), dt), 2.5, 1), (make((3, 4), dt), 5, 3), (make((0,), dt), 1, 1),
         (make((), dt), -3, 2), (make((3, 4), dt, noncontig=True), 7, -1)], NUMBERS),
-    # bitwise ops: bool only (the rules refuse integer operands). With a Python bool, TorchScript
-    # computes `x & 1` (it has no bool Scalar): int64, which the rules refuse; the frontend casts
-    # the result back to eager's bool (expected_failures.py lists the "scalar" cases as refused).
-    *[Composite(kind, fn, samples, ("bool",), variant)
+    # bitwise ops on bools and integers, with tensors and with scalars. With a Python bool, TorchScript
+    # computes `x & 1` (it has no bool Scalar) in int64, and the frontend casts the result back to
+    # eager's bool.
+    *[Composite(kind, fn, samples, dtypes, variant)
       for kind, fn in (("aten::__and__", lambda x, y: x & y), ("aten::__or__", lambda x, y: x | y),
-                       ("aten::bitwise_and", torch.bitwise_and), ("aten::bitwise_or", torch.bitwise_or))
-      for variant, samples in (("", lambda dt: [
-          (make((3, 4), dt), make((3, 4), dt)), (make((3, 1), dt), make((4,), dt)), (make((0, 4), dt), make((4,), dt)),
-          (make((3, 4), dt, noncontig=True), make((3, 4), dt))]),
-          ("scalar", lambda dt: [(make((3, 4), dt), True), (make((3, 4), dt), False)]))],
+                       ("aten::__xor__", lambda x, y: x ^ y), ("aten::bitwise_and", torch.bitwise_and),
+                       ("aten::bitwise_or", torch.bitwise_or), ("aten::bitwise_xor", torch.bitwise_xor))
+      for variant, samples, dtypes in (
+          ("", lambda dt: [
+              (make((3, 4), dt), make((3, 4), dt)), (make((3, 1), dt), make((4,), dt)), (make((0, 4), dt), make((4,), dt)),
+              (make((3, 4), dt, noncontig=True), make((3, 4), dt))], ("i32", "i64", "bool")),
+          ("scalar", lambda dt: [(make((3, 4), dt), True), (make((3, 4), dt), False)], ("bool",)),
+          ("int_scalar", lambda dt: [(make((3, 4), dt), 6), (make((3, 4), dt), -1)], ("i32", "i64")))],
     Composite("aten::bitwise_not", lambda x: ~x, lambda dt: [
-        (make((3, 4), dt),), (make((0,), dt),), (make((), dt),), (make((3, 4), dt, noncontig=True),)], ("bool",)),
+        (make((3, 4), dt),), (make((0,), dt),), (make((), dt),), (make((3, 4), dt, noncontig=True),)],
+        ("i32", "i64", "bool")),
     # reductions and normalizations
     *[Composite(kind, fn, _arg_reduction_samples, NUMBERS) for kind, fn in (
         ("aten::argmax", lambda x, dim, keep: torch.argmax(x, dim, keep)),

@@ -9,12 +9,7 @@ from __future__ import annotations
 # Only refusals (a kind left in TorchScript, an error): a wrong result is a FAIL even when listed.
 # (Training-mode norms' running statistics, once listed, were fixed by the frontend's mutation
 # handling: blade/cluster/aliasing.py.)
-EXPECTED_FAILURES: dict = {
-    **{f"composite:{kind}.scalar": ("refused: TorchScript has no bool Scalar, so `x & True` / `x | True` runs as "
-                                    "`x & 1` / `x | 1`, an int64 bitwise op the bool-only rule refuses (the frontend "
-                                    "casts the result back to bool)")
-       for kind in ("__and__", "__or__", "bitwise_and", "bitwise_or")},
-}
+EXPECTED_FAILURES: dict = {}
 
 
 def expected_failure(op: str, dtype: str):

@@ -87,9 +87,10 @@ def test_a_composite_case_whose_kind_no_engine_computed_is_refused_with_the_reas
     result = opinfo_sweep.run_case(elsewhere, "f32", 0, elsewhere.sample_inputs("cpu", torch.float32)[0])
     assert result.status == "refused" and result.failed and result.engine and result.kind == "aten::mul"
     assert "aten::mul is not in the graph" in result.detail
-    refused = Composite("aten::bitwise_not", lambda x: ~x, lambda dt: [(torch.arange(3, dtype=dt),)], ("i64",))
-    result = opinfo_sweep.run_case(refused, "i64", 0, refused.sample_inputs("cpu", torch.int64)[0])
-    assert result.status == "refused" and "bitwise integer ops are not supported" in result.detail
+    refused = Composite("aten::max", lambda x: torch.max(x, 0).values, lambda dt: [(torch.ones(3, 2, dtype=dt),)],
+                        ("bool",))
+    result = opinfo_sweep.run_case(refused, "bool", 0, refused.sample_inputs("cpu", torch.bool)[0])
+    assert result.status == "refused" and "aten::max along a dim of a bool tensor" in result.detail, result
 
 
 def test_a_non_contiguous_input_reaches_the_graph_with_its_strides():

@@ -125,6 +125,9 @@ def _auto_call(kind: str) -> list:
         return [Call("unary", lambda x: op(x))]
     if factory in ("binary", "compare"):   # and with a Python scalar (a constant, type promotion)
         return [Call("binary", lambda x, y: op(x, y)), Call("unary", lambda x: op(x, 2.5))]
+    if factory == "bitwise":   # integers and bools (eager raises for floats); a scalar keeps its int
+        return ([Call("unary", lambda x: op(x))] if kind == "aten::bitwise_not" else
+                [Call("binary", lambda x, y: op(x, y)), Call("unary", lambda x: op(x, 6))])
     if factory == "reduce":
         # along the rows (a vector loop), across them (the window form: 10 rows, 4099 long) and all
         return [Call("reduction", lambda x: op(x, 1)), Call("reduction", lambda x: op(x, 0)),

@@ -44,8 +44,6 @@ ROWS_NOT_COMPARED = {"aten::layer_norm#0": ([5, 8], HUGE_NORM_ROWS), "aten::inst
                      "aten::group_norm#0": ([5, 6, 7, 8, 9], HUGE_NORM_ROWS + " (rows 5-9 are one group)")}
 # (aten kind, input dtype) -> a substring of the reason the report gives for leaving it out
 REFUSED = {
-    **{(kind, dtype): "bitwise integer ops are not supported" for dtype in ("int64", "int32")
-       for kind in ("aten::__and__", "aten::__or__", "aten::bitwise_and", "aten::bitwise_or", "aten::bitwise_not")},
     **{(kind, "bool"): "of a bool tensor" for kind in ("aten::max", "aten::min", "aten::argmax", "aten::argmin")},
 }
 

@@ -68,6 +68,10 @@ CASES = [
     op_case("Less", [(3, 4), (3, 4)]),
     op_case("And", [(3, 4), (4,)], dtype="bool"),
     op_case("Or", [(3, 4), (4,)], dtype="bool"),
+    op_case("Xor", [(3, 4), (4,)], dtype="bool"),
+    *[op_case(op, [(3, 4), (4,)], dtype=dtype) for op in ("BitwiseAnd", "BitwiseOr", "BitwiseXor")
+      for dtype in ("int32", "int64")],
+    *[op_case("BitwiseNot", [(3, 5)], dtype=dtype) for dtype in ("int32", "int64")],
     op_case("Cast", [(3, 5)], to=7, name="Cast-f32-i64", values={"x0": arr([[1.7, -1.7, 2.5, -0.2, 0]] * 3, f32)}),
     op_case("Cast", [(3, 5)], to=9, name="Cast-f32-bool", values={"x0": arr([[1.7, -1.7, 0, -0.0, 3]] * 3, f32)}),
     op_case("Cast", [(2, 3)], to=1, dtype="bool", name="Cast-bool-f32"),

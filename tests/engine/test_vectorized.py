@@ -30,7 +30,9 @@ SIGNATURES = {
                                   "Sin", "Cos")},
     "Mod": (2, FLOATS),    # fmod=1 (ir._fmod); floats only
     "Not": (1, ("bool",)),
-    **{op: (2, ("bool",)) for op in ("And", "Or")},
+    **{op: (2, ("bool",)) for op in ("And", "Or", "Xor")},
+    "BitwiseNot": (1, ("int64", "int32")),
+    **{op: (2, ("int64", "int32")) for op in ("BitwiseAnd", "BitwiseOr", "BitwiseXor")},
     "Where": (3, ALL),     # a bool condition, both branches of the dtype
     "Cast": (1, ALL),      # from the dtype to every dtype
 }
