@@ -31,9 +31,9 @@ MEASURE_S = 0.02
 PAUSE_S = 0.02
 F64 = torch.float64
 
-# aten kind -> (input domain, call). The call gets x (the domain's tensor) and y (a second float
+# aten kind (or kind#variant, another dtype of it) -> (input domain, call). The call gets x (the domain's tensor) and y (a second float
 # tensor of the same shape, for binary ops); unary calls ignore y. Domains: "real" = randn,
-# "pos" = |randn| + 0.1 (log, sqrt, pow), "bool" = randn > 0.
+# "pos" = |randn| + 0.1 (log, sqrt, pow), "bool" = randn > 0, "int" = int32 in +-3000.
 CALLS = {
     "aten::add": ("real", lambda x, y: x + y),
     "aten::sub": ("real", lambda x, y: x - y),
@@ -88,6 +88,13 @@ CALLS = {
     "aten::bitwise_and": ("bool", lambda x, y: torch.bitwise_and(x, y > 0)),
     "aten::bitwise_or": ("bool", lambda x, y: torch.bitwise_or(x, y > 0)),
     "aten::bitwise_not": ("bool", lambda x, y: torch.bitwise_not(x)),
+    "aten::__xor__": ("bool", lambda x, y: x ^ (y > 0)),
+    "aten::bitwise_xor": ("bool", lambda x, y: torch.bitwise_xor(x, y > 0)),
+    # the integer forms, as masks and hashes use them
+    "aten::bitwise_and#int": ("int", lambda x, y: x & 0xFF0),
+    "aten::bitwise_or#int": ("int", lambda x, y: x | y.to(torch.int32)),
+    "aten::bitwise_xor#int": ("int", lambda x, y: x ^ y.to(torch.int32)),
+    "aten::bitwise_not#int": ("int", lambda x, y: ~x),
     "aten::to": ("real", lambda x, y: x.to(F64)),
     "aten::type_as": ("real", lambda x, y: x.type_as(y.double())),
     "aten::sum": ("real", lambda x, y: x.sum(-1)),
@@ -138,16 +145,17 @@ def family_of(kind: str) -> str:
 
 def make_inputs(domain, shape):
     x, y = torch.randn(shape), torch.randn(shape)
-    return {"real": (x, y), "pos": (x.abs() + 0.1, y), "bool": (x > 0, y)}[domain]
+    return {"real": (x, y), "pos": (x.abs() + 0.1, y), "bool": (x > 0, y),
+            "int": ((x * 1000).to(torch.int32), y * 1000)}[domain]
 
 
 def chained(call, domain):
     """The op between an elementwise prologue and epilogue, as a fusing compiler sees it in models."""
     def prologue(x):
-        return x if domain == "bool" else x * 1.5 + 0.25
+        return {"bool": x, "int": x * 3 + 1}.get(domain, x * 1.5 + 0.25)
 
     def fn(x, y):
-        out = call(prologue(x), y * 0.5 - 0.1)
+        out = call(prologue(x), y * 0.5 - 0.1)   # (an int op's y is cast to int32 inside its call)
         return out.float() * 0.5 + 1.0 if out.dtype != torch.bool else torch.where(out, 2.0, -1.0)
     return fn
 
@@ -250,7 +258,8 @@ def main() -> int:
     rows = []
     with torch.no_grad():
         for kind in (k for k in kinds if k in CALLS):
-            rows += bench_op(kind)
+            for variant in [kind] + [key for key in CALLS if key.startswith(kind + "#")]:  # e.g. "#int"
+                rows += bench_op(variant)
             if not args.no_write:  # after every op: a run cut short still leaves its table
                 Path(args.out).write_text(markdown(rows, skipped))
     print(markdown(rows, skipped))
