@@ -29,7 +29,7 @@ import torch
 import blade._C
 from blade._C import _testing
 
-KERNELS = ("mkl", "onednn-matmul", "onednn-packed", "few-rows")
+KERNELS = ("mkl", "onednn-matmul", "onednn-packed", "panels")
 PAUSE_S = 0.2  # after ONNX Runtime: its spinning worker threads go idle before the runtime is timed
 
 
@@ -179,7 +179,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"threads {torch.get_num_threads()}, {args.rounds} rounds, 1-minute load at the end {load:.1f}; "
           "us per GEMM (GFLOP/s); '-' = not a candidate for that call\n")
-    print("| models | GEMM | MKL | oneDNN matmul | oneDNN packed | few-rows | ONNX Runtime | auto picks | ORT time / best blade time |")
+    print("| models | GEMM | MKL | oneDNN matmul | oneDNN packed | panels | ONNX Runtime | auto picks | ORT time / best blade time |")
     print("|---|---|---|---|---|---|---|---|---|")
     for g, best, chosen in rows:
         cells = []

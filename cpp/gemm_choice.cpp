@@ -24,8 +24,8 @@
 namespace blade {
 namespace {
 
-enum Kernel { kMkl, kOnednnMatmul, kOnednnPacked, kFewRows, kKernels };
-constexpr std::array<const char*, kKernels> kKernelNames = {"mkl", "onednn-matmul", "onednn-packed", "few-rows"};
+enum Kernel { kMkl, kOnednnMatmul, kOnednnPacked, kPanels, kKernels };
+constexpr std::array<const char*, kKernels> kKernelNames = {"mkl", "onednn-matmul", "onednn-packed", "panels"};
 constexpr unsigned bit(Kernel k) { return 1u << k; }
 
 // BLADE_GEMM's values: the kernels each lets the runtime time against each other.
@@ -34,12 +34,12 @@ struct Mode {
   unsigned kernels;
 };
 constexpr unsigned kOnednnKernels = bit(kOnednnMatmul) | bit(kOnednnPacked);
-constexpr std::array<Mode, 6> kModes = {{{"auto", bit(kMkl) | kOnednnKernels | bit(kFewRows)},
+constexpr std::array<Mode, 6> kModes = {{{"auto", bit(kMkl) | kOnednnKernels | bit(kPanels)},
                                          {"mkl", bit(kMkl)},
                                          {"onednn", kOnednnKernels},
                                          {"onednn-matmul", bit(kOnednnMatmul)},
                                          {"onednn-packed", bit(kOnednnPacked)},
-                                         {"few-rows", bit(kFewRows)}}};
+                                         {"panels", bit(kPanels)}}};
 
 unsigned parse_mode(const std::string& value) {
   std::string known;
@@ -112,7 +112,7 @@ unsigned candidates(const GemmArgs& g, bool b_constant, unsigned allowed) {
     applicable |= bit(kOnednnMatmul);
     if (g.batch == 1 && b_constant) applicable |= bit(kOnednnPacked);
   }
-  if (b_constant && few_rows_applies(g)) applicable |= bit(kFewRows);
+  if (b_constant && panels_applies(g)) applicable |= bit(kPanels);
   unsigned chosen = applicable & allowed;
   if (chosen == 0) chosen = applicable & (allowed & kOnednnKernels ? bit(kOnednnMatmul) : bit(kMkl));
   return chosen != 0 ? chosen : bit(kMkl);
@@ -126,8 +126,8 @@ void run(Kernel kernel, const GemmArgs& g, PackedWeights* weights) {
     case kOnednnPacked:
       onednn_packed(g, weights);
       return;
-    case kFewRows:
-      few_rows_gemm(g, weights);
+    case kPanels:
+      panels_gemm(g, weights);
       return;
     default:
       mkl_gemm(g, weights);
