@@ -26,6 +26,7 @@ RUNTIME_SOURCES = [
     "cpp/engine_registration.cpp",
     "cpp/engine_state.cpp",
     "cpp/gemm_choice.cpp",
+    "cpp/gemm_panels.cpp",
     "cpp/gemm_mkl.cpp",
     "cpp/gemm_onednn.cpp",
     "cpp/isa.cpp",

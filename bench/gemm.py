@@ -1,5 +1,5 @@
 """Per-GEMM benchmark: the runtime's GEMM kernels (MKL's sgemm, oneDNN's matmul, oneDNN's inner
-product on a reordered weight; cpp/gemm_*.cpp) against ONNX Runtime's MatMul, on the GEMMs the
+product on a reordered weight, the own few-row kernel; cpp/gemm_*.cpp) against ONNX Runtime's MatMul, on the GEMMs the
 benchmark models run (bench/models.py: hidden 256 transformers, ViT 192, Llama's MLP, the MLP
 block) at batch 1 and 8, as blade's code generator passes them (a Linear's weight transposed and
 constant; attention's heads strided inside the fused QKV output).
@@ -29,7 +29,7 @@ import torch
 import blade._C
 from blade._C import _testing
 
-KERNELS = ("mkl", "onednn-matmul", "onednn-packed")
+KERNELS = ("mkl", "onednn-matmul", "onednn-packed", "panels")
 PAUSE_S = 0.2  # after ONNX Runtime: its spinning worker threads go idle before the runtime is timed
 
 
@@ -179,8 +179,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"threads {torch.get_num_threads()}, {args.rounds} rounds, 1-minute load at the end {load:.1f}; "
           "us per GEMM (GFLOP/s); '-' = not a candidate for that call\n")
-    print("| models | GEMM | MKL | oneDNN matmul | oneDNN packed | ONNX Runtime | auto picks | ORT time / best blade time |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| models | GEMM | MKL | oneDNN matmul | oneDNN packed | panels | ONNX Runtime | auto picks | ORT time / best blade time |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for g, best, chosen in rows:
         cells = []
         for name in (*KERNELS, "ort"):

@@ -1,5 +1,6 @@
 // The runtime's SGEMM (BladeRuntime::sgemm): one call's arguments, the kernels that can run it
-// (MKL's BLAS in gemm_mkl.cpp, oneDNN through libtorch in gemm_onednn.cpp) and the per-shape choice
+// (MKL's BLAS in gemm_mkl.cpp, oneDNN through libtorch in gemm_onednn.cpp, the runtime's own
+// kernel on packed panels of a constant B in gemm_panels.cpp) and the per-shape choice
 // between them (gemm_choice.cpp), made by timing the candidates on this machine.
 #pragma once
 
@@ -54,6 +55,15 @@ void onednn_matmul(const GemmArgs& g);
 // result copied (or, beta != 0, added) into C.
 bool onednn_packed_applies(const GemmArgs& g, PackedWeights* weights);
 void onednn_packed(const GemmArgs& g, PackedWeights* weights);
+
+// ---- the runtime's own kernel on a constant B packed in panels (gemm_panels.cpp) ----
+
+// Whether panels_gemm can run g when its B is one of the engine's constants: a single GEMM, on a
+// CPU with AVX-512.
+bool panels_applies(const GemmArgs& g);
+
+// C = op(A) (alpha op(B)) + beta C with B packed once per engine in 32-column panels, straight into C.
+void panels_gemm(const GemmArgs& g, PackedWeights* weights);
 
 // ---- the choice (gemm_choice.cpp) ----
 

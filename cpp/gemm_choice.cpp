@@ -24,8 +24,8 @@
 namespace blade {
 namespace {
 
-enum Kernel { kMkl, kOnednnMatmul, kOnednnPacked, kKernels };
-constexpr std::array<const char*, kKernels> kKernelNames = {"mkl", "onednn-matmul", "onednn-packed"};
+enum Kernel { kMkl, kOnednnMatmul, kOnednnPacked, kPanels, kKernels };
+constexpr std::array<const char*, kKernels> kKernelNames = {"mkl", "onednn-matmul", "onednn-packed", "panels"};
 constexpr unsigned bit(Kernel k) { return 1u << k; }
 
 // BLADE_GEMM's values: the kernels each lets the runtime time against each other.
@@ -34,11 +34,12 @@ struct Mode {
   unsigned kernels;
 };
 constexpr unsigned kOnednnKernels = bit(kOnednnMatmul) | bit(kOnednnPacked);
-constexpr std::array<Mode, 5> kModes = {{{"auto", bit(kMkl) | kOnednnKernels},
+constexpr std::array<Mode, 6> kModes = {{{"auto", bit(kMkl) | kOnednnKernels | bit(kPanels)},
                                          {"mkl", bit(kMkl)},
                                          {"onednn", kOnednnKernels},
                                          {"onednn-matmul", bit(kOnednnMatmul)},
-                                         {"onednn-packed", bit(kOnednnPacked)}}};
+                                         {"onednn-packed", bit(kOnednnPacked)},
+                                         {"panels", bit(kPanels)}}};
 
 unsigned parse_mode(const std::string& value) {
   std::string known;
@@ -111,6 +112,7 @@ unsigned candidates(const GemmArgs& g, bool b_constant, unsigned allowed) {
     applicable |= bit(kOnednnMatmul);
     if (g.batch == 1 && b_constant) applicable |= bit(kOnednnPacked);
   }
+  if (b_constant && panels_applies(g)) applicable |= bit(kPanels);
   unsigned chosen = applicable & allowed;
   if (chosen == 0) chosen = applicable & (allowed & kOnednnKernels ? bit(kOnednnMatmul) : bit(kMkl));
   return chosen != 0 ? chosen : bit(kMkl);
@@ -123,6 +125,9 @@ void run(Kernel kernel, const GemmArgs& g, PackedWeights* weights) {
       return;
     case kOnednnPacked:
       onednn_packed(g, weights);
+      return;
+    case kPanels:
+      panels_gemm(g, weights);
       return;
     default:
       mkl_gemm(g, weights);

@@ -12,9 +12,10 @@ from runtime_testing import ADD_INPUTS, ADD_OUTPUTS, ADD_SCRATCH_BYTES, compile_
 
 
 # BLADE_GEMM's modes: "onednn-packed" runs oneDNN's inner product on a reordered weight where B is
-# an engine constant (a single GEMM) and oneDNN's matmul elsewhere; "auto" times every applicable
-# kernel per shape and keeps the fastest.
-@pytest.fixture(params=["mkl", "onednn-matmul", "onednn-packed", "auto"])
+# an engine constant (a single GEMM) and oneDNN's matmul elsewhere; "panels" the runtime's own
+# kernel where B is a constant (MKL elsewhere); "auto" times every
+# applicable kernel per shape and keeps the fastest.
+@pytest.fixture(params=["mkl", "onednn-matmul", "onednn-packed", "panels", "auto"])
 def gemm_backend(request):
     """Pins the runtime's GEMM kernels for one test (process-wide), then back to BLADE_GEMM's."""
     _testing.set_gemm_backend(request.param)

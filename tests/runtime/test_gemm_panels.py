@@ -1,0 +1,120 @@
+"""The runtime's own GEMM on a constant B packed in 32-column panels (cpp/gemm_panels.cpp). Against
+float64 numpy over the sgemm contract where it applies: row counts around its register blocks of 8
+(and their remainders) and its row chunks, column counts around the panel width (the last panel's
+padding is computed and must not be stored), K down to 1, transposed and padded operands, alpha
+folded into the pack, beta accumulation, NaN and infinities, two threads; a pinned run must differ
+bitwise from MKL's (it really ran), and "auto" times it against the libraries."""
+import numpy as np
+import pytest
+import torch
+
+import blade._C
+from blade._C import _testing
+from runtime_testing import run_sgemm
+
+
+def _avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return " avx512f" in cpuinfo.read()
+    except OSError:
+        return False
+
+
+needs_avx512 = pytest.mark.skipif(not _avx512(), reason="the panels kernel needs AVX-512 (MKL runs instead)")
+
+
+@pytest.fixture
+def panels():
+    _testing.set_gemm_backend("panels")
+    yield
+    _testing.set_gemm_backend("")
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 17, 32, 129])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 32, 33, 100])
+def test_rows_and_columns(panels, m, n):
+    run_sgemm(1, m, n, 37, 1.0, 0.0, False, True, pack=True, pad=0)
+    run_sgemm(1, m, n, 37, -1.5, 0.5, True, False, pack=True, pad=3, seed=1)
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (1.0, 1.0), (0.25, -2.0)])
+@pytest.mark.parametrize("k", [1, 3, 256, 1024])
+def test_transposes_and_scales(panels, trans_a, trans_b, alpha, beta, k):
+    run_sgemm(1, 8, 40, k, alpha, beta, trans_a, trans_b, pack=True)
+
+
+def test_without_a_constant_b_runs_mkl(panels):
+    """B not an engine constant, or a batch of GEMMs: the mode falls back to MKL."""
+    run_sgemm(1, 8, 40, 64, 1.0, 0.0, False, True, pack=False)
+    run_sgemm(3, 8, 40, 64, 1.0, 1.0, True, True, pack=True, shared_b=True, pad=2)  # A transposed: no fold
+
+
+def _nonfinite_gemm(m, n, k):
+    """A with a NaN, +inf and -inf in separate rows, B with an inf column: C as IEEE sums give it."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    a[1, 3], a[2, 0], a[3, k - 1] = np.nan, np.inf, -np.inf
+    b[2, n - 1] = np.inf
+    c = torch.full((m, n), float("nan"))
+    _testing.sgemm(1, m, n, k, 1.0, torch.from_numpy(a), k, 0, False, torch.from_numpy(b), n, 0, False, 0.0, c, n,
+                   0, pack=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = a.astype(np.float64) @ b.astype(np.float64)
+    return c.double().numpy(), want
+
+
+@needs_avx512
+def test_nan_and_infinities(panels):
+    got, want = _nonfinite_gemm(9, 35, 20)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got) & (got > 0), np.isinf(want) & (want > 0))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+def _gemm(backend, m=8, n=96, k=1024):
+    generator = torch.Generator().manual_seed(3)
+    a, b = torch.randn(m, k, generator=generator), torch.randn(n, k, generator=generator)
+    c = torch.full((m, n), float("nan"))
+    _testing.set_gemm_backend(backend)
+    try:
+        _testing.sgemm(1, m, n, k, 1.0, a, k, 0, False, b, k, 0, True, 0.0, c, n, 0, pack=True)
+        return c, blade._C.gemm_choices()
+    finally:
+        _testing.set_gemm_backend("")
+
+
+@needs_avx512
+def test_pinned_kernel_really_runs():
+    """Over K = 1024 the kernel's sum order (one FMA chain per output) rounds unlike MKL's."""
+    few, _ = _gemm("panels")
+    mkl, _ = _gemm("mkl")
+    torch.testing.assert_close(few, mkl, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(few, mkl)
+
+
+@needs_avx512
+def test_auto_times_it():
+    """8 rows x a constant [1024, 96]: above auto's 2 MFLOP, so every kernel is timed, this one too."""
+    _, choices = _gemm("auto", n=128)
+    (choice,) = [c for c in choices if c["shape"].startswith("[8, 1024] @ [1024, 128]^T")]
+    assert "panels" in dict(choice["microseconds"])
+
+
+@needs_avx512
+@pytest.mark.parametrize("m, n", [(8, 2048), (197, 40), (61, 33)])
+def test_threads_split_the_tasks(m, n):
+    """Two threads: many panels (whole panels per task), or two panels or fewer (row chunks too,
+    the last one short): the same result."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _testing.set_gemm_backend("panels")
+        run_sgemm(1, m, n, 1024, 1.0, 0.0, False, True, pack=True, pad=1)
+        run_sgemm(1, m, n, 64, 0.5, 1.0, True, False, pack=True, pad=2, seed=1)
+    finally:
+        _testing.set_gemm_backend("")
+        torch.set_num_threads(threads)
