@@ -3,7 +3,7 @@ values), against float64 numpy over the sgemm contract: transposed operands, pad
 dimensions, batch strides (shared operands, the weight shared by row-stacked batches that folds into
 one GEMM, attention's strided heads), alpha != 1, beta accumulation, K not a multiple of 16, long
 K, one row; a pinned kernel must really run (its rounding differs); BLADE_GEMM is read from the
-environment; "auto" records what it timed."""
+environment; "auto" records what it timed, one choice per bucket of shapes."""
 import json
 import os
 import subprocess
@@ -111,19 +111,50 @@ def test_pinned_kernels_really_run():
     assert not torch.equal(mkl, packed)
 
 
+def auto_choices(prefix):
+    return [c for c in blade._C.gemm_choices() if c["shape"].startswith(prefix)]
+
+
 @needs_onednn
 def test_auto_records_what_it_timed():
+    """Until a shape's bucket is settled each call runs one candidate (the least sampled) and times
+    it; every call's result is the GEMM's, whichever kernel ran it."""
     _testing.set_gemm_backend("auto")
     try:
-        gemm_with(None, m=40, n=136, k=200, pack=True)
-        choices = [c for c in blade._C.gemm_choices() if c["shape"].startswith("[40, 200] @ [200, 136]^T")]
+        first = gemm_with(None, m=40, n=136, k=200, pack=True)
+        assert [c["timings"] for c in auto_choices("[40, 200] @ [200, 136]^T")] == [1]
+        for _ in range(3 * 3):  # three candidates, three calls each settle it (unless stalled)
+            assert torch.allclose(gemm_with(None, m=40, n=136, k=200, pack=True), first, rtol=1e-4, atol=1e-4)
+        choices = auto_choices("[40, 200] @ [200, 136]^T")
     finally:
         _testing.set_gemm_backend("")
     assert len(choices) == 1, blade._C.gemm_choices()
     timed = dict(choices[0]["microseconds"])
     assert choices[0]["kernel"] in timed and "B constant" in choices[0]["shape"]
     assert {"mkl", "onednn-packed"} <= set(timed) and all(us > 0 for us in timed.values())
-    assert timed[choices[0]["kernel"]] == min(timed.values()) and choices[0]["timings"] >= 1
+    assert timed[choices[0]["kernel"]] == min(timed.values()) and choices[0]["timings"] >= 9
+
+
+@needs_onednn
+def test_auto_choice_serves_a_bucket_of_row_counts():
+    """A choice serves every row count up to the next power of two (an engine with run-time sizes
+    meets a new one on almost every call): the other row counts of the bucket share its samples and
+    add no entry; the next power of two is a bucket of its own."""
+    wants = {m: gemm_with("mkl", m=m, n=136, k=200, pack=True) for m in (40, 50, 33, 64, 61, 65)}
+    _testing.set_gemm_backend("auto")
+    try:
+        for m in (40, 50, 33, 64, 61):
+            for _ in range(3):
+                torch.testing.assert_close(gemm_with(None, m=m, n=136, k=200, pack=True), wants[m], rtol=1e-4, atol=1e-4)
+        bucket = [c for c in blade._C.gemm_choices() if "rows 33-64, columns 129-256, depth 129-256" in c["shape"]]
+        torch.testing.assert_close(gemm_with(None, m=65, n=136, k=200, pack=True), wants[65], rtol=1e-4, atol=1e-4)
+        next_bucket = [c for c in blade._C.gemm_choices() if "rows 65-128" in c["shape"]]
+        choices = blade._C.gemm_choices()
+    finally:
+        _testing.set_gemm_backend("")
+    assert len(choices) == 2, choices
+    assert len(bucket) == 1 and bucket[0]["timings"] >= 9, choices  # 15 calls: settled after 9 (3 candidates x 3)
+    assert len(next_bucket) == 1 and next_bucket[0]["timings"] == 1, choices
 
 
 def test_auto_takes_mkl_for_tiny_gemms_untimed():
