@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <shared_mutex>
 #include <string>
 #include <vector>
@@ -109,6 +110,9 @@ struct Choice {
   std::array<double, kKernels> ns_per_flop;  // per candidate: its best sample; NaN: none yet
   std::array<double, kKernels> us;          // that sample's call, us
   ShapeKey sampled{};                       // the exact shape of the latest sample
+  const float* sampling_b = nullptr;        // B constant: the one weight whose calls sample
+  std::set<std::array<int64_t, 4>> ran;     // (kernel, m, n, k) run so far: a repeat is warm
+  std::array<int, kKernels> cold{};         // first calls (packing, JIT-compiling) left unrecorded
 };
 
 struct Table {
@@ -191,25 +195,37 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 // The choice is made on the calls themselves: until a bucket is settled, each call runs the
 // candidate with the fewest samples on its own operands and times it (the result is the call's
-// result, every candidate computes the same GEMM), so no call waits on a timing. Each candidate
-// keeps its best call per flop (shapes of a bucket differ in size; the best of several calls
-// drops a kernel's first call, which packs B or JIT-compiles, and a call that waited on a thread
+// result, every candidate computes the same GEMM), so no call waits on a timing. A kernel's first
+// call at a shape packs B or JIT-compiles: it is not a sample (unless every call is a new shape:
+// after kMaxSamples such calls, they count). With a constant B only the calls on one weight
+// sample, and the bucket's other weights run pack-free kernels until it settles: a weight is
+// packed by the winner only, not by each candidate. Each candidate keeps its best call per flop
+// (shapes of a bucket differ in size; the best of several drops a call that waited on a thread
 // preempted by another process). kSamples calls each settle the bucket unless the winner's best
 // looks like a stall (over 1 ms at under 20 GFLOP/s, as when other jobs hold every core): then
 // sampling goes on, up to kMaxSamples calls each.
-constexpr int kSamples = 3, kMaxSamples = 8;
+constexpr int kSamples = 5, kMaxSamples = 12;
 constexpr double kSuspectUs = 1000, kSuspectGflops = 20;
 
 double flops(const GemmArgs& g) { return 2.0 * g.batch * g.m * g.n * g.k; }
 
-// The kernel this call samples, or -1 when the bucket has settled meanwhile.
-int next_sample(Choice& choice) {
+// The kernel this call samples; -1: the bucket has settled meanwhile, -2: the call is not on the
+// weight that samples.
+int next_sample(Choice& choice, const GemmArgs& g, bool b_constant) {
   std::lock_guard<std::mutex> lock(choice.mutex);
   if (choice.settled.load(std::memory_order_relaxed)) return -1;
+  if (b_constant) {
+    if (choice.sampling_b == nullptr) choice.sampling_b = g.b;
+    if (choice.sampling_b != g.b) return -2;
+  }
   int pick = -1;
+  const auto fewer = [&](int k, int than) {
+    return choice.samples[k] != choice.samples[than] ? choice.samples[k] < choice.samples[than]
+                                                     : choice.issued[k] < choice.issued[than];
+  };
   for (int i = 0; i < kKernels; ++i) {
     const int k = (choice.first + i) % kKernels;  // ties: the likely winner first, the call's own result
-    if ((choice.kernels & bit(Kernel(k))) && (pick < 0 || choice.issued[k] < choice.issued[pick])) pick = k;
+    if ((choice.kernels & bit(Kernel(k))) && (pick < 0 || fewer(k, pick))) pick = k;
   }
   ++choice.issued[pick];
   return pick;
@@ -226,11 +242,18 @@ void settle_if_sampled(Choice& choice) {
   choice.kernel.store(winner, std::memory_order_relaxed);  // the leader so far serves other threads meanwhile
   const double gflops = 1.0 / choice.ns_per_flop[winner];
   const bool suspect = choice.us[winner] > kSuspectUs && gflops < kSuspectGflops;
-  if (fewest >= kMaxSamples || (fewest >= kSamples && !suspect)) choice.settled.store(true, std::memory_order_release);
+  if (fewest >= kMaxSamples || (fewest >= kSamples && !suspect)) {
+    choice.ran.clear();
+    choice.settled.store(true, std::memory_order_release);
+  }
 }
 
 void record(Choice& choice, int kernel, const GemmArgs& g, bool b_constant, double seconds) {
   std::lock_guard<std::mutex> lock(choice.mutex);
+  if (choice.ran.insert({kernel, g.m, g.n, g.k}).second && choice.cold[kernel] < kMaxSamples) {
+    ++choice.cold[kernel];
+    return;
+  }
   const double ns_per_flop = seconds * 1e9 / flops(g);
   ++choice.samples[kernel];
   if (!(choice.ns_per_flop[kernel] <= ns_per_flop)) {  // also replaces NaN (no sample yet)
@@ -303,8 +326,9 @@ void run_chosen(const GemmArgs& g, bool b_constant, PackedWeights* weights) {
   if (choice->settled.load(std::memory_order_acquire)) {
     return run(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
   }
-  const int kernel = next_sample(*choice);
-  if (kernel < 0) return run(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
+  const int kernel = next_sample(*choice, g, b_constant);
+  if (kernel == -1) return run(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
+  if (kernel == -2) return run(kernels & bit(kOnednnMatmul) ? kOnednnMatmul : kMkl, g, nullptr);  // packs nothing
   const auto start = std::chrono::steady_clock::now();
   try {
     run(Kernel(kernel), g, weights);
