@@ -312,6 +312,17 @@ Choice* entry_for(const ShapeKey& key, unsigned kernels, unsigned allowed) {
   return slot.get();
 }
 
+// Runs g with `kernel`; a oneDNN kernel that refuses these operands (its checks come before it
+// writes C; a bucket's choice was made on other shapes of the bucket) leaves the call to MKL.
+void run_or_mkl(Kernel kernel, const GemmArgs& g, PackedWeights* weights) {
+  if (kernel == kMkl) return run(kMkl, g, weights);
+  try {
+    run(kernel, g, weights);
+  } catch (const c10::Error&) {
+    run(kMkl, g, weights);
+  }
+}
+
 // Runs g with the bucket's kernel, or as one of its samples while it is not settled.
 void run_chosen(const GemmArgs& g, bool b_constant, PackedWeights* weights) {
   const unsigned allowed = allowed_kernels();
@@ -324,11 +335,11 @@ void run_chosen(const GemmArgs& g, bool b_constant, PackedWeights* weights) {
   Choice* choice = entry_for(bucket_key(g, b_constant), kernels, allowed);
   if (choice == nullptr) return run(kMkl, g, weights);  // the mode changed under this call
   if (choice->settled.load(std::memory_order_acquire)) {
-    return run(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
+    return run_or_mkl(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
   }
   const int kernel = next_sample(*choice, g, b_constant);
-  if (kernel == -1) return run(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
-  if (kernel == -2) return run(kernels & bit(kOnednnMatmul) ? kOnednnMatmul : kMkl, g, nullptr);  // packs nothing
+  if (kernel == -1) return run_or_mkl(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
+  if (kernel == -2) return run_or_mkl(kernels & bit(kOnednnMatmul) ? kOnednnMatmul : kMkl, g, nullptr);  // packs nothing
   const auto start = std::chrono::steady_clock::now();
   try {
     run(Kernel(kernel), g, weights);
