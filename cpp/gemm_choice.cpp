@@ -1,10 +1,10 @@
-// Which kernel runs a GEMM: chosen per process and call shape by timing the candidates on the
-// call's own operands, not by CPU vendor (MKL 2024 is 2x slower than oneDNN on AMD EPYC with
-// AVX-512, and may well win on Intel; a few-row GEMM may prefer MKL's column split either way).
-// A choice serves a bucket of shapes (sizes rounded up to powers of two) and is made by timing the
-// bucket's first calls themselves, each running one candidate: an engine with run-time sizes
-// meets a new row count on almost every call, and a separate timing per shape (50-300 ms for a
-// model's GEMMs) made every first call at a new shape a stall. BLADE_GEMM narrows the candidates (README "GEMM
+// Which kernel runs a GEMM: chosen per process and bucket of call shapes by timing the candidates
+// on the calls' own operands, not by CPU vendor (MKL 2024 is 2x slower than oneDNN on AMD EPYC
+// with AVX-512, and may well win on Intel; a few-row GEMM may prefer MKL's column split either
+// way). A bucket is sizes rounded up to powers of two, and its choice is made by timing its first
+// calls themselves, each running one candidate: an engine with run-time sizes meets a new row
+// count on almost every call, and a separate timing per shape (50-300 ms for a model's GEMMs)
+// made every first call at a new shape a stall. BLADE_GEMM narrows the candidates (README "GEMM
 // backend"); gemm_choices() reports the choices.
 #include <ATen/Parallel.h>
 #include <ATen/ops/full.h>
@@ -106,7 +106,7 @@ struct Choice {
   unsigned kernels = 0;                     // the candidates (a oneDNN kernel that refused is dropped)
   int first = kMkl;                         // sampled first: a neighbouring bucket's choice
   std::array<int, kKernels> issued{};       // calls handed to each candidate to sample
-  std::array<int, kKernels> samples{};      // of those, finished
+  std::array<int, kKernels> samples{};      // of those, recorded (first calls at a shape are not)
   std::array<double, kKernels> ns_per_flop;  // per candidate: its best sample; NaN: none yet
   std::array<double, kKernels> us;          // that sample's call, us
   ShapeKey sampled{};                       // the exact shape of the latest sample
