@@ -68,11 +68,10 @@ class Profile:
             lines.append(f"  {k.ms_per_run:8.3f} ms {100 * k.ms_per_run / max(self.model_ms, 1e-12):5.1f}%  "
                          f"{k.engine} #{k.index}: {k.name}")
         if self.gemm_choices:
-            lines.append("GEMM kernels chosen per call shape (this process; best timed call per candidate):")
+            lines.append("GEMM kernels chosen per bucket of call shapes (this process; best sampled call per candidate):")
         for choice in self.gemm_choices:
             timed = ", ".join(f"{name} {us:.1f} us" for name, us in choice["microseconds"])
-            again = f"; timed {choice['timings']} times" if choice["timings"] > 1 else ""
-            lines.append(f"  {choice['kernel']:14s} {choice['shape']}  ({timed}{again})")
+            lines.append(f"  {choice['kernel']:14s} {choice['shape']}  ({timed}; {choice['timings']} calls sampled)")
         return "\n".join(lines)
 
 

@@ -1,9 +1,13 @@
-// Which kernel runs a GEMM: chosen per process and call shape by timing the candidates on the
-// call's own operands, not by CPU vendor (MKL 2024 is 2x slower than oneDNN on AMD EPYC with
-// AVX-512, and may well win on Intel; a few-row GEMM may prefer MKL's column split either way).
-// BLADE_GEMM narrows the candidates (README "GEMM backend"); gemm_choices() reports the choices.
+// Which kernel runs a GEMM: chosen per process and bucket of call shapes by timing the candidates
+// on the calls' own operands, not by CPU vendor (MKL 2024 is 2x slower than oneDNN on AMD EPYC
+// with AVX-512, and may well win on Intel; a few-row GEMM may prefer MKL's column split either
+// way). A bucket is sizes rounded up to powers of two, and its choice is made by timing its first
+// calls themselves, each running one candidate: an engine with run-time sizes meets a new row
+// count on almost every call, and a separate timing per shape (50-300 ms for a model's GEMMs)
+// made every first call at a new shape a stall. BLADE_GEMM narrows the candidates (README "GEMM
+// backend"); gemm_choices() reports the choices.
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 
 #include <algorithm>
 #include <array>
@@ -16,8 +20,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <shared_mutex>
 #include <string>
+#include <vector>
 
 #include "gemm.h"
 
@@ -61,21 +67,62 @@ unsigned mode_from_env() {
 // kernels thread.
 using ShapeKey = std::array<int64_t, 15>;
 
-// What was timed for one shape. The kernel is read without the table's lock on every call.
+ShapeKey exact_key(const GemmArgs& g, bool b_constant) {
+  return {g.batch, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.stride_a, g.stride_b, g.stride_c,
+          g.trans_a != 0, g.trans_b != 0, b_constant, at::get_num_threads(), at::in_parallel_region()};
+}
+
+// The smallest power of two >= x (x >= 1).
+int64_t bucket(int64_t x) {
+  int64_t b = 1;
+  while (b < x) b <<= 1;
+  return b;
+}
+
+// The bucket of shapes one choice serves: batch, m, n and k rounded up to powers of two (a
+// kernel's speed ranking changes over factors of the size, not from one row count to the next),
+// a leading dimension or batch stride as "dense" (-1: rows packed edge to edge, which is what
+// changes with the sizes in an engine with run-time dims) or else rounded up too. The shapes of a
+// bucket share its calls' samples and its choice (a static engine's shape is the only one of its
+// buckets, so its choice is its own).
+ShapeKey bucket_key(const GemmArgs& g, bool b_constant) {
+  const auto ld_class = [](int64_t ld, int64_t natural) { return ld == natural ? -1 : bucket(ld); };
+  const auto stride_class = [](int64_t stride, int64_t dense) {
+    return stride == 0 ? 0 : stride == dense ? -1 : bucket(stride);
+  };
+  const int64_t a_rows = g.trans_a ? g.k : g.m, b_rows = g.trans_b ? g.n : g.k;
+  return {bucket(g.batch), bucket(g.m), bucket(g.n), bucket(g.k),
+          ld_class(g.lda, g.trans_a ? g.m : g.k), ld_class(g.ldb, g.trans_b ? g.k : g.n), ld_class(g.ldc, g.n),
+          stride_class(g.stride_a, a_rows * g.lda), stride_class(g.stride_b, b_rows * g.ldb),
+          stride_class(g.stride_c, g.m * g.ldc), g.trans_a != 0, g.trans_b != 0, b_constant,
+          at::get_num_threads(), at::in_parallel_region()};
+}
+
+// What the calls of one bucket of shapes measured, and the kernel they chose. The kernel is read
+// without any lock on every call once settled; until then `mutex` guards the samples.
 struct Choice {
   std::atomic<int> kernel{kMkl};
-  std::array<double, kKernels> us;  // per candidate: its best call over all timings, us; NaN: not timed
-  unsigned kernels = 0;             // the candidates timed
-  int timings = 0;
-  std::atomic<bool> settled{false};  // false: the timing looked disturbed, time again (retime_due)
-  std::atomic<int64_t> calls{0};     // calls since the first timing, while not settled
+  std::atomic<bool> settled{false};
+  std::mutex mutex;
+  unsigned kernels = 0;                     // the candidates (a oneDNN kernel that refused is dropped)
+  int first = kMkl;                         // sampled first: a neighbouring bucket's choice
+  std::array<int, kKernels> issued{};       // calls handed to each candidate to sample
+  std::array<int, kKernels> samples{};      // of those, recorded (first calls at a shape are not)
+  std::array<double, kKernels> ns_per_flop;  // per candidate: its best sample; NaN: none yet
+  std::array<double, kKernels> us;          // that sample's call, us
+  ShapeKey sampled{};                       // the exact shape of the latest sample
+  const float* sampling_b = nullptr;        // B constant: the one weight whose calls sample
+  std::set<std::array<int64_t, 4>> ran;     // (kernel, m, n, k) run so far: a repeat is warm
+  std::array<int, kKernels> cold{};         // first calls (packing, JIT-compiling) left unrecorded
 };
 
 struct Table {
   std::shared_mutex mutex;
   std::optional<unsigned> mode;  // allowed kernels; read from BLADE_GEMM on first use
   std::map<ShapeKey, std::unique_ptr<Choice>> choices;
-  std::mutex measuring;  // one timing at a time: two at once would slow each other down
+  // set_gemm_backend's forgotten entries: a call may still be sampling into one (calls hold an
+  // entry without the table's lock), so they are kept, not freed. Tests and A/B runs only.
+  std::vector<std::unique_ptr<Choice>> forgotten;
 };
 
 Table& table() {
@@ -118,6 +165,19 @@ unsigned candidates(const GemmArgs& g, bool b_constant, unsigned allowed) {
   return chosen != 0 ? chosen : bit(kMkl);
 }
 
+// MKL packs a constant B for one row count (its packed format is made for the GEMM's exact
+// sizes), so an engine with run-time sizes would keep a copy of every weight for each row count
+// it meets. MKL packs a weight for the row count of its first MKL call (a static shape keeps its
+// pack; memory stays flat as new shapes arrive); other row counts run unpacked.
+constexpr int64_t kPackRowsTag = -3;  // PackedWeights key slot 1 (MKL: trans_b, Winograd: -1, oneDNN: -2)
+
+PackedWeights* mkl_packing(const GemmArgs& g, PackedWeights* weights) {
+  if (weights == nullptr || !weights->is_constant(g.b)) return weights;
+  const PackedWeights::Key key = {reinterpret_cast<int64_t>(g.b), kPackRowsTag, g.trans_b, g.n, g.k, g.ldb};
+  const at::Tensor rows = weights->get(key, [&] { return at::full({1}, g.m, at::kLong); });
+  return rows.const_data_ptr<int64_t>()[0] == g.m ? weights : nullptr;
+}
+
 void run(Kernel kernel, const GemmArgs& g, PackedWeights* weights) {
   switch (kernel) {
     case kOnednnMatmul:
@@ -130,142 +190,173 @@ void run(Kernel kernel, const GemmArgs& g, PackedWeights* weights) {
       panels_gemm(g, weights);
       return;
     default:
-      mkl_gemm(g, weights);
+      mkl_gemm(g, mkl_packing(g, weights));
   }
-}
-
-// The floats an operand spans: [batch, rows, cols] with leading dimension ld and batch stride.
-int64_t extent(int64_t batch, int64_t stride, int64_t rows, int64_t cols, int64_t ld, bool transposed) {
-  return (batch - 1) * stride + (transposed ? (cols - 1) * ld + rows : (rows - 1) * ld + cols);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Times each candidate on g's operands into `best` (per kernel, its best call in microseconds,
-// kept when lower than what `best` holds). The timed calls write a scratch C of C's layout with
-// beta = 0 (with beta != 0 each call would accumulate into C), and pack B into a PackedWeights of
-// their own, dropped afterwards: only the winner's pack stays with the engine. Rounds alternate the
-// candidates and each keeps its best call, so a neighbour process stealing the CPU for a while
-// (the machine is shared) does not decide the choice. Returns the candidates that ran (a oneDNN
-// kernel that throws is dropped; MKL's errors are real ones and propagate).
-unsigned measure(const GemmArgs& g, bool b_constant, unsigned kernels, std::array<double, kKernels>& best) {
-  // One sample repeats a tiny GEMM up to about kTargetSampleS. Rounds go on past kMinRounds while
-  // the timing took under kBudgetS: on a loaded 2-core machine a parallel call now and then waits
-  // 4-8 ms for a preempted thread, so a few-hundred-microsecond GEMM needs many samples for every
-  // candidate to have a clean one; a GEMM of many milliseconds gets kMinRounds.
-  constexpr double kTargetSampleS = 100e-6;
-  constexpr int kMinRounds = 3, kMaxRounds = 30;
-  constexpr double kBudgetS = 0.05;
-  PackedWeights probe;
+// The choice is made on the calls themselves: until a bucket is settled, each call runs the
+// candidate with the fewest samples on its own operands and times it (the result is the call's
+// result, every candidate computes the same GEMM), so no call waits on a timing. A kernel's first
+// call at a shape packs B or JIT-compiles: it is not a sample (unless every call is a new shape:
+// after kMaxSamples such calls, they count). With a constant B only the calls on one weight
+// sample, and the bucket's other weights run pack-free kernels until it settles: a weight is
+// packed by the winner only, not by each candidate. Each candidate keeps its best call per flop
+// (shapes of a bucket differ in size; the best of several drops a call that waited on a thread
+// preempted by another process). kSamples calls each settle the bucket unless the winner's best
+// looks like a stall (over 1 ms at under 20 GFLOP/s, as when other jobs hold every core): then
+// sampling goes on, up to kMaxSamples calls each.
+constexpr int kSamples = 5, kMaxSamples = 12;
+constexpr double kSuspectUs = 1000, kSuspectGflops = 20;
+
+double flops(const GemmArgs& g) { return 2.0 * g.batch * g.m * g.n * g.k; }
+
+// The kernel this call samples; -1: the bucket has settled meanwhile, -2: the call is not on the
+// weight that samples.
+int next_sample(Choice& choice, const GemmArgs& g, bool b_constant) {
+  std::lock_guard<std::mutex> lock(choice.mutex);
+  if (choice.settled.load(std::memory_order_relaxed)) return -1;
   if (b_constant) {
-    probe.add_constant(g.b, sizeof(float) * extent(1, 0, g.k, g.n, g.ldb, g.trans_b != 0));
+    if (choice.sampling_b == nullptr) choice.sampling_b = g.b;
+    if (choice.sampling_b != g.b) return -2;
   }
-  at::Tensor scratch = at::empty({extent(g.batch, g.stride_c, g.m, g.n, g.ldc, false)}, at::kFloat);
-  GemmArgs timed = g;
-  timed.c = scratch.mutable_data_ptr<float>();
-  timed.beta = 0.0f;
-
-  double fastest_first = std::numeric_limits<double>::infinity();
-  for (int k = 0; k < kKernels; ++k) {
-    if (!(kernels & bit(Kernel(k)))) continue;
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      run(Kernel(k), timed, &probe);  // packs, warms caches and thread pools
-    } catch (const c10::Error&) {
-      if (k == kMkl) throw;  // MKL/ATen take every GEMM of the contract: a real error
-      kernels &= ~bit(Kernel(k));  // a oneDNN refusal: the others still run it
-      continue;
-    }
-    fastest_first = std::min(fastest_first, seconds_since(start));
+  int pick = -1;
+  const auto fewer = [&](int k, int than) {
+    return choice.samples[k] != choice.samples[than] ? choice.samples[k] < choice.samples[than]
+                                                     : choice.issued[k] < choice.issued[than];
+  };
+  for (int i = 0; i < kKernels; ++i) {
+    const int k = (choice.first + i) % kKernels;  // ties: the likely winner first, the call's own result
+    if ((choice.kernels & bit(Kernel(k))) && (pick < 0 || fewer(k, pick))) pick = k;
   }
-  const int repeats = static_cast<int>(std::clamp(kTargetSampleS / std::max(fastest_first, 1e-9), 1.0, 64.0));
-  const auto start = std::chrono::steady_clock::now();
-  for (int round = 0; round < kMaxRounds && (round < kMinRounds || seconds_since(start) < kBudgetS); ++round) {
-    for (int step = 0; step < kKernels; ++step) {
-      const Kernel k = Kernel((round + step) % kKernels);  // rotate who goes first
-      if (!(kernels & bit(k))) continue;
-      const auto sample = std::chrono::steady_clock::now();
-      for (int r = 0; r < repeats; ++r) run(k, timed, &probe);
-      const double us = seconds_since(sample) / repeats * 1e6;
-      if (!(best[k] <= us)) best[k] = us;  // also replaces NaN (not timed yet)
-    }
-  }
-  return kernels;
+  ++choice.issued[pick];
+  return pick;
 }
 
-// The fastest kernel timed, and whether that timing can be trusted: a best call over 1 ms at under
-// 20 GFLOP/s is a stall (every sample of a candidate waited on a preempted thread, as on a 2-core
-// machine whose other jobs hold both cores), not the kernel's speed; the shape is timed again later.
-void decide(Choice& choice, const GemmArgs& g) {
-  constexpr double kSuspectUs = 1000, kSuspectGflops = 20;
-  constexpr int kMaxTimings = 5;
-  int winner = -1;
+void settle_if_sampled(Choice& choice) {
+  int winner = -1, fewest = kMaxSamples;
   for (int k = 0; k < kKernels; ++k) {
-    if ((choice.kernels & bit(Kernel(k))) && (winner < 0 || choice.us[k] < choice.us[winner])) winner = k;
+    if (!(choice.kernels & bit(Kernel(k)))) continue;
+    fewest = std::min(fewest, choice.samples[k]);
+    if (choice.samples[k] > 0 && (winner < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[winner])) winner = k;
   }
-  choice.kernel.store(winner, std::memory_order_relaxed);
-  const double gflops = 2e-3 * static_cast<double>(g.batch) * g.m * g.n * g.k / choice.us[winner];
+  if (winner < 0) return;
+  choice.kernel.store(winner, std::memory_order_relaxed);  // the leader so far serves other threads meanwhile
+  const double gflops = 1.0 / choice.ns_per_flop[winner];
   const bool suspect = choice.us[winner] > kSuspectUs && gflops < kSuspectGflops;
-  choice.settled.store(!suspect || choice.timings >= kMaxTimings, std::memory_order_release);
+  if (fewest >= kMaxSamples || (fewest >= kSamples && !suspect)) {
+    choice.ran.clear();
+    choice.settled.store(true, std::memory_order_release);
+  }
 }
 
-// A shape whose timing looked disturbed is timed again on its 4th, 8th, 16th and 32nd call after it.
-bool retime_due(Choice& choice) {
-  if (choice.settled.load(std::memory_order_acquire)) return false;
-  const int64_t calls = choice.calls.fetch_add(1, std::memory_order_relaxed) + 1;
-  return calls >= 4 && (calls & (calls - 1)) == 0;
+void record(Choice& choice, int kernel, const GemmArgs& g, bool b_constant, double seconds) {
+  std::lock_guard<std::mutex> lock(choice.mutex);
+  if (choice.ran.insert({kernel, g.m, g.n, g.k}).second && choice.cold[kernel] < kMaxSamples) {
+    ++choice.cold[kernel];
+    return;
+  }
+  const double ns_per_flop = seconds * 1e9 / flops(g);
+  ++choice.samples[kernel];
+  if (!(choice.ns_per_flop[kernel] <= ns_per_flop)) {  // also replaces NaN (no sample yet)
+    choice.ns_per_flop[kernel] = ns_per_flop;
+    choice.us[kernel] = seconds * 1e6;
+  }
+  choice.sampled = exact_key(g, b_constant);
+  settle_if_sampled(choice);
 }
 
-Kernel choose(const GemmArgs& g, bool b_constant) {
-  const unsigned allowed = allowed_kernels();
-  const unsigned kernels = candidates(g, b_constant, allowed);
-  if ((kernels & (kernels - 1)) == 0) {  // one candidate: nothing to time
-    for (int k = 0; k < kKernels; ++k) {
-      if (kernels & bit(Kernel(k))) return Kernel(k);
+// A candidate that threw: oneDNN's refusals are argument checks made before it writes C, so the
+// call can go on with the others; MKL/ATen take every GEMM of the contract, their errors are real.
+void drop(Choice& choice, int kernel) {
+  std::lock_guard<std::mutex> lock(choice.mutex);
+  choice.kernels &= ~bit(Kernel(kernel));
+  if (choice.kernels == 0) choice.kernels = bit(kMkl);
+  settle_if_sampled(choice);
+}
+
+// The kernel a settled bucket of half or twice the rows chose (the nearest evidence of which
+// kernel wins at these sizes), else the first candidate.
+int neighbours_choice(const Table& t, ShapeKey key, unsigned kernels) {
+  const int64_t rows = key[1];
+  for (const int64_t neighbour : {rows / 2, rows * 2}) {
+    key[1] = neighbour;
+    const auto it = neighbour >= 1 ? t.choices.find(key) : t.choices.end();
+    if (it != t.choices.end() && it->second->settled.load(std::memory_order_acquire)) {
+      const int kernel = it->second->kernel.load(std::memory_order_relaxed);
+      if (kernels & bit(Kernel(kernel))) return kernel;
     }
   }
-  const ShapeKey key = {g.batch, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.stride_a, g.stride_b, g.stride_c,
-                        g.trans_a != 0, g.trans_b != 0, b_constant, at::get_num_threads(),
-                        at::in_parallel_region()};
+  for (int k = 0; k < kKernels; ++k) {
+    if (kernels & bit(Kernel(k))) return k;
+  }
+  return kMkl;
+}
+
+// The bucket's entry, made on its first call; nullptr when set_gemm_backend changed the rules.
+Choice* entry_for(const ShapeKey& key, unsigned kernels, unsigned allowed) {
   Table& t = table();
-  bool retime = false;
-  {
-    std::shared_lock<std::shared_mutex> lock(t.mutex);  // entries are only dropped under its unique lock
-    const auto it = t.choices.find(key);
-    if (it != t.choices.end()) {
-      if (!retime_due(*it->second)) return Kernel(it->second->kernel.load(std::memory_order_relaxed));
-      retime = true;
-    }
-  }
-  std::lock_guard<std::mutex> measuring(t.measuring);  // set_gemm_backend also takes it: entries stay
-  Choice* entry = nullptr;
   {
     std::shared_lock<std::shared_mutex> lock(t.mutex);
     const auto it = t.choices.find(key);
-    if (it != t.choices.end()) entry = it->second.get();
+    if (it != t.choices.end()) return it->second.get();
   }
-  if (entry != nullptr && !retime) return Kernel(entry->kernel.load(std::memory_order_relaxed));  // timed meanwhile
-  std::unique_ptr<Choice> fresh;
-  if (entry == nullptr) {
-    fresh = std::make_unique<Choice>();
-    fresh->us.fill(std::numeric_limits<double>::quiet_NaN());
-    fresh->kernels = kernels;
-    entry = fresh.get();
+  std::unique_lock<std::shared_mutex> lock(t.mutex);
+  if (t.mode != allowed) return nullptr;
+  auto& slot = t.choices[key];
+  if (!slot) {
+    slot = std::make_unique<Choice>();
+    slot->kernels = kernels;
+    slot->first = neighbours_choice(t, key, kernels);
+    slot->ns_per_flop.fill(std::numeric_limits<double>::quiet_NaN());
+    slot->us.fill(std::numeric_limits<double>::quiet_NaN());
   }
-  entry->kernels = measure(g, b_constant, entry->kernels, entry->us);
-  ++entry->timings;
-  decide(*entry, g);
-  const Kernel kernel = Kernel(entry->kernel.load(std::memory_order_relaxed));
-  if (fresh) {
-    std::unique_lock<std::shared_mutex> lock(t.mutex);
-    if (t.mode == allowed) t.choices.emplace(key, std::move(fresh));  // unless set_gemm_backend changed the rules meanwhile
-  }
-  return kernel;
+  return slot.get();
 }
 
-std::string describe(const ShapeKey& key) {
+// Runs g with `kernel`; a oneDNN kernel that refuses these operands (its checks come before it
+// writes C; a bucket's choice was made on other shapes of the bucket) leaves the call to MKL.
+void run_or_mkl(Kernel kernel, const GemmArgs& g, PackedWeights* weights) {
+  if (kernel == kMkl) return run(kMkl, g, weights);
+  try {
+    run(kernel, g, weights);
+  } catch (const c10::Error&) {
+    run(kMkl, g, weights);
+  }
+}
+
+// Runs g with the bucket's kernel, or as one of its samples while it is not settled.
+void run_chosen(const GemmArgs& g, bool b_constant, PackedWeights* weights) {
+  const unsigned allowed = allowed_kernels();
+  const unsigned kernels = candidates(g, b_constant, allowed);
+  if ((kernels & (kernels - 1)) == 0) {  // one candidate: nothing to choose
+    for (int k = 0; k < kKernels; ++k) {
+      if (kernels & bit(Kernel(k))) return run(Kernel(k), g, weights);
+    }
+  }
+  Choice* choice = entry_for(bucket_key(g, b_constant), kernels, allowed);
+  if (choice == nullptr) return run(kMkl, g, weights);  // the mode changed under this call
+  if (choice->settled.load(std::memory_order_acquire)) {
+    return run_or_mkl(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
+  }
+  const int kernel = next_sample(*choice, g, b_constant);
+  if (kernel == -1) return run_or_mkl(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
+  if (kernel == -2) return run_or_mkl(kernels & bit(kOnednnMatmul) ? kOnednnMatmul : kMkl, g, nullptr);  // packs nothing
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    run(Kernel(kernel), g, weights);
+  } catch (const c10::Error&) {
+    if (kernel == kMkl) throw;
+    drop(*choice, kernel);
+    return run(kMkl, g, weights);
+  }
+  record(*choice, kernel, g, b_constant, seconds_since(start));
+}
+
+std::string describe(const ShapeKey& key, const ShapeKey& bucketed) {
   const auto [batch, m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, trans_a, trans_b, b_constant, threads,
               nested] = key;
   std::string text = batch > 1 ? std::to_string(batch) + " x " : "";
@@ -277,7 +368,15 @@ std::string describe(const ShapeKey& key) {
   }
   text += b_constant ? ", B constant" : "";
   text += ", " + std::to_string(threads) + (threads == 1 ? " thread" : " threads");
-  return text + (nested ? ", in a parallel region" : "");
+  text += nested ? ", in a parallel region" : "";
+  std::string range;
+  const char* names[] = {"batch", "rows", "columns", "depth"};
+  for (int d = 0; d < 4; ++d) {
+    const int64_t top = bucketed[d];
+    range += std::string(range.empty() ? "" : ", ") + names[d] + " " +
+             (top == 1 ? "1" : std::to_string(top / 2 + 1) + "-" + std::to_string(top));
+  }
+  return text + "; serves " + range;
 }
 
 // A batch of GEMMs that share B and whose A and C rows run on from one batch into the next is one
@@ -304,26 +403,29 @@ void gemm(GemmArgs g, PackedWeights* weights) {
     return;
   }
   const bool b_constant = weights != nullptr && (g.batch == 1 || g.stride_b == 0) && weights->is_constant(g.b);
-  run(choose(g, b_constant), g, weights);
+  run_chosen(g, b_constant, weights);
 }
 
 void set_gemm_backend(const std::string& mode) {
   const unsigned kernels = mode.empty() ? mode_from_env() : parse_mode(mode);
   Table& t = table();
-  std::lock_guard<std::mutex> measuring(t.measuring);  // no timing is writing into an entry
   std::unique_lock<std::shared_mutex> lock(t.mutex);
   t.mode = kernels;
+  for (auto& [key, choice] : t.choices) t.forgotten.push_back(std::move(choice));
   t.choices.clear();
 }
 
 std::vector<GemmChoice> gemm_choices() {
   Table& t = table();
-  std::lock_guard<std::mutex> measuring(t.measuring);  // the timings are written under this lock
   std::shared_lock<std::shared_mutex> lock(t.mutex);
   std::vector<GemmChoice> result;
   for (const auto& [key, choice] : t.choices) {
-    GemmChoice entry{describe(key), kKernelNames[choice->kernel.load(std::memory_order_relaxed)], {},
-                     choice->timings};
+    std::lock_guard<std::mutex> sampling(choice->mutex);
+    int calls = 0;
+    for (int k = 0; k < kKernels; ++k) calls += choice->samples[k];
+    if (calls == 0) continue;  // its first call is still running
+    GemmChoice entry{describe(choice->sampled, key), kKernelNames[choice->kernel.load(std::memory_order_relaxed)],
+                     {}, calls};
     for (int k = 0; k < kKernels; ++k) {
       if (!std::isnan(choice->us[k])) entry.microseconds.emplace_back(kKernelNames[k], choice->us[k]);
     }

@@ -8,6 +8,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -88,13 +89,18 @@ bool onednn_packed_applies(const GemmArgs& g, PackedWeights* weights) {
 void onednn_packed(const GemmArgs& g, PackedWeights* weights) {
   int32_t alpha_bits;
   std::memcpy(&alpha_bits, &g.alpha, sizeof alpha_bits);
-  // Keyed by the rows too: oneDNN picks the blocked layout for the number of rows it will see.
+  // oneDNN picks the blocked layout for the number of rows it will see; one layout per weight, for
+  // the rows of its first call (at least 64): an engine with run-time sizes would otherwise keep a
+  // weight copy for every row count it meets. The inner product runs on whatever layout the weight
+  // has, and the layouts for 8 to 4096 rows ran any of those row counts equally fast (a [1024, 256]
+  // weight, one thread; the one for a single row was up to 1.5x slower at 8 rows).
   const PackedWeights::Key key = {reinterpret_cast<int64_t>(g.b), kOnednnPackTag, g.trans_b, g.n, g.k, g.ldb,
-                                  alpha_bits, g.m};
+                                  alpha_bits};
   const at::Tensor packed = weights->get(key, [&] {
     // The inner product's weight is [n, k] = op(B)^T, with alpha folded in (as MKL's pack does).
     const at::Tensor w = gemm_view(g.b, 1, 0, g.k, g.n, g.ldb, g.trans_b != 0).t();
-    return reorder_weight(g.alpha == 1.0f ? w.contiguous() : w.mul(g.alpha).contiguous(), g.m);
+    return reorder_weight(g.alpha == 1.0f ? w.contiguous() : w.mul(g.alpha).contiguous(),
+                          std::max<int64_t>(g.m, 64));
   });
   const at::Tensor y = linear(gemm_view(g.a, 1, 0, g.m, g.k, g.lda, g.trans_a != 0), packed);
   at::Tensor c = gemm_view(g.c, 1, 0, g.m, g.n, g.ldc, false);

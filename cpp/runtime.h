@@ -28,8 +28,8 @@ void set_gemm_backend(const std::string& mode);
 struct GemmChoice {
   std::string shape;
   std::string kernel;
-  std::vector<std::pair<std::string, double>> microseconds;  // per candidate timed: its best call
-  int timings;  // > 1: the first timing looked disturbed by other jobs and was repeated
+  std::vector<std::pair<std::string, double>> microseconds;  // per candidate sampled: its best call (per flop)
+  int timings;  // the calls sampled (each ran one candidate)
 };
 std::vector<GemmChoice> gemm_choices();
 

@@ -36,7 +36,7 @@ def test_profile_reports_every_kernel():
     assert "= matmul" in text and "ms in kernels" in text
     if _testing.gemm_onednn_usable():  # else MKL is the only candidate: nothing is timed or listed
         assert any(c["shape"].startswith("[256, 64] @ [64, 128]^T") for c in profile.gemm_choices), text
-        assert "GEMM kernels chosen per call shape" in text
+        assert "GEMM kernels chosen per bucket of call shapes" in text
 
 
 def test_profiled_engines_match_eager_and_plain_engines_report_nothing():

@@ -3,7 +3,7 @@ values), against float64 numpy over the sgemm contract: transposed operands, pad
 dimensions, batch strides (shared operands, the weight shared by row-stacked batches that folds into
 one GEMM, attention's strided heads), alpha != 1, beta accumulation, K not a multiple of 16, long
 K, one row; a pinned kernel must really run (its rounding differs); BLADE_GEMM is read from the
-environment; "auto" records what it timed."""
+environment; "auto" records what it timed, one choice per bucket of shapes."""
 import json
 import os
 import subprocess
@@ -111,19 +111,86 @@ def test_pinned_kernels_really_run():
     assert not torch.equal(mkl, packed)
 
 
+class FixedGemm:
+    """C = A @ B^T with one B (a constant weight, as an engine's) and A of m rows, on every call."""
+
+    def __init__(self, n=136, k=200, rows=128):
+        generator = torch.Generator().manual_seed(3)
+        self.a, self.b = torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator)
+
+    def __call__(self, m):
+        n, k = self.b.shape
+        c = torch.full((m, n), float("nan"))
+        _testing.sgemm(1, m, n, k, 1.0, self.a[:m].contiguous(), k, 0, False, self.b, k, 0, True, 0.0, c, n, 0, pack=True)
+        torch.testing.assert_close(c.double(), self.a[:m].double() @ self.b.double().T, rtol=1e-4, atol=1e-4)
+
+
+def choices_serving(text):
+    return [c for c in blade._C.gemm_choices() if text in c["shape"]]
+
+
 @needs_onednn
 def test_auto_records_what_it_timed():
+    """Until a shape's bucket is settled each call runs one candidate (the least sampled) and times
+    it; a kernel's first call at a shape (packing, JIT-compiling) is no sample. Every call's result
+    is the GEMM's, whichever kernel ran it."""
+    gemm = FixedGemm()
     _testing.set_gemm_backend("auto")
     try:
-        gemm_with(None, m=40, n=136, k=200, pack=True)
-        choices = [c for c in blade._C.gemm_choices() if c["shape"].startswith("[40, 200] @ [200, 136]^T")]
+        for _ in range(3):  # each candidate's first call
+            gemm(40)
+        assert choices_serving("[40, 200] @ [200, 136]^T") == []
+        for _ in range(3 * 5):  # three candidates, five samples each settle it (unless stalled)
+            gemm(40)
+        choices = choices_serving("[40, 200] @ [200, 136]^T")
     finally:
         _testing.set_gemm_backend("")
     assert len(choices) == 1, blade._C.gemm_choices()
     timed = dict(choices[0]["microseconds"])
     assert choices[0]["kernel"] in timed and "B constant" in choices[0]["shape"]
     assert {"mkl", "onednn-packed"} <= set(timed) and all(us > 0 for us in timed.values())
-    assert timed[choices[0]["kernel"]] == min(timed.values()) and choices[0]["timings"] >= 1
+    # 15 samples settle it; a best call that looks like a stall (a loaded machine) samples up to 12 each
+    assert timed[choices[0]["kernel"]] == min(timed.values()) and 15 <= choices[0]["timings"] <= 36
+
+
+@needs_onednn
+def test_auto_choice_serves_a_bucket_of_row_counts():
+    """A choice serves every row count up to the next power of two (an engine with run-time sizes
+    meets a new one on almost every call): the other row counts of the bucket share its samples and
+    add no entry; the next power of two is a bucket of its own."""
+    gemm = FixedGemm()
+    _testing.set_gemm_backend("auto")
+    try:
+        for m in (40, 50, 33, 64, 61):
+            for _ in range(8):  # each candidate's first call at each shape is no sample
+                gemm(m)
+        bucket = choices_serving("rows 33-64, columns 129-256, depth 129-256")
+        for _ in range(4):
+            gemm(65)
+        next_bucket = choices_serving("rows 65-128")
+        choices = blade._C.gemm_choices()
+    finally:
+        _testing.set_gemm_backend("")
+    assert len(choices) == 2, choices
+    assert len(bucket) == 1 and 15 <= bucket[0]["timings"] <= 25, choices
+    assert len(next_bucket) == 1 and next_bucket[0]["timings"] == 1, choices  # three first calls, one sample
+
+
+@needs_onednn
+def test_auto_samples_on_one_weight_of_a_bucket():
+    """With a constant B only one weight's calls sample (else each candidate would pack every
+    weight of the bucket); the others run unpacked kernels meanwhile, exactly."""
+    gemms = [FixedGemm(), FixedGemm()]
+    gemms[1].b = gemms[1].b.flip(0).contiguous()
+    _testing.set_gemm_backend("auto")
+    try:
+        for _ in range(3 + 15):
+            gemms[0](40)
+            gemms[1](40)
+        choices = choices_serving("rows 33-64")
+    finally:
+        _testing.set_gemm_backend("")
+    assert len(choices) == 1 and 15 <= choices[0]["timings"] <= 18, choices  # the first weight's 18 calls, 3 first
 
 
 def test_auto_takes_mkl_for_tiny_gemms_untimed():
