@@ -16,6 +16,7 @@
 #include "runtime.h"
 #include "activation.h"
 #include "conv_gemm.h"
+#include "conv_patch.h"
 #include "depthwise.h"
 #include "gemm.h"
 #include "isa_clones.h"
@@ -152,13 +153,14 @@ struct ConvKernelSwitch {
   std::atomic<bool> enabled{true};
   std::atomic<int64_t> calls{0};
 };
-ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel;
+ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel, patch_kernel;
 
 ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
   if (kernel == "winograd") return &winograd_kernel;
   if (kernel == "depthwise") return &depthwise_kernel;
   if (kernel == "pointwise") return &pointwise_kernel;
-  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel, "' (winograd, depthwise, pointwise)");
+  if (kernel == "patch") return &patch_kernel;
+  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel, "' (winograd, depthwise, pointwise, patch)");
 }
 
 // Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
@@ -235,6 +237,19 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
     depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum, clamp, output);
     depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
+  }
+  if (patch_kernel.enabled.load(std::memory_order_relaxed)) {
+    if (const auto shape = patch_conv_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
+      PackedWeights* weights = current_weights;
+      const auto pack = [&] { return patch_conv_weight(weight, *shape); };
+      // Packed once per engine for a constant weight, on every call for a computed one.
+      const at::Tensor panels = weights != nullptr && weights->is_constant(weight)
+                                    ? weights->get({reinterpret_cast<int64_t>(weight), -3 /* patch */}, pack)
+                                    : pack();
+      patch_conv(*shape, input, panels.const_data_ptr<float>(), bias, sum, clamp, output);
+      patch_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
   }
   if (pointwise_kernel.enabled.load(std::memory_order_relaxed)) {
     if (const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
