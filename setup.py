@@ -20,6 +20,7 @@ RUNTIME_SOURCES = [
     "cpp/archive_check.cpp",
     "cpp/content_digest.cpp",
     "cpp/conv_gemm.cpp",
+    "cpp/conv_patch.cpp",
     "cpp/depthwise.cpp",
     "cpp/engine.cpp",
     "cpp/engine_fallback.cpp",

@@ -62,9 +62,11 @@ std::vector<std::pair<int64_t, int64_t>> parallel_for_chunks(int64_t begin, int6
 // Calls the runtime table's conv (with its sum/activation epilogue). x and out must be dense in the layout the `layout` bits declare
 // (channels-last tensors for the BLADE_CONV_*_CHANNELS_LAST bits). With pack, the weight counts as
 // an engine constant (so the runtime may pre-pack it, as inside an engine); packs live for one call.
+// `repeat` calls in one packing scope (pack: the weight packed once, as in an engine), for A/B timing
+// of the kernels on one convolution.
 void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, std::vector<int64_t> strides,
           std::vector<int64_t> pads, std::vector<int64_t> dilations, int64_t groups, at::Tensor& out, int64_t layout,
-          bool pack, const std::optional<at::Tensor>& sum, int64_t activation, double lo, double hi) {
+          bool pack, const std::optional<at::Tensor>& sum, int64_t activation, double lo, double hi, int64_t repeat) {
   const auto format = [](bool channels_last) {
     return channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   };
@@ -82,10 +84,12 @@ void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tens
   if (pack) weights.add_constant(w.const_data_ptr(), w.nbytes());
   const PackingScope scope(pack ? &weights : nullptr);
   const BladeActivation act{static_cast<int32_t>(activation), static_cast<float>(lo), static_cast<float>(hi)};
-  runtime()->conv(spatial, x.sizes().data(), x.const_data_ptr<float>(), w.sizes().data(), w.const_data_ptr<float>(),
-                  b ? b->const_data_ptr<float>() : nullptr, strides.data(), pads.data(), dilations.data(), groups,
-                  out.mutable_data_ptr<float>(), static_cast<int32_t>(layout),
-                  sum ? sum->const_data_ptr<float>() : nullptr, &act);
+  for (int64_t i = 0; i < repeat; ++i) {
+    runtime()->conv(spatial, x.sizes().data(), x.const_data_ptr<float>(), w.sizes().data(), w.const_data_ptr<float>(),
+                    b ? b->const_data_ptr<float>() : nullptr, strides.data(), pads.data(), dilations.data(), groups,
+                    out.mutable_data_ptr<float>(), static_cast<int32_t>(layout),
+                    sum ? sum->const_data_ptr<float>() : nullptr, &act);
+  }
 }
 
 }  // namespace
@@ -100,9 +104,9 @@ void bind_testing(pybind11::module_& m) {
   m.def("conv", &conv, "Calls the runtime table's conv (out is written in place).", py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("groups"), py::arg("out"),
         py::arg("layout"), py::arg("pack"), py::arg("sum") = py::none(), py::arg("activation") = 0,
-        py::arg("lo") = 0.0, py::arg("hi") = 0.0);
+        py::arg("lo") = 0.0, py::arg("hi") = 0.0, py::arg("repeat") = 1);
   m.def("set_conv_kernel_enabled", &set_conv_kernel_enabled,
-        "Lets the runtime's conv use its kernel ('winograd', 'depthwise', 'pointwise') where it applies (default), or never.",
+        "Lets the runtime's conv use its kernel ('winograd', 'depthwise', 'pointwise', 'patch') where it applies (default), or never.",
         py::arg("kernel"), py::arg("enabled"));
   m.def("conv_kernel_calls", &conv_kernel_calls, "How many convolutions the runtime's kernel has computed.",
         py::arg("kernel"));

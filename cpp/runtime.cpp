@@ -16,6 +16,7 @@
 #include "runtime.h"
 #include "activation.h"
 #include "conv_gemm.h"
+#include "conv_patch.h"
 #include "depthwise.h"
 #include "gemm.h"
 #include "isa_clones.h"
@@ -152,13 +153,14 @@ struct ConvKernelSwitch {
   std::atomic<bool> enabled{true};
   std::atomic<int64_t> calls{0};
 };
-ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel;
+ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel, patch_kernel;
 
 ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
   if (kernel == "winograd") return &winograd_kernel;
   if (kernel == "depthwise") return &depthwise_kernel;
   if (kernel == "pointwise") return &pointwise_kernel;
-  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel, "' (winograd, depthwise, pointwise)");
+  if (kernel == "patch") return &patch_kernel;
+  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel, "' (winograd, depthwise, pointwise, patch)");
 }
 
 // Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
@@ -206,6 +208,15 @@ std::optional<DepthwiseShape> depthwise_shape(int32_t spatial, const int64_t* in
   return shape;
 }
 
+// A weight in a kernel's own layout (`kind` tells the kernels' packs of one weight apart): laid out
+// once per engine for a constant weight, on every call for a computed one.
+at::Tensor relaid_weight(const float* weight, int64_t kind, const std::function<at::Tensor()>& relayout) {
+  PackedWeights* weights = current_weights;
+  return weights != nullptr && weights->is_constant(weight)
+             ? weights->get({reinterpret_cast<int64_t>(weight), kind}, relayout)
+             : relayout();
+}
+
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
           const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
           const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
@@ -226,15 +237,20 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   }
   if (const auto shape = depthwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
     const int64_t taps = shape->kernel_h * shape->kernel_w;
-    PackedWeights* weights = current_weights;
-    const auto relayout = [&] { return depthwise_tap_weight(weight, shape->channels, taps); };
-    // Re-laid out once per engine for a constant weight, on every call for a computed one.
-    const at::Tensor tap_weight = weights != nullptr && weights->is_constant(weight)
-                                      ? weights->get({reinterpret_cast<int64_t>(weight), -2 /* depthwise */}, relayout)
-                                      : relayout();
+    const at::Tensor tap_weight = relaid_weight(weight, -2 /* depthwise */, [&] {
+      return depthwise_tap_weight(weight, shape->channels, taps);
+    });
     depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum, clamp, output);
     depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
+  }
+  if (patch_kernel.enabled.load(std::memory_order_relaxed)) {
+    if (const auto shape = patch_conv_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
+      const at::Tensor panels = relaid_weight(weight, -3 /* patch */, [&] { return patch_conv_weight(weight, *shape); });
+      patch_conv(*shape, input, panels.const_data_ptr<float>(), bias, sum, clamp, output);
+      patch_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
   }
   if (pointwise_kernel.enabled.load(std::memory_order_relaxed)) {
     if (const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {

@@ -1,6 +1,7 @@
 """Activations after convolutions (ReLU6, hardtanh, clamp) computed in the convolution's own
 output pass, through tt_infer against eager, with NaN and infinities in the input: every runtime
-kernel (1x1 as a GEMM, depthwise, Winograd, oneDNN) in channels-last and NCHW."""
+kernel (patch: 1x1 and 3x3 as register-tiled GEMMs, depthwise, Winograd, oneDNN) in channels-last
+and NCHW."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,13 +9,13 @@ import torch.nn.functional as F
 from blade._C import _testing
 from blade_testing import Capture
 
-KERNELS = ("pointwise", "depthwise", "winograd")
+KERNELS = ("patch", "depthwise", "winograd")
 
 
 class InvertedResidual(torch.nn.Module):
     """MobileNetV2's block (1x1 expand, depthwise 3x3, 1x1 project, residual), then a 3x3 conv with
-    64 channels each way (Winograd) and a 16-channel one (oneDNN), each with its activation; the last
-    convolution feeds no convolution, so it writes NCHW."""
+    64 channels each way (Winograd) and a 16-channel one (patch), each with its activation; the last
+    convolution feeds no convolution, so it writes NCHW from a channels-last input (oneDNN)."""
 
     def __init__(self, act):
         super().__init__()

@@ -181,6 +181,17 @@ def test_the_plan_is_its_own_stage_and_reads_as_text():
     assert "inline (computed where it is read)" in text
 
 
+def test_values_read_through_channels_innermost_views_are_stored_channels_last():
+    """ConvNeXt's permutes: the depthwise convolution and the residual sum read NHWC values
+    through NCHW views; stored channels-last, the sum's loop and the conv read densely."""
+    (case,) = [c for c in CASES if c.name == "convnext-block-permutes"]
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    (conv,) = [n for n in planned.live if n.op == "conv"]
+    (add,) = [n for n in planned.live if n.op == "ew" and tuple(n.shape) == (2, 16, 9, 7) and n in planned.materialized]
+    assert planned.orders.get(conv) == plan.CHANNELS_LAST and planned.orders.get(add) == plan.CHANNELS_LAST
+    assert "BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST" in source_of(case).source
+
+
 def test_a_conv_epilogue_never_reads_an_addend_written_later():
     (case,) = [c for c in CASES if c.name == "conv-epilogue-addend-computed-later"]
     planned = plan.make_plan(ir.lower_onnx(case.model))

@@ -179,6 +179,26 @@ CASES = [
                                               node("Conv", ["t", "w"], ["c"]), node("Relu", ["c"], ["y"])],
                {"x": ((1, 5, 6, 3), "float32")}, ["y"],
                {"w": np.random.default_rng(4).standard_normal((2, 3, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-5),
+    # ConvNeXt's block in NHWC terms: permuted to NCHW for a depthwise 7x7 convolution, back to NHWC
+    # for two MatMuls, to NCHW again for the residual sum. The convolution and the sum read
+    # channels-innermost views, so both are stored channels-last (the scaled sum, read by two
+    # outputs, is stored; test_codegen checks the plan).
+    graph_case("convnext-block-permutes", [
+        node("Transpose", ["x"], ["xt"], perm=[0, 3, 1, 2]),
+        node("Conv", ["xt", "wd", "bd"], ["d"], group=16, pads=[3, 3, 3, 3]),
+        node("Transpose", ["d"], ["dh"], perm=[0, 2, 3, 1]), node("MatMul", ["dh", "w1"], ["m1"]),
+        node("Relu", ["m1"], ["r"]), node("MatMul", ["r", "w2"], ["m2"]),
+        node("Transpose", ["m2"], ["mt"], perm=[0, 3, 1, 2]), node("Mul", ["mt", "g"], ["ms"]),
+        node("Add", ["ms", "gb"], ["mb"]), node("Add", ["xt", "mb"], ["s"]),
+        node("Transpose", ["s"], ["sh"], perm=[0, 2, 3, 1]), node("Sigmoid", ["sh"], ["y"]),
+        node("Tanh", ["sh"], ["y2"])],
+        {"x": ((2, 9, 7, 16), "float32")}, ["y", "y2"],
+        {"wd": (np.random.default_rng(21).standard_normal((16, 1, 7, 7)) / 7).astype(f32),
+         "bd": np.random.default_rng(22).standard_normal((16,)).astype(f32),
+         "w1": (np.random.default_rng(23).standard_normal((16, 32)) / 4).astype(f32),
+         "w2": (np.random.default_rng(24).standard_normal((32, 16)) / 6).astype(f32),
+         "g": np.random.default_rng(25).standard_normal((16, 1, 1)).astype(f32),
+         "gb": np.random.default_rng(26).standard_normal((16, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-5),
     # A residual block: convolutions and the activations between them are stored channels-last
     # (an NCHW input with >= 8 channels is copied NHWC first; the outputs come back dense NCHW).
     graph_case("conv-residual-block-channels-last", [

@@ -19,12 +19,14 @@ def engine_clamp(v, lo, hi):
 
 # (name, kernel that must compute it or None for oneDNN/ATen, x shape, weight shape, groups, pads, layout, pack)
 CONVS = [
-    ("pointwise-nhwc", "pointwise", (2, 24, 5, 7), (40, 24, 1, 1), 1, [0] * 4, 3, True),
+    ("patch-1x1", "patch", (2, 24, 5, 7), (40, 24, 1, 1), 1, [0] * 4, 3, True),
+    ("patch-3x3-nchw-in", "patch", (2, 5, 7, 6), (21, 5, 3, 3), 1, [1, 0, 1, 1], 2, False),
     ("pointwise-nchw", "pointwise", (2, 16, 6, 5), (40, 16, 1, 1), 1, [0] * 4, 0, True),
     ("depthwise", "depthwise", (1, 150, 10, 10), (150, 1, 3, 3), 150, [1] * 4, 3, True),
     ("depthwise-strided", "depthwise", (1, 40, 9, 9), (40, 1, 3, 3), 40, [0, 0, 1, 1], 3, False),
     ("winograd", "winograd", (1, 64, 12, 12), (64, 64, 3, 3), 1, [1] * 4, 3, True),
-    ("onednn-packed", None, (1, 16, 9, 9), (16, 16, 3, 3), 1, [1] * 4, 3, True),
+    ("patch-3x3", "patch", (1, 16, 9, 9), (16, 16, 3, 3), 1, [1] * 4, 3, True),
+    ("onednn-packed", None, (1, 288, 5, 5), (16, 288, 3, 3), 1, [1] * 4, 3, True),
     ("aten-nchw", None, (1, 16, 9, 9), (16, 16, 3, 3), 1, [1] * 4, 0, False),
     ("aten-asymmetric-pads", None, (1, 16, 9, 9), (16, 16, 3, 3), 1, [0, 1, 1, 0], 0, False),
 ]

@@ -185,12 +185,14 @@ def conv_with_and_without_kernel(kernel, x, weight, bias, strides, pads, dilatio
 
 # The depthwise kernel: every 2-D depthwise convolution between channels-last tensors, whatever its
 # kernel size, stride, dilation and (asymmetric) padding; channel counts around its 64-channel
-# blocks; bias, residual and ReLU; a weight that is an engine constant (re-laid out once) or not.
+# blocks; rows cut into runs of 8 and 4 pixels and single ones; bias, residual and ReLU; a weight
+# that is an engine constant (re-laid out once) or not.
 @pytest.mark.parametrize("n, c, h, w, k, stride, dilation, pads", [
     (1, 144, 10, 10, 3, 1, 1, [1, 1, 1, 1]), (2, 96, 9, 11, 3, 2, 1, [0, 0, 1, 1]),
     (1, 17, 8, 8, 5, 1, 1, [2, 2, 2, 2]), (1, 200, 7, 7, 7, 1, 1, [3, 3, 3, 3]),
     (3, 64, 6, 5, 3, 1, 2, [2, 1, 0, 2]), (1, 2, 1, 1, 3, 1, 1, [1, 1, 1, 1]), (1, 65, 4, 4, 1, 2, 1, [0, 0, 0, 0]),
-    (2, 48, 12, 14, 7, 1, 1, [3, 3, 3, 3]), (1, 40, 5, 13, 3, 1, 1, [1, 0, 1, 2])])
+    (2, 48, 12, 14, 7, 1, 1, [3, 3, 3, 3]), (1, 40, 5, 13, 3, 1, 1, [1, 0, 1, 2]),
+    (2, 33, 4, 14, 3, 1, 1, [1, 1, 1, 1]), (1, 20, 3, 21, 5, 1, 1, [2, 2, 2, 2])])
 @pytest.mark.parametrize("with_bias, with_sum, activation, pack", [(True, False, 0, True), (False, True, 1, False),
                                                                     (True, True, 1, True)])
 def test_conv_depthwise(n, c, h, w, k, stride, dilation, pads, with_bias, with_sum, activation, pack):
@@ -233,7 +235,8 @@ def test_conv_depthwise_not_taken():
 
 
 # 1x1 convolutions as one GEMM: channels-last (2-D) or NCHW (1-3 spatial dims) in and out, with
-# bias, residual and ReLU, against a float64 convolution; the kernel must have computed them.
+# bias, residual and ReLU, against a float64 convolution; the kernel must have computed them. The
+# patch kernel (below) takes channels-last outputs first: it is off here.
 @pytest.mark.parametrize("shape, layout", [((2, 24, 5, 7), 3), ((1, 3, 4, 4), 3), ((2, 16, 6, 5), 0), ((3, 8, 10), 0),
                                            ((1, 4, 3, 2, 5), 0), ((1, 144, 1, 1), 3)])
 @pytest.mark.parametrize("with_bias, with_sum, activation", [(False, False, 0), (True, False, 1), (False, True, 0),
@@ -251,6 +254,7 @@ def test_conv_pointwise(shape, layout, with_bias, with_sum, activation):
     expected = expected.relu() if activation else expected
     outputs = []
     try:
+        _testing.set_conv_kernel_enabled("patch", False)
         for enabled in (True, False):
             _testing.set_conv_kernel_enabled("pointwise", enabled)
             before = _testing.conv_kernel_calls("pointwise")
@@ -260,6 +264,7 @@ def test_conv_pointwise(shape, layout, with_bias, with_sum, activation):
             outputs.append((out, _testing.conv_kernel_calls("pointwise") - before))
     finally:
         _testing.set_conv_kernel_enabled("pointwise", True)
+        _testing.set_conv_kernel_enabled("patch", True)
     assert [calls for _, calls in outputs] == [1, 0]
     for out, _ in outputs:
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
@@ -274,7 +279,91 @@ def test_conv_pointwise_not_taken(strides, pads, groups, layout):
                             groups=groups)
     out = torch.empty(expected.shape).contiguous(memory_format=torch.channels_last if layout & 2 else torch.contiguous_format)
     before = _testing.conv_kernel_calls("pointwise")
-    _testing.conv(x.contiguous(memory_format=torch.channels_last if layout & 1 else torch.contiguous_format), weight,
-                  None, strides, pads, [1, 1], groups, out, layout, True)
+    try:
+        _testing.set_conv_kernel_enabled("patch", False)
+        _testing.conv(x.contiguous(memory_format=torch.channels_last if layout & 1 else torch.contiguous_format),
+                      weight, None, strides, pads, [1, 1], groups, out, layout, True)
+    finally:
+        _testing.set_conv_kernel_enabled("patch", True)
     assert _testing.conv_kernel_calls("pointwise") == before
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+# The patch kernel (conv_patch.h): every ungrouped 2-D convolution with a channels-last output and
+# at most 2304 values per receptive field, as register tiles of 6 pixels x 32 channels with the
+# epilogue in registers. Edge cases of its tiling and gather against a float64 convolution: pixel
+# counts under, at and past a tile and a 48-pixel block, channel counts off the 16/32 vectors,
+# strides, dilation, asymmetric padding, NCHW inputs, batches, a weight packed once or per call.
+PATCH_CASES = [  # x shape, out channels, kernel, stride, pads (top, left, bottom, right), dilation, input channels-last
+    ((1, 24, 5, 5), 40, 1, 1, [0, 0, 0, 0], 1, True),
+    ((2, 7, 3, 5), 7, 1, 1, [0, 0, 0, 0], 1, True),
+    ((1, 16, 1, 1), 144, 1, 1, [0, 0, 0, 0], 1, True),
+    ((3, 33, 7, 9), 24, 1, 1, [0, 0, 0, 0], 1, True),
+    ((1, 3, 17, 16), 32, 3, 2, [0, 0, 1, 1], 1, False),
+    ((2, 3, 15, 15), 16, 7, 2, [3, 3, 3, 3], 1, False),
+    ((1, 3, 16, 16), 48, 4, 4, [0, 0, 0, 0], 1, False),
+    ((2, 48, 8, 6), 96, 2, 2, [0, 0, 0, 0], 1, True),
+    ((1, 8, 11, 9), 20, 3, 1, [1, 2, 0, 1], 1, True),
+    ((1, 8, 11, 9), 17, 3, 2, [2, 2, 2, 2], 2, True),
+    ((1, 64, 9, 7), 64, 1, 2, [0, 0, 0, 0], 1, True),
+    ((1, 256, 4, 4), 33, 3, 1, [1, 1, 1, 1], 1, True),   # depth 2304: the limit
+]
+
+
+def patch_reference(x, weight, bias, stride, pads, dilation, residual, activation):
+    padded = torch.nn.functional.pad(x.double(), [pads[1], pads[3], pads[0], pads[2]])
+    expected = torch.conv2d(padded, weight.double(), None if bias is None else bias.double(), stride,
+                            dilation=dilation)
+    expected = expected + residual.double() if residual is not None else expected
+    return {0: expected, 1: expected.clamp(min=0), 2: expected.clamp(-0.5, 0.75)}[activation]
+
+
+@pytest.mark.parametrize("case", PATCH_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}d{c[5]}")
+@pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 2)])
+@pytest.mark.parametrize("pack", [True, False])
+def test_conv_patch(case, with_bias, with_sum, activation, pack):
+    torch.manual_seed(7)
+    x_shape, c_out, k, stride, pads, dilation, input_channels_last = case
+    x = torch.randn(x_shape)
+    weight = torch.randn(c_out, x_shape[1], k, k) / (x_shape[1] * k * k) ** 0.5
+    bias = torch.randn(c_out) if with_bias else None
+    shape = patch_reference(x, weight, None, stride, pads, dilation, None, 0).shape
+    residual = torch.randn(shape).contiguous(memory_format=torch.channels_last) if with_sum else None
+    expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, activation)
+    out = torch.full(shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    before = _testing.conv_kernel_calls("patch")
+    _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
+                  [stride] * 2, pads, [dilation] * 2, 1, out, 2 | int(input_channels_last), pack, residual,
+                  activation, -0.5, 0.75)
+    assert _testing.conv_kernel_calls("patch") == before + 1
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_patch_nan_and_inf():
+    """A NaN or inf input reaches exactly the outputs whose receptive field holds it (the zero-padded
+    lanes of the last panel never mix into stored channels), as torch computes them."""
+    x = torch.randn(1, 5, 9, 9)
+    x[0, 1, 2, 3], x[0, 4, 8, 8] = float("nan"), float("inf")
+    weight, bias = torch.randn(21, 5, 3, 3).abs(), torch.randn(21)
+    expected = torch.conv2d(x, weight, bias, 2, padding=1)
+    out = torch.full(expected.shape, 0.0).contiguous(memory_format=torch.channels_last)
+    _testing.conv(x, weight, bias, [2, 2], [1, 1, 1, 1], [1, 1], 1, out, 2, True)
+    assert (out.isnan() == expected.isnan()).all() and (out.isinf() == expected.isinf()).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, groups, layout", [((1, 8, 6, 6), (8, 4, 1, 1), 2, 3),
+                                                               ((1, 8, 6, 6), (8, 8, 1, 1), 1, 1),
+                                                               ((1, 8, 6, 6), (8, 8, 3, 3), 1, 0),
+                                                               ((1, 288, 5, 5), (16, 288, 3, 3), 1, 3)])
+def test_conv_patch_not_taken(x_shape, w_shape, groups, layout):
+    """Grouped convolutions, NCHW outputs and receptive fields past 2304 values stay the others'."""
+    torch.manual_seed(8)
+    x, weight = torch.randn(x_shape), torch.randn(w_shape)
+    expected = torch.conv2d(x, weight, None, 1, padding=w_shape[2] // 2, groups=groups)
+    out = torch.empty(expected.shape).contiguous(memory_format=torch.channels_last if layout & 2 else torch.contiguous_format)
+    before = _testing.conv_kernel_calls("patch")
+    _testing.conv(x.contiguous(memory_format=torch.channels_last if layout & 1 else torch.contiguous_format), weight,
+                  None, [1, 1], [w_shape[2] // 2] * 4, [1, 1], groups, out, layout, True)
+    assert _testing.conv_kernel_calls("patch") == before
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,252 @@
+#include "conv_patch.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "blade_abi.h"
+#include "isa_clones.h"
+
+namespace blade {
+namespace {
+
+// 16 floats, unaligned (as in depthwise.cpp): one AVX-512 register, two AVX2 ones in their clone.
+typedef float Floats16 __attribute__((vector_size(64), aligned(4)));
+constexpr int64_t kPanel = 32;       // output channels per weight panel: two vectors
+constexpr int64_t kTileRows = 6;     // pixels per register tile: 12 accumulators, 2 weights, 1 broadcast
+constexpr int64_t kBlockRows = 48;   // pixels per work item (gathered together), a multiple of kTileRows
+
+__attribute__((always_inline)) inline Floats16 load16(const float* p) { return *reinterpret_cast<const Floats16*>(p); }
+__attribute__((always_inline)) inline void store16(float* p, Floats16 v) { *reinterpret_cast<Floats16*>(p) = v; }
+
+// The last panel's channels past the output's are not read or written: its last vector goes
+// through the short array y (an array, not a vector argument: this function is not cloned per
+// ISA, and vector arguments pass differently with and without AVX-512).
+__attribute__((noinline)) void partial_store(float* y, const float* bias, const float* sum, Clamp clamp, float* out,
+                                             int64_t width) {
+  // Each branch outside its loop: a `bias ? bias[j] : 0` inside may become a masked load through
+  // the null pointer, which AMD cores run many times slower (conv_gemm.cpp).
+  if (bias != nullptr) {
+    for (int64_t j = 0; j < width; ++j) y[j] += bias[j];
+  }
+  if (sum != nullptr) {
+    for (int64_t j = 0; j < width; ++j) y[j] += sum[j];
+  }
+  if (clamp.on) {
+    for (int64_t j = 0; j < width; ++j) y[j] = clamp_value(y[j], clamp.lo, clamp.hi);
+  }
+  std::memcpy(out, y, width * sizeof(float));
+}
+
+// A tile of Rows pixels x `width` (<= 16 * Vectors) output channels: the sums over the depth in
+// registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
+// lda (ldc) floats apart.
+template <int Rows, int Vectors>
+__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
+                                                const float* bias, const float* sum, Clamp clamp, float* out,
+                                                int64_t ldc, int64_t width) {
+  Floats16 acc[Rows][Vectors];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < Vectors; ++v) acc[r][v] = Floats16{};
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    Floats16 w[Vectors];
+#pragma GCC unroll 2
+    for (int v = 0; v < Vectors; ++v) w[v] = load16(panel + k * kPanel + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const Floats16 x = a[r * lda + k] - Floats16{};  // broadcast (x - 0 is x, -0 included)
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * w[v];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < Vectors; ++v) {
+      if (16 * (v + 1) <= width) {
+        Floats16 y = acc[r][v];
+        if (bias != nullptr) y += load16(bias + 16 * v);
+        if (sum != nullptr) y += load16(sum + r * ldc + 16 * v);
+        if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+        store16(out + r * ldc + 16 * v, y);
+      } else {
+        float y[16];
+        store16(y, acc[r][v]);
+        partial_store(y, bias != nullptr ? bias + 16 * v : nullptr,
+                      sum != nullptr ? sum + r * ldc + 16 * v : nullptr, clamp, out + r * ldc + 16 * v, width - 16 * v);
+      }
+    }
+  }
+}
+
+// `rows` pixels of one panel in as few tiles of at most kTileRows as it takes, of even sizes (25
+// pixels: five of 5, not four of 6 and one of 1 that streams the whole panel again for one pixel).
+template <int Vectors>
+__attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
+                                                      const float* bias, const float* sum, Clamp clamp, float* out,
+                                                      int64_t ldc, int64_t width, int64_t rows) {
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t next = rows * (t + 1) / tiles;
+    const float* tile_sum = sum != nullptr ? sum + r * ldc : nullptr;
+    switch (next - r) {
+      case 1: tile<1, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
+      case 2: tile<2, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
+      case 3: tile<3, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
+      case 4: tile<4, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
+      case 5: tile<5, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
+      default: tile<6, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
+    }
+    r = next;
+  }
+}
+
+// The receptive fields of output pixels [begin, end) as rows of dest ([kh][kw][channel] each,
+// zeros where a tap falls into the padding), from a channels-last image batch. An undilated
+// kernel row inside the image is one run of kernel_w * channels floats.
+void gather(const PatchConvShape& s, const float* input, int64_t begin, int64_t end, float* dest) {
+  const int64_t channels = s.in_channels, depth = s.depth(), run = s.kernel_w * channels;
+  int64_t n = begin / (s.out_h * s.out_w), oh = begin / s.out_w % s.out_h, ow = begin % s.out_w;
+  for (int64_t row = begin; row < end; ++row) {
+    const float* image = input + n * s.in_h * s.in_w * channels;
+    float* d = dest + (row - begin) * depth;
+    const int64_t iw0 = ow * s.stride_w - s.pad_left;
+    const bool whole_rows = s.dilation_w == 1 && iw0 >= 0 && iw0 + s.kernel_w <= s.in_w;
+    for (int64_t kh = 0; kh < s.kernel_h; ++kh, d += run) {
+      const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
+      if (ih < 0 || ih >= s.in_h) {
+        std::fill(d, d + run, 0.0f);
+      } else if (whole_rows) {
+        std::copy(image + (ih * s.in_w + iw0) * channels, image + (ih * s.in_w + iw0) * channels + run, d);
+      } else {
+        for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
+          const int64_t iw = iw0 + kw * s.dilation_w;
+          float* tap = d + kw * channels;
+          if (iw < 0 || iw >= s.in_w) {
+            std::fill(tap, tap + channels, 0.0f);
+          } else {
+            std::copy(image + (ih * s.in_w + iw) * channels, image + (ih * s.in_w + iw + 1) * channels, tap);
+          }
+        }
+      }
+    }
+    if (++ow == s.out_w) {
+      ow = 0;
+      if (++oh == s.out_h) oh = 0, ++n;
+    }
+  }
+}
+
+// Output pixels [begin, end) x panels [panel_begin, panel_end).
+BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
+                                  const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end,
+                                  int64_t panel_begin, int64_t panel_end, float* gathered) {
+  const int64_t depth = s.depth(), ldc = s.out_channels;
+  const float* a = input + begin * depth;
+  if (!s.direct()) {
+    gather(s, input, begin, end, gathered);
+    a = gathered;
+  }
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const int64_t j0 = p * kPanel, width = std::min(kPanel, ldc - j0);
+    const float* panel = panels + p * depth * kPanel;
+    const float* b = bias != nullptr ? bias + j0 : nullptr;
+    const float* residual = sum != nullptr ? sum + begin * ldc + j0 : nullptr;
+    float* out = output + begin * ldc + j0;
+    if (width > 16) {
+      panel_rows<2>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin);
+    } else {
+      panel_rows<1>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin);
+    }
+  }
+}
+
+}  // namespace
+
+std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
+                                               const int64_t* strides, const int64_t* pads, const int64_t* dilations,
+                                               int64_t groups, int32_t layout) {
+  if (spatial != 2 || groups != 1 || (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) == 0) return std::nullopt;
+  PatchConvShape s{input_shape[0], input_shape[1], input_shape[2], input_shape[3], weight_shape[0],
+                   weight_shape[2], weight_shape[3], strides[0], strides[1], dilations[0], dilations[1],
+                   pads[0], pads[1], 0, 0, (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0};
+  s.out_h = (s.in_h + pads[0] + pads[2] - s.dilation_h * (s.kernel_h - 1) - 1) / s.stride_h + 1;
+  s.out_w = (s.in_w + pads[1] + pads[3] - s.dilation_w * (s.kernel_w - 1) - 1) / s.stride_w + 1;
+  if (s.depth() > kPatchMaxDepth) return std::nullopt;
+  return s;
+}
+
+at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& s) {
+  const int64_t depth = s.depth(), panels = (s.out_channels + kPanel - 1) / kPanel, taps = s.kernel_h * s.kernel_w;
+  at::Tensor packed = at::zeros({panels, depth, kPanel}, at::kFloat);
+  float* dest = packed.mutable_data_ptr<float>();
+  for (int64_t o = 0; o < s.out_channels; ++o) {
+    for (int64_t c = 0; c < s.in_channels; ++c) {
+      for (int64_t t = 0; t < taps; ++t) {
+        dest[((o / kPanel) * depth + t * s.in_channels + c) * kPanel + o % kPanel] = weight[(o * s.in_channels + c) * taps + t];
+      }
+    }
+  }
+  return packed;
+}
+
+void patch_conv(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
+                const float* sum, Clamp clamp, float* output) {
+  const int64_t rows = s.batch * s.out_h * s.out_w;
+  if (rows <= 0 || s.out_channels == 0) return;
+  // An NCHW input (a model's image, 3 channels) is gathered from a channels-last copy: strided
+  // single floats per tap cost more than the multiply-adds (MobileNetV2's stem: 180 -> 131 us, one core).
+  thread_local std::vector<float> transposed;
+  if (!s.input_channels_last) {
+    const int64_t plane = s.in_h * s.in_w;
+    transposed.resize(s.batch * s.in_channels * plane);
+    float* to = transposed.data();
+    const float* from = input;
+    at::parallel_for(0, s.batch * s.in_h, std::max<int64_t>(1, 16384 / (s.in_w * s.in_channels)), [&](int64_t b, int64_t e) {
+      for (int64_t image_row = b; image_row < e; ++image_row) {
+        const int64_t n = image_row / s.in_h, first = image_row % s.in_h * s.in_w;
+        const float* image = from + n * s.in_channels * plane;
+        float* dest = to + (n * plane + first) * s.in_channels;
+        for (int64_t p = 0; p < s.in_w; ++p) {
+          for (int64_t c = 0; c < s.in_channels; ++c) dest[p * s.in_channels + c] = image[c * plane + first + p];
+        }
+      }
+    });
+    input = transposed.data();
+  }
+  // Blocks of up to kBlockRows pixels, as many as a multiple of the threads where there are more
+  // than threads (200 pixels on 2 threads: 6 of 34, not 5 of 48, which left one thread 3 blocks
+  // while the other ran 2).
+  const int64_t threads = at::get_num_threads();
+  int64_t block_rows = kBlockRows, blocks = (rows + kBlockRows - 1) / kBlockRows;
+  if (blocks > threads && blocks % threads != 0) {
+    const int64_t target = (blocks + threads - 1) / threads * threads;
+    block_rows = ((rows + target - 1) / target + kTileRows - 1) / kTileRows * kTileRows;
+    blocks = (rows + block_rows - 1) / block_rows;
+  }
+  const int64_t panel_count = (s.out_channels + kPanel - 1) / kPanel;
+  // Fewer pixel blocks than two a thread (MobileNet's 5x5 stage: 25 pixels, 960 channels): the
+  // panels are split across the threads too.
+  const int64_t splits = blocks >= 2 * threads ? 1 : std::min(panel_count, (2 * threads + blocks - 1) / blocks);
+  // A work item worth a thread wake-up: about 64K multiply-adds.
+  const int64_t item_work = block_rows * s.depth() * kPanel * ((panel_count + splits - 1) / splits);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
+  at::parallel_for(0, blocks * splits, grain, [&](int64_t item_begin, int64_t item_end) {
+    thread_local std::vector<float> gathered;
+    if (!s.direct()) gathered.resize(block_rows * s.depth());
+    for (int64_t item = item_begin; item < item_end; ++item) {
+      const int64_t block = item / splits, split = item % splits;
+      const int64_t begin = block * block_rows, end = std::min(rows, begin + block_rows);
+      patch_block(s, input, panels, bias, sum, clamp, output, begin, end, split * panel_count / splits,
+                  (split + 1) * panel_count / splits, gathered.data());
+    }
+  });
+}
+
+}  // namespace blade

@@ -1,0 +1,58 @@
+// Convolutions as one GEMM over the output pixels with the epilogue in registers: the runtime's
+// own register-blocked kernel for channels-last outputs of ungrouped 2-D convolutions.
+//
+// A row of the GEMM is one output pixel's receptive field (kernel_h * kernel_w * in_channels
+// values, channels innermost); a 1x1 stride-1 unpadded convolution on a channels-last input reads
+// its rows straight from the input, any other gathers a block of rows (padding as zeros) into a
+// small per-thread buffer first. The weight is packed once per engine into panels of 32 output
+// channels ([K][32], zero-padded), each tile of 6 pixels x 32 channels summed in registers over K
+// and then finished in registers: + bias, + residual, then the clamp (the unfused engine's
+// order), and stored once. Against an MKL/oneDNN GEMM followed by an epilogue pass (conv_gemm.h)
+// this saves the second pass over the output, which on MobileNet-sized 1x1 convolutions
+// (few channels, many pixels) cost as much as the GEMM; against oneDNN's convolution for the
+// stem (3 input channels, TF padding) it saves oneDNN's padded copy, fresh output and copy back.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "activation.h"
+
+namespace blade {
+
+struct PatchConvShape {
+  int64_t batch, in_channels, in_h, in_w, out_channels;
+  int64_t kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w;
+  int64_t pad_top, pad_left;  // the bottom/right pads are implied by out_h/out_w
+  int64_t out_h, out_w;
+  bool input_channels_last;  // the output is always channels-last
+
+  int64_t depth() const { return in_channels * kernel_h * kernel_w; }  // K of the GEMM
+  // Rows read in place from the input (no gather).
+  bool direct() const {
+    return input_channels_last && kernel_h == 1 && kernel_w == 1 && stride_h == 1 && stride_w == 1 && pad_top == 0 &&
+           pad_left == 0 && out_h == in_h && out_w == in_w;
+  }
+};
+
+// The shape for a 2-D ungrouped convolution with a channels-last output (`layout` holds the
+// BLADE_CONV_*_CHANNELS_LAST bits) and at most kPatchMaxDepth values per receptive field; nullopt
+// otherwise. Past that a weight panel (depth x 32 floats, 288 KB at the limit) no longer stays in
+// L2 across the tiles that reuse it, and oneDNN's blocked convolution wins (ResNet-18's 512-channel
+// 3x3 at 7x7, depth 4608: 2.09 ms here against oneDNN's 1.86; its 256-channel one, depth 2304,
+// 0.94 against 0.96; one core).
+constexpr int64_t kPatchMaxDepth = 2304;
+std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
+                                               const int64_t* strides, const int64_t* pads, const int64_t* dilations,
+                                               int64_t groups, int32_t layout);
+
+// weight [out, in, kh, kw] -> panels [ceil(out / 32)][kh * kw * in][32], zero-padded.
+at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& shape);
+
+// output (channels-last) = clamp(conv(input) + bias + sum); bias and sum may be null.
+void patch_conv(const PatchConvShape& shape, const float* input, const float* panels, const float* bias,
+                const float* sum, Clamp clamp, float* output);
+
+}  // namespace blade
