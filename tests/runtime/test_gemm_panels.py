@@ -10,18 +10,10 @@ import torch
 
 import blade._C
 from blade._C import _testing
-from runtime_testing import run_sgemm
+from runtime_testing import PANELS_USABLE, run_sgemm
 
 
-def _avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return " avx512f" in cpuinfo.read()
-    except OSError:
-        return False
-
-
-needs_avx512 = pytest.mark.skipif(not _avx512(), reason="the panels kernel needs AVX-512 (MKL runs instead)")
+needs_avx512 = pytest.mark.skipif(not PANELS_USABLE, reason="the panels kernel needs AVX-512 (MKL runs instead)")
 
 
 @pytest.fixture
@@ -98,8 +90,17 @@ def test_pinned_kernel_really_runs():
 
 @needs_avx512
 def test_auto_times_it():
-    """8 rows x a constant [1024, 96]: above auto's 2 MFLOP, so every kernel is timed, this one too."""
-    _, choices = _gemm("auto", n=128)
+    """8 rows x a constant [1024, 128]: above auto's 2 MFLOP, so the bucket's calls sample every
+    kernel, this one too (each kernel's first call at the shape is no sample)."""
+    m, n, k = 8, 128, 1024
+    a, b, c = torch.randn(m, k), torch.randn(n, k), torch.empty(m, n)
+    _testing.set_gemm_backend("auto")
+    try:
+        for _ in range(2 * 4):  # one weight's calls sample (four candidates, a first call each)
+            _testing.sgemm(1, m, n, k, 1.0, a, k, 0, False, b, k, 0, True, 0.0, c, n, 0, pack=True)
+        choices = blade._C.gemm_choices()
+    finally:
+        _testing.set_gemm_backend("")
     (choice,) = [c for c in choices if c["shape"].startswith("[8, 1024] @ [1024, 128]^T")]
     assert "panels" in dict(choice["microseconds"])
 
