@@ -16,7 +16,8 @@ Per model (the bench configs of bench/models.py, with an all-ones attention mask
 Every backend is checked against eager at every point (rel err = max |diff| / max |eager|). Per
 point, the backends are timed in interleaved rounds (median call per round, best round), with
 bench/run.py's pause between backends. "first/steady" is tt_infer dynamic's first call at a new
-shape over its steady call. "g++" counts the engine compiles (cache misses) each tt_infer column
+shape over its steady call (the steady calls come after up to 30 warm-up calls at the point, which
+settle blade's per-bucket GEMM choices). "g++" counts the engine compiles (cache misses) each tt_infer column
 needed over the whole grid; the engine cache is a fresh directory unless --warm-cache.
 """
 from __future__ import annotations
@@ -150,6 +151,22 @@ def timed(fn, inputs) -> float:
     return time.perf_counter() - start
 
 
+# blade's GEMM choice is made by a bucket's first calls (each runs one candidate, cpp/gemm_choice.cpp):
+# about 5 samples per candidate plus each kernel's first call at the shape. A static module compiled
+# just before its timing would be timed while it samples, and the dynamic module at a new bucket
+# too. So after the first call at a point has been measured, every backend gets these calls
+# (within a time cap) before the timed rounds, as a server's first requests would.
+WARM_UP_CALLS, WARM_UP_S = 30, 3.0
+
+
+def warm_up(fn, inputs) -> None:
+    start = time.perf_counter()
+    for _ in range(WARM_UP_CALLS):
+        fn(*inputs)
+        if time.perf_counter() - start > WARM_UP_S:
+            return
+
+
 def bench_model(name, build, batches, seqs, rounds) -> dict:
     import blade
     torch.manual_seed(0)
@@ -201,6 +218,8 @@ def bench_model(name, build, batches, seqs, rounds) -> dict:
                         result["errors"][f"{column} at {batch}x{seq}"] = f"{type(err).__name__}: {str(err)[:200]}"
                         point_runners[column] = None
                 point_runners = {k: v for k, v in point_runners.items() if v is not None}
+                for fn in point_runners.values():
+                    warm_up(fn, inputs)
                 calls = max(3, min(50, int(MEASURE_S / max(median_call_s(model, inputs, 1), 1e-6))))
                 best = {}
                 order = list(point_runners)
@@ -271,7 +290,8 @@ def markdown(results, args) -> str:
              f"`python bench/dynamic.py{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds per "
              f"point, 1-minute load {os.getloadavg()[0]:.1f} at the end). Milliseconds per call (best round's "
-             f"median); \"dyn/static\" = tt_infer dynamic over tt_infer static at that point (1.00 = as fast).", ""]
+             f"median; every backend first gets up to {WARM_UP_CALLS} calls within {WARM_UP_S:.0f} s at the point, "
+             f"the calls that settle blade's GEMM choices); \"dyn/static\" = tt_infer dynamic over tt_infer static at that point (1.00 = as fast).", ""]
     for res in results:
         lines += [f"## {res['model']}", ""]
         counts = res["counts"]
