@@ -249,18 +249,11 @@ def _copied_gemm_operand(node: Node, arg: Node) -> bool:
     copy computes it (a bias add fuses into the copy of each head) where it would have been stored."""
     if node.op != "matmul":
         return False
-    chain = []
-    while arg.op == "view":
-        chain.append(arg)
-        arg = arg.args[0]
+    chain, arg = views.view_chain(arg)
     if not chain or arg.op not in COMPUTED:
         return False
-    layout = views.Layout(0, contiguous_strides(arg.shape))
-    for view in reversed(chain):
-        layout = views.view_layout(view, layout)
-        if layout is None:
-            return False
-    return not views.packed_matrix(chain[0].shape, layout.strides)
+    layout = views.layout_through(chain, views.Layout(0, contiguous_strides(arg.shape)))
+    return layout is not None and not views.packed_matrix(chain[0].shape, layout.strides)
 
 
 def _permuted_matmul_output(node: Node, users: list):
@@ -314,18 +307,13 @@ def _reads_channels_innermost(node: Node, args, chosen: set) -> bool:
 def _channels_innermost(value: Node, chosen: set):
     """For a 4-D value read through views: True when its dim 1 is innermost in memory, False when
     another dim is, None when unknown (no view, a broadcast)."""
-    chain = []
-    while value.op == "view":
-        chain.append(value)
-        value = value.args[0]
+    chain, value = views.view_chain(value)
     if not chain:
         return None  # the node's own source: _computed_from decides on those
     stored = strides_in_order(value.shape, CHANNELS_LAST) if value in chosen else contiguous_strides(value.shape)
-    layout = views.Layout(0, tuple(stored))
-    for view in reversed(chain):
-        layout = views.view_layout(view, layout)
-        if layout is None:
-            return None
+    layout = views.layout_through(chain, views.Layout(0, tuple(stored)))
+    if layout is None:
+        return None
     strides, shape = layout.strides, chain[0].shape
     dims = [d for d in range(len(strides)) if not (isinstance(shape[d], int) and shape[d] == 1)]
     if len(strides) != 4 or 1 not in dims or any(not isinstance(strides[d], int) or strides[d] == 0 for d in dims):

@@ -193,3 +193,22 @@ def view_index(node, idx):
 
 def view_layout(node, layout: Layout):
     return VIEW_LAYOUT[node.attrs["view"]](node, node.args[0].shape, layout)
+
+
+def view_chain(value) -> tuple[list, object]:
+    """The views value is read through (value first) and the node they look at."""
+    chain = []
+    while value.op == "view":
+        chain.append(value)
+        value = value.args[0]
+    return chain, value
+
+
+def layout_through(chain: list, layout: Layout) -> Layout | None:
+    """The layout of chain[0] (view_chain's order) when the node the chain looks at is stored with
+    `layout`; None when a view of it has no strided layout."""
+    for view in reversed(chain):
+        layout = view_layout(view, layout)
+        if layout is None:
+            return None
+    return layout
