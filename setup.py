@@ -31,6 +31,7 @@ RUNTIME_SOURCES = [
     "cpp/gemm_mkl.cpp",
     "cpp/gemm_onednn.cpp",
     "cpp/isa.cpp",
+    "cpp/oversubscription.cpp",
     "cpp/runtime.cpp",
     "cpp/winograd.cpp",
     "cpp/shared_library.cpp",

@@ -10,6 +10,7 @@
 #include <exception>
 
 #include "isa.h"
+#include "oversubscription.h"
 #include "runtime.h"
 
 namespace blade {
@@ -300,6 +301,7 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
 
   const ScratchLease scratch(static_cast<size_t>(def_.scratch_bytes));
   const PackingScope packing(&packed_weights_);
+  const SerialScope serial_while_oversubscribed;  // oversubscription.h
   int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), sizes.data(),
                       scratch.data());
   if (code != BLADE_OK) throw_run_failure(code);

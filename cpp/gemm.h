@@ -40,6 +40,10 @@ at::Tensor gemm_view(const float* data, int64_t batch, int64_t batch_stride, int
 // or BLAS cannot take the arguments. Runs any GEMM of the contract.
 void mkl_gemm(const GemmArgs& g, PackedWeights* weights);
 
+// MKL's mkl_set_num_threads_local (the calling thread's MKL thread count, 0: the process-wide
+// one), returning the previous value; 0 and no effect without MKL.
+int mkl_set_local_threads(int threads);
+
 // ---- oneDNN through libtorch (gemm_onednn.cpp) ----
 
 // Whether libtorch's oneDNN matmul runs on this machine (torch's fp32 oneDNN matmul refuses CPUs

@@ -34,11 +34,17 @@ using FortranSgemmCompute = void (*)(const char* transa, const char* transb, con
                                      const int* k, const float* a, const int* lda, const float* b, const int* ldb,
                                      const float* beta, float* c, const int* ldc);
 
+// MKL's thread count for the calling thread only (0: back to the process-wide one); returns the
+// previous value. MKL_Set_Num_Threads_Local is the C entry (argument by value); the lower-case
+// names are the Fortran one, which takes a pointer.
+using SetLocalThreads = int (*)(int threads);
+
 struct Mkl {
   FortranSgemm sgemm = nullptr;  // null: no MKL, use ATen
   FortranSgemmPackGetSize pack_get_size = nullptr;
   FortranSgemmPack pack = nullptr;
   FortranSgemmCompute compute = nullptr;
+  SetLocalThreads set_local_threads = nullptr;
   bool can_pack() const { return pack_get_size && pack && compute; }
 };
 
@@ -54,6 +60,7 @@ Mkl find_mkl() {
   mkl.pack_get_size = reinterpret_cast<FortranSgemmPackGetSize>(dlsym(handle, "sgemm_pack_get_size_"));
   mkl.pack = reinterpret_cast<FortranSgemmPack>(dlsym(handle, "sgemm_pack_"));
   mkl.compute = reinterpret_cast<FortranSgemmCompute>(dlsym(handle, "sgemm_compute_"));
+  mkl.set_local_threads = reinterpret_cast<SetLocalThreads>(dlsym(handle, "MKL_Set_Num_Threads_Local"));
   return mkl;
 }
 
@@ -223,6 +230,10 @@ at::Tensor gemm_view(const float* data, int64_t batch, int64_t batch_stride, int
 
 void set_gemm_column_split_rows(int64_t max_rows) {
   split_max_rows.store(max_rows < 0 ? kSplitMaxRows : max_rows, std::memory_order_relaxed);
+}
+
+int mkl_set_local_threads(int threads) {
+  return mkl().set_local_threads != nullptr ? mkl().set_local_threads(threads) : 0;
 }
 
 }  // namespace blade

@@ -7,6 +7,7 @@
 #include "blade_abi.h"
 #include "frozen_tensors.h"
 #include "isa.h"
+#include "oversubscription.h"
 #include "python_testing.h"
 #include "runtime.h"
 
@@ -23,6 +24,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("verify_archive", &blade::verify_archive, pybind11::arg("path"),
         "Checks an exported archive's records against the SHA-256s in extra/blade_records.txt; "
         "RuntimeError naming the first record that differs.");
+
+  m.def("thread_stalls", &blade::stall_count,
+        "How many parallel regions of the runtime waited milliseconds for a thread without a core "
+        "(another process held it); after each, engine calls ran on one thread for a while.");
 
   m.def("gemm_choices", [] {
     pybind11::list rows;

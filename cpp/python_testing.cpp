@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "oversubscription.h"
 #include "runtime.h"
 
 namespace blade {
@@ -121,6 +122,12 @@ void bind_testing(pybind11::module_& m) {
   m.def("parallel_for_chunks", &parallel_for_chunks,
         "The [begin, end) chunks the runtime's parallel_for hands out, sorted.", py::arg("begin"),
         py::arg("end"), py::arg("grain"));
+  m.def("note_region", &note_region,
+        "Reports a parallel region's times (ns) to the oversubscription check; returns whether it was a stall.",
+        py::arg("worked_ns"), py::arg("waited_ns"));
+  m.def("force_serial_for", &force_serial_for,
+        "Engine calls run serially for the next `ms` milliseconds, as after a stall (0 ends it).", py::arg("ms"));
+  m.def("serial_now", &serial_now, "Whether engine calls run serially now (oversubscription.h).");
 }
 
 }  // namespace blade

@@ -1,0 +1,65 @@
+#include "oversubscription.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+
+#include "gemm.h"
+
+namespace blade {
+namespace {
+
+std::atomic<int64_t> serial_until_ns{0};  // steady-clock time until which engine calls run serially
+std::atomic<int64_t> window_ns{kSerialWindowNs};  // the length of the current (or last) serial window
+std::atomic<int64_t> stalls{0};
+
+}  // namespace
+
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+bool note_region(int64_t worked_ns, int64_t waited_ns) {
+  if (waited_ns <= kStallNs || waited_ns <= kStallRatio * worked_ns) return false;
+  stalls.fetch_add(1, std::memory_order_relaxed);
+  // A stall soon after a serial window ended: the load lasts, so the next window is twice as long
+  // (each try costs a stall); after a longer calm, the first window again.
+  const int64_t now = steady_ns();
+  const int64_t last_until = serial_until_ns.load(std::memory_order_relaxed);
+  const int64_t last_window = window_ns.load(std::memory_order_relaxed);
+  const bool lasting = last_until != 0 && now - last_until < last_window;
+  const int64_t window = lasting ? std::min(2 * last_window, kSerialWindowMaxNs) : kSerialWindowNs;
+  window_ns.store(window, std::memory_order_relaxed);
+  serial_until_ns.store(now + window, std::memory_order_relaxed);
+  return true;
+}
+
+bool serial_now() {
+  const int64_t until = serial_until_ns.load(std::memory_order_relaxed);
+  return until != 0 && steady_ns() < until;
+}
+
+SerialScope::SerialScope() : active_(serial_now()) {
+  if (!active_) return;
+  // Per thread: omp_set_num_threads sets the calling thread's ICV, which at::get_num_threads reads.
+  saved_omp_threads_ = omp_get_max_threads();
+  omp_set_num_threads(1);
+  saved_mkl_threads_ = mkl_set_local_threads(1);
+}
+
+SerialScope::~SerialScope() {
+  if (!active_) return;
+  omp_set_num_threads(saved_omp_threads_);
+  mkl_set_local_threads(saved_mkl_threads_);
+}
+
+int64_t stall_count() { return stalls.load(std::memory_order_relaxed); }
+
+void force_serial_for(int64_t ms) {
+  serial_until_ns.store(ms > 0 ? steady_ns() + ms * 1'000'000 : 0, std::memory_order_relaxed);
+}
+
+}  // namespace blade

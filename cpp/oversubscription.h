@@ -1,0 +1,60 @@
+// Noticing that this process's threads do not get the cores they count on (other processes hold
+// them), and running engine calls on the calling thread alone until that passes.
+//
+// Why: every parallel region of ATen's OpenMP pool ends in a barrier. When another process holds
+// one of the cores, the thread that finished its chunk first spins there (libgomp's default wait
+// policy) while the other one waits for a scheduler slice, so each region costs milliseconds
+// instead of microseconds, and an engine call has dozens of regions. Measured on this project's
+// 2-core machine at load ~4: BERT's tt_infer calls took 50-180 ms instead of 4 (eager 70-200 ms
+// instead of 14; with one thread 8.5 ms, and 6.7 ms with OMP_WAIT_POLICY=PASSIVE). libgomp reads
+// its wait policy once, when it loads with torch, so the runtime decides per engine call instead:
+// the runtime's parallel_for times its regions, and after a region whose team waited far longer
+// than its work took, engine calls run serially for a while (SerialScope), then try again.
+#pragma once
+#include <cstdint>
+
+namespace blade {
+
+// How long engine calls stay serial after a stall (doubling, up to the maximum, while stalls come
+// back as soon as a window ends), and what counts as a stall: the region's threads
+// waited for the last one more than kStallNs and more than kStallRatio times what the first
+// thread to finish worked (a quiet machine's worker wakes in well under 0.1 ms, and the loops'
+// chunks are about equal, so their times differ by a small factor at most).
+constexpr int64_t kSerialWindowNs = 200'000'000;
+constexpr int64_t kSerialWindowMaxNs = 10'000'000'000;
+constexpr int64_t kStallNs = 1'000'000;
+constexpr int64_t kStallRatio = 4;
+
+// The steady clock in nanoseconds (what the region times below are differences of).
+int64_t steady_ns();
+
+// A parallel region's times: from its start until the first thread finished its chunk
+// (`worked_ns`), and from then until the region ended (`waited_ns`). Returns whether that was a
+// stall (then engine calls run serially for a while).
+bool note_region(int64_t worked_ns, int64_t waited_ns);
+
+// Whether engine calls run serially now.
+bool serial_now();
+
+// For one engine call: while serial_now(), this thread's OpenMP and MKL thread counts are 1, so
+// the runtime's loops, its own kernels (at::parallel_for) and MKL run on the calling thread.
+// (oneDNN primitives fix their team size when created and keep it.)
+class SerialScope {
+ public:
+  SerialScope();
+  ~SerialScope();
+  SerialScope(const SerialScope&) = delete;
+  SerialScope& operator=(const SerialScope&) = delete;
+
+ private:
+  bool active_;
+  int saved_omp_threads_ = 0;
+  int saved_mkl_threads_ = 0;
+};
+
+// For tests and blade.profile: stalls seen in this process, and serial mode set for `ms`
+// milliseconds from now (0 ends it).
+int64_t stall_count();
+void force_serial_for(int64_t ms);
+
+}  // namespace blade

@@ -1,0 +1,102 @@
+"""The runtime's answer to an oversubscribed machine (cpp/oversubscription.h): a parallel region
+whose threads waited milliseconds for one without a core switches engine calls to the calling
+thread for a while, and results are the same either way."""
+import contextlib
+
+import pytest
+import torch
+
+import blade
+import blade._C as _C
+
+_testing = _C._testing
+
+
+@contextlib.contextmanager
+def serial_for(ms: int):
+    _testing.force_serial_for(ms)
+    try:
+        yield
+    finally:
+        _testing.force_serial_for(0)
+
+
+@contextlib.contextmanager
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_long_wait_after_short_work_is_a_stall_and_starts_a_serial_window():
+    with serial_for(0):
+        stalls = _C.thread_stalls()
+        assert not _testing.note_region(worked_ns=50_000, waited_ns=80_000)      # a worker waking up
+        assert not _testing.note_region(worked_ns=2_000_000, waited_ns=3_000_000)  # uneven chunks
+        assert not _testing.serial_now() and _C.thread_stalls() == stalls
+        assert _testing.note_region(worked_ns=100_000, waited_ns=4_000_000)    # no core for a slice
+        assert _testing.serial_now() and _C.thread_stalls() == stalls + 1
+    assert not _testing.serial_now()
+
+
+def test_serial_mode_runs_the_runtime_loops_inline_and_ends():
+    with two_threads():
+        with serial_for(10_000):
+            assert _testing.parallel_for_chunks(0, 100, 10) == [(0, 100)]
+        # (a real stall, on a loaded machine, could start serial mode again: end it before looking)
+        _testing.force_serial_for(0)
+        assert len(_testing.parallel_for_chunks(0, 100, 10)) == 2
+
+
+def test_serial_mode_restores_the_callers_thread_counts(add_engine):
+    with two_threads(), serial_for(10_000):
+        add_engine.execute([torch.randn(64, 128), torch.randn(64, 128)])
+        assert torch.get_num_threads() == 2
+
+
+def test_engines_compute_the_same_serially(add_engine, add_bias, matmul_engine):
+    x, y = torch.randn(64, 128), torch.randn(64, 128)
+    engine, weight = matmul_engine
+    a = torch.randn(2, 8, 16)
+    with two_threads():
+        parallel = add_engine.execute([x, y]) + engine.execute([a])
+        with serial_for(10_000):
+            serial = add_engine.execute([x, y]) + engine.execute([a])
+    for got, want in zip(serial, parallel):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(serial[2], a @ weight)
+
+
+class ConvMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 32, 3, padding=1)
+        self.depthwise = torch.nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.fc = torch.nn.Linear(32, 64)
+
+    def forward(self, x):
+        y = torch.relu(self.depthwise(torch.relu(self.conv(x))))
+        return self.fc(y.mean(dim=(2, 3))).softmax(-1)
+
+
+def test_a_compiled_model_matches_eager_in_serial_mode():
+    torch.manual_seed(0)
+    model, x = ConvMlp().eval(), torch.randn(4, 8, 20, 20)
+    with torch.no_grad(), two_threads():
+        want = model(x)
+        compiled = torch.compile(model, backend="tt_infer")
+        compiled(x)
+        with serial_for(10_000):
+            got = compiled(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("ms", [0, -5])
+def test_ending_serial_mode(ms):
+    _testing.force_serial_for(10_000)
+    _testing.force_serial_for(ms)
+    assert not _testing.serial_now()
