@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -172,8 +173,29 @@ def tt_infer_compiled(fn):
     return torch.compile(fn, backend=recording), reports
 
 
+class _Call(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x, y):
+        return self.fn(x, y)
+
+
+def loaded(fn, inputs, directory):
+    """The same engines saved with blade.export and served by blade.load: no dynamo per call."""
+    import blade
+    from blade.config import Config
+    path = os.path.join(directory, "op.pt")
+    blade.export(_Call(fn), inputs, path, Config(min_cluster_size=1))
+    module = blade.load(path)
+    return lambda x, y: module(x, y)
+
+
 def bench_case(fn, inputs) -> dict:
-    """eager vs tt_infer on one (op, variant, shape): times, rel err, share of ops in engines."""
+    """One (op, variant, shape): eager, eager through dynamo (torch.compile with a backend that runs
+    the captured graph itself: the per-call cost every torch.compile backend has), tt_infer through
+    torch.compile and through blade.load; times, rel err, share of ops in engines."""
     torch._dynamo.reset()
     compiled, reports = tt_infer_compiled(fn)
     expected, got = fn(*inputs), compiled(*inputs)
@@ -181,16 +203,23 @@ def bench_case(fn, inputs) -> dict:
     reports = [r for r in reports if r is not None]
     total = sum(r.aten_total for r in reports)
     coverage = sum(r.aten_in_engines for r in reports) / total if total else 0.0
-    calls = max(5, min(500, int(MEASURE_S / max(median_call_s(fn, inputs, 3), 1e-7))))
-    times = {"eager": [], "tt_infer": []}
-    for r in range(ROUNDS):
-        for name, f in (("eager", fn), ("tt_infer", compiled))[:: 1 if r % 2 else -1]:
-            f(*inputs)
-            times[name].append(median_call_s(f, inputs, calls))
-            time.sleep(PAUSE_S)
+    through_dynamo = torch.compile(fn, backend=lambda gm, example_inputs: gm.forward)
+    with tempfile.TemporaryDirectory() as directory:
+        served = loaded(fn, inputs, directory)
+        torch.testing.assert_close(served(*inputs).double(), expected.double(), rtol=1e-4, atol=1e-4 * max(
+            1.0, expected.double().abs().max().item()))
+        sides = {"eager": fn, "dynamo": through_dynamo, "tt_infer": compiled, "load": served}
+        calls = max(5, min(500, int(MEASURE_S / max(median_call_s(fn, inputs, 3), 1e-7))))
+        times = {name: [] for name in sides}
+        for r in range(ROUNDS):
+            for name, f in list(sides.items())[:: 1 if r % 2 else -1]:
+                f(*inputs)
+                times[name].append(median_call_s(f, inputs, calls))
+                time.sleep(PAUSE_S)
     # the best round of each: on a shared machine a round another job hit measures that job
-    eager_us, tt_us = (1e6 * min(times[k]) for k in ("eager", "tt_infer"))
-    return {"eager_us": eager_us, "tt_us": tt_us, "x": eager_us / tt_us, "err": err, "coverage": coverage}
+    us = {name: 1e6 * min(t) for name, t in times.items()}
+    return {"eager_us": us["eager"], "dynamo_us": us["dynamo"], "tt_us": us["tt_infer"], "load_us": us["load"],
+            "x": us["eager"] / us["tt_infer"], "x_load": us["eager"] / us["load"], "err": err, "coverage": coverage}
 
 
 def bench_op(kind) -> list[dict]:
@@ -214,28 +243,38 @@ def markdown(rows, skipped) -> str:
         "# blade per-op benchmark", "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, float32 inputs. tt_infer with "
-        f"min_cluster_size=1 (a single op gets an engine), through torch.compile, so each tt_infer time "
-        f"includes dynamo's per-call cost (~25 us). {ROUNDS} alternating rounds, per round the median call, "
-        f"per side the best round. "
+        f"min_cluster_size=1 (a single op gets an engine). Columns: eager; \"eager via dynamo\" is "
+        f"torch.compile with a backend that runs the captured graph itself, i.e. eager plus the per-call "
+        f"cost every torch.compile backend (Inductor's too) pays; tt_infer through torch.compile (x); the "
+        f"same engines saved with blade.export and called through blade.load, no dynamo (x load). "
+        f"{ROUNDS} alternating rounds, per round the median call, per side the best round. "
         f"1-minute load average at the end: {os.getloadavg()[0]:.2f}.", "",
         "\"alone\" is the op by itself; \"chain\" is `op(x * 1.5 + 0.25, y * 0.5 - 0.1) * 0.5 + 1.0` "
         "(bool results through `where`), as a fusing compiler sees it inside a model. "
         "x = eager time / tt_infer time (higher is faster). Ops sorted by their worst x.", "",
-        "| op | shape | variant | eager us | tt_infer us | x | rel err | ops in engines |",
-        "|---|---|---|---|---|---|---|---|",
+        "| op | shape | variant | eager us | eager via dynamo us | tt_infer us | x | blade.load us | x load | rel err | ops in engines |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     worst = {}
     for row in rows:
         worst[row["op"]] = min(worst.get(row["op"], math.inf), row.get("x", 0.0))
     for row in sorted(rows, key=lambda r: (worst[r["op"]], r["op"])):
         if "error" in row:
-            lines.append(f"| {row['op']} | {row['shape']} | {row['variant']} | - | - | failed | {row['error']} | - |")
+            lines.append(f"| {row['op']} | {row['shape']} | {row['variant']} | - | - | - | failed | - | - | {row['error']} | - |")
             continue
         lines.append(f"| {row['op']} | {row['shape']} | {row['variant']} | {row['eager_us']:.1f} | "
-                     f"{row['tt_us']:.1f} | {row['x']:.2f} | {row['err']:.1e} | {100 * row['coverage']:.0f}% |")
-    geo = [r["x"] for r in rows if "x" in r]
-    if geo:
-        lines += ["", f"Geomean x over {len(geo)} cases: {math.exp(sum(map(math.log, geo)) / len(geo)):.2f}"]
+                     f"{row['dynamo_us']:.1f} | {row['tt_us']:.1f} | {row['x']:.2f} | {row['load_us']:.1f} | "
+                     f"{row['x_load']:.2f} | {row['err']:.1e} | {100 * row['coverage']:.0f}% |")
+    lines.append("")
+    for column, what in (("x", "through torch.compile"), ("x_load", "through blade.load")):
+        for shape in sorted({r["shape"] for r in rows}, reverse=True):
+            for variant in ("alone", "chain"):
+                xs = [r[column] for r in rows if column in r and r["shape"] == shape and r["variant"] == variant]
+                if xs:
+                    below = sum(x < 1.0 for x in xs)
+                    lines.append(f"- {what}, {shape} {variant}: geomean {math.exp(sum(map(math.log, xs)) / len(xs)):.2f}x "
+                                 f"over {len(xs)} cases, {below} below 1.0x")
+
     lines += ["", "Ops of the lowering table not benchmarked here:", "",
               "| op | why |", "|---|---|", *(f"| {k} | {why} |" for k, why in skipped)]
     return "\n".join(lines) + "\n"
