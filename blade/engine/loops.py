@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from .buffers import Buffer, Strided, memory_order, permuted, unpermuted
 from .lines import Access, Names, Scope, declare, for_loop
+from .manifest import DTYPES
 from .optable import REDUCE, CType, literal
 from .plan import stored_pad
 from .symbolic import Const, Expr, Var, add, as_expr, constant, proves_less, proves_nonnegative
@@ -200,6 +201,14 @@ def row_local(kernel: Kernel, group: RowGroup) -> bool:
                for s, idx, written in kernel.accesses if written or s.buf in group.written)
 
 
+def stack_row_numel(buf, rows) -> int:
+    """Elements of buf's stack row in a group over rows: a row with run-time dims (a softmax over
+    the sequence) gets its largest size, since a stack array has a static size (kept in the arena
+    instead, each row went to memory and back: 2x the static engine's softmax at seq 512)."""
+    row = _divmod(buf.numel, math.prod(rows))[0]
+    return row.bounds()[1] if isinstance(row, Expr) else row
+
+
 def stack_rows(group: RowGroup, budget: int) -> dict:
     """Scratch buffers that live only inside group's row loop become one row on each thread's
     stack (in L1) instead of a whole tensor in the arena: buffer -> {address: address in the row}
@@ -210,8 +219,8 @@ def stack_rows(group: RowGroup, budget: int) -> dict:
             continue
         accesses = [(s, idx) for k in group.kernels for s, idx, _ in k.accesses if s.buf is buf]
         rows = [row_address(s, idx, group.rows) for s, idx in accesses]
-        row_bytes = _divmod(buf.nbytes, math.prod(group.rows))[0]
-        if None in rows or isinstance(row_bytes, Expr) or row_bytes > budget:  # a stack row has a static size
+        row_bytes = stack_row_numel(buf, group.rows) * DTYPES[buf.dtype][1]
+        if None in rows or row_bytes > budget:
             continue
         budget -= row_bytes
         local[buf] = {s.address(idx): row for (s, idx), row in zip(accesses, rows)}

@@ -15,7 +15,7 @@ import numpy as np
 
 from .buffers import ALIGN
 from .lines import DECLS, declare, for_loop, indent, line_text
-from .loops import RowGroup, stack_rows
+from .loops import RowGroup, stack_row_numel, stack_rows
 from .optable import literal
 from .symbolic import Expr, Var
 
@@ -60,7 +60,7 @@ def render_group(group: RowGroup, stack: dict) -> tuple:
     rows_body = unflatten
     for kernel in group.kernels:
         rows_body += [f"// {kernel.comment}"] * (len(group.kernels) > 1) + kernel.body
-    prologue = [f"alignas({ALIGN}) {b.element_ctype} {b.ident}[{b.numel // total}];  // one row, per thread"
+    prologue = [f"alignas({ALIGN}) {b.element_ctype} {b.ident}[{stack_row_numel(b, group.rows)}];  // one row, per thread"
                 for b in sorted(stack, key=lambda b: b.index)]
     prologue += [line for kernel in group.kernels for line in kernel.prologue]
     uses = {buf: written for buf, written in group.uses.items() if buf not in stack}

@@ -3,6 +3,7 @@ metadata, ir.SIZE_RANGES_KEY) compile to ONE engine whose outer loop bounds, off
 are expressions of the sizes passed at run time; checked at several sizes (1 and the maximum
 included) against onnx's reference. What the slice does not handle is refused, never guessed."""
 import json
+import re
 
 import numpy as np
 import onnx
@@ -54,6 +55,25 @@ CASES = {
     "matmul-batched-rows": dynamic_model(
         [helper.make_node("MatMul", ["x", "w"], ["out"])],
         {"x": ["batch", "seq", 16]}, {"out": ["batch", "seq", 24]}, {"w": W}),
+    # a softmax over a run-time axis: its row stays on the stack, sized for the largest row
+    "softmax-run-time-axis": dynamic_model([helper.make_node("Softmax", ["x"], ["out"], axis=-1)],
+                                           {"x": ["batch", "seq"]}, {"out": ["batch", "seq"]}),
+    # attention heads sliced from one computed [batch, seq, 2 * heads * dim] projection: each head's
+    # matrix is unpacked whatever seq is, so Q, K and V are copied dense for the GEMMs
+    "attention-heads": dynamic_model(
+        [helper.make_node("Add", ["x", "bias"], ["qk"]),
+         helper.make_node("Slice", ["qk", "zero", "eight", "two"], ["q"]),
+         helper.make_node("Slice", ["qk", "eight", "sixteen", "two"], ["k"]),
+         helper.make_node("Reshape", ["q", "heads"], ["q4"]), helper.make_node("Reshape", ["k", "heads"], ["k4"]),
+         helper.make_node("Transpose", ["q4"], ["qt"], perm=[0, 2, 1, 3]),
+         helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+         helper.make_node("MatMul", ["qt", "kt"], ["scores"]),
+         helper.make_node("Softmax", ["scores"], ["p"], axis=-1),
+         helper.make_node("Transpose", ["k4"], ["v"], perm=[0, 2, 1, 3]),
+         helper.make_node("MatMul", ["p", "v"], ["out"])],
+        {"x": ["batch", "seq", 16]}, {"out": ["batch", 2, "seq", 4]},
+        {"bias": GAMMA, "heads": np.array([0, 0, 2, 4], np.int64),
+         **{name: np.array([v], np.int64) for name, v in {"zero": 0, "eight": 8, "sixteen": 16, "two": 2}.items()}}),
 }
 
 
@@ -94,6 +114,19 @@ def test_static_dims_stay_constants_and_sizes_come_from_the_call(compiled):
     assert "for (int64_t i1 = 0; i1 < 16; ++i1)" in source  # the inner loop keeps its static trip count
     assert manifest.inputs[0].shape == ["batch", 16] and manifest.outputs[0].shape == ["batch", 16]
     assert "rt->sgemm(1, size0, 24, 16," in (compiled["matmul-weight"][0].parent / "engine.cpp").read_text()
+
+
+def test_a_run_time_row_stays_on_the_stack_at_its_largest_size(compiled):
+    source = (compiled["softmax-run-time-axis"][0].parent / "engine.cpp").read_text()
+    assert re.search(r"alignas\(64\) float s\d+\[32\];  // one row, per thread", source)
+    assert "i1 < size1" in source  # the loops run over the row's run-time length
+
+
+def test_unpacked_head_matrices_are_copied_dense_at_run_time_sizes(compiled):
+    source = (compiled["attention-heads"][0].parent / "engine.cpp").read_text()
+    assert len(set(re.findall(r"contiguous copy of view:(v\d+)", source))) == 3
+    # the bias add is computed by the copies, not stored first
+    assert "rt->sgemm(2 * size0, size1, size1, 4, 1.0f" in source
 
 
 def test_scratch_is_planned_at_the_maxima(compiled):
