@@ -8,7 +8,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <limits>
 
 namespace {
@@ -110,8 +109,9 @@ inline float blade_erff(float x) {
   // t = clamp(ax, 0.875, 4) as integer max/min of the bits (two instructions; float selects cost
   // g++ four compares here): a non-negative float orders like its bits. A NaN clamps to 4 and
   // takes the small branch below, whose x * s is NaN.
-  const int32_t bits = std::min(std::max(__builtin_bit_cast(int32_t, ax), 0x3f600000), 0x40800000);
-  const float t = __builtin_bit_cast(float, bits);
+  const int32_t bits = __builtin_bit_cast(int32_t, ax);
+  const int32_t above = bits < 0x3f600000 ? 0x3f600000 : bits;
+  const float t = __builtin_bit_cast(float, above > 0x40800000 ? 0x40800000 : above);
   float p = 1.998941006604582e-4f;
   p = std::fma(p, t, -3.081925678998232e-3f);
   p = std::fma(p, t, 2.2380756214261055e-2f);
