@@ -140,7 +140,7 @@ class CompiledModule:
         1 us of the 4.6 us this class and its engine cost per call on a one-engine graph)."""
         self.module, self.runtime_inputs = module, runtime_inputs
         self._forward = module.forward
-        self._pick = _picker(runtime_inputs)
+        self._pick = picker(runtime_inputs)
 
     def __call__(self, *args):
         if torch.is_grad_enabled():  # the only cost under no_grad / inference_mode
@@ -252,7 +252,7 @@ class CompiledModule:
         return {c.name: getattr(self.module, c.name) for c in self.report.clusters if c.status == "compiled"}
 
 
-def _picker(positions: list):
+def picker(positions: list):
     """args -> the tuple of args at `positions` (itemgetter returns a bare item for one position)."""
     if len(positions) == 1:
         position = positions[0]

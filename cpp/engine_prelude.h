@@ -106,7 +106,12 @@ inline float blade_erff(float x) {
   s = std::fma(s, z, -3.7612324953079224e-01f);
   s = std::fma(s, z, 1.1283791065216064f);
   const float small = x * s;
-  const float t = ax < 0.875f ? 0.875f : (ax > 4.0f ? 4.0f : ax);  // NaN passes
+  // t = clamp(ax, 0.875, 4) as integer max/min of the bits (two instructions; float selects cost
+  // g++ four compares here): a non-negative float orders like its bits. A NaN clamps to 4 and
+  // takes the small branch below, whose x * s is NaN.
+  const int32_t bits = __builtin_bit_cast(int32_t, ax);
+  const int32_t above = bits < 0x3f600000 ? 0x3f600000 : bits;
+  const float t = __builtin_bit_cast(float, above > 0x40800000 ? 0x40800000 : above);
   float p = 1.998941006604582e-4f;
   p = std::fma(p, t, -3.081925678998232e-3f);
   p = std::fma(p, t, 2.2380756214261055e-2f);
@@ -115,7 +120,7 @@ inline float blade_erff(float x) {
   p = std::fma(p, t, -1.1278890371322632f);
   p = std::fma(p, t, -1.4429383736569434e-4f);
   const float large = 1.0f - blade_exp_inrange(p);  // p in [-16.8, -0.25]
-  return ax < 0.875f ? small : std::copysign(large, x);
+  return ax >= 0.875f ? std::copysign(large, x) : small;
 }
 
 // log: x = 2^e * m with m in [sqrt(1/2), sqrt(2)) (bit arithmetic relative to sqrt(1/2)'s bits),

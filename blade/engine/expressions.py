@@ -65,6 +65,10 @@ class Values:
     def _elementwise_value(self, node, idx, scope, key):
         ctype = CType(node.dtype)
         args = [self.value(a, idx, scope) for a in node.args]
+        clamped = _clamped(node)
+        if clamped is not None:   # x > high ? high : Max(x, low)
+            x, high = self.value(clamped, idx, scope), args[1]
+            return scope.define(ctype, f"{x} > {high} ? {high} : {args[0]}", key)
         return scope.define(ctype, CODE_FOR_OP[node.attrs["fn"]](ctype, *args), key)
 
     def _gather_value(self, node, idx, scope, key):
@@ -184,3 +188,28 @@ LAZY = {
     "gather": Values._gather_value,
     "pad": Values._pad_value,
 }
+
+
+def _clamped(node: Node) -> Node | None:
+    """x when node is Min(Max(x, low), high) for constant scalars low <= high (clamp, hardtanh,
+    relu6, hardswish), else None. Such a Min is computed as ``x > high ? high : Max(x, low)``: the
+    same values (a NaN x fails both compares and stays; a tie keeps Min's first operand), but both
+    compares read x. Chained, the second compare reads the first's select, and g++ if-converts the
+    pair into four compares and mask arithmetic (hardswish [64,4096] alone: 26 -> 17 us a call,
+    the speed of a copy)."""
+    if node.attrs.get("fn") != "Min":
+        return None
+    maxed, high = node.args
+    if maxed.op != "ew" or maxed.attrs.get("fn") != "Max":
+        return None
+    x, low = maxed.args
+    low, high = _scalar_value(low), _scalar_value(high)
+    return x if low is not None and high is not None and low <= high else None   # NaN compares False
+
+
+def _scalar_value(node: Node):
+    """The value of a one-element compile-time constant seen through its views, else None."""
+    while node.op == "view":
+        node = node.args[0]
+    value = node.attrs.get("value") if node.op == "const" else None
+    return value.reshape(()).item() if value is not None and value.size == 1 else None

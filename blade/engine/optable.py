@@ -109,9 +109,12 @@ CODE_FOR_OP = {
     "Ceil": _call("std::ceil"),
     "Sin": _float32_or_std("sin"),
     "Cos": _float32_or_std("cos"),
-    # NaN wins and a tie (-0 vs +0) gives the first operand, like torch's maximum/minimum/clamp
-    "Max": lambda t, a, b: f"({a} != {a} || {a} >= {b}) ? {a} : {b}",
-    "Min": lambda t, a, b: f"({a} != {a} || {a} <= {b}) ? {a} : {b}",
+    # NaN wins and a tie (-0 vs +0) gives the first operand, like torch's maximum/minimum/clamp: b
+    # when it is beyond a or NaN, else a (a NaN a stays). g++ folds `b != b` away for a constant b
+    # (clamp, relu6, hardswish): one compare and a blend, where `a != a || a >= b` cost three
+    # compares and mask moves through general registers (hardswish [64,4096]: 37 -> 26 us).
+    "Max": lambda t, a, b: f"({a} < {b} || {b} != {b}) ? {b} : {a}",
+    "Min": lambda t, a, b: f"({a} > {b} || {b} != {b}) ? {b} : {a}",
     # bool branches as bit operations: g++ does not vectorize a ?: select of bools
     "Where": lambda t, c, a, b: f"({c} & {a}) | (!{c} & {b})" if t.dtype == "bool" else f"{c} ? {a} : {b}",
     "Equal": lambda t, a, b: f"{a} == {b}",

@@ -172,9 +172,9 @@ def test_compiled_module_passes_each_runtime_input_in_place():
 
 @pytest.mark.parametrize("positions", [[], [3], [0, 2, 5]])
 def test_picker_returns_a_tuple_of_the_positions(positions):
-    from blade.pipeline import _picker
+    from blade.pipeline import picker
     args = tuple(range(10, 16))
-    assert _picker(positions)(args) == tuple(args[p] for p in positions)
+    assert picker(positions)(args) == tuple(args[p] for p in positions)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -216,3 +216,32 @@ def test_dynamic_shapes_export_serves_every_size_in_a_fresh_process(tmp_path):
     """, env=env)
     assert "refused:" in out and "9" in out and "8" in out, out
     assert not compiler_mark.exists()
+
+
+def test_positional_tensor_calls_pick_the_same_inputs_and_refuse_the_same_calls():
+    """A signature of positional tensors takes a shortcut past pytree for calls of plain tensors:
+    it picks the inputs pytree would, and every other call (a keyword, a Parameter, another count,
+    a non-tensor) still gets pytree's answer or refusal."""
+    from blade.signature import Signature
+    import torch.utils._pytree as pytree
+    a, b, c = torch.randn(2), torch.randn(3), torch.randn(4)
+    _, in_spec = pytree.tree_flatten(((a, b, c), {}))
+    signature = Signature.of(in_spec, None, [a, b, c], [2, 0])  # b unused by the graph
+    assert signature._positional == 3
+    picked = signature.flat_inputs((a, b, c), {}, "m")
+    assert len(picked) == 2 and picked[0] is c and picked[1] is a
+    p = torch.nn.Parameter(torch.randn(2))
+    picked = signature.flat_inputs((p, b, c), {}, "m")
+    assert picked[1] is p
+    for args, kwargs in (((a, b), {}), ((a, b, c, c), {}), ((a, b), {"c": c}), ((a, (b,), c), {})):
+        with pytest.raises(TypeError, match="exported for inputs structured as"):
+            signature.flat_inputs(args, kwargs, "m")
+    # a specialized non-tensor input keeps the pytree path and its check
+    _, spec_with_int = pytree.tree_flatten(((a, 3), {}))
+    with_int = Signature.of(spec_with_int, None, [a, 3], [0])
+    assert with_int._positional is None
+    assert with_int.flat_inputs((a, 3), {}, "m")[0] is a
+    with pytest.raises(ValueError, match="non-tensor input #1 = 3"):
+        with_int.flat_inputs((a, 4), {}, "m")
+    with pytest.raises(ValueError, match="non-tensor input #1 = 3"):
+        with_int.flat_inputs((a, b), {}, "m")

@@ -103,6 +103,10 @@ CASES = {
     "clamp": (lambda x: x.clamp(-0.5, 0.7), [f32(4, 9)]),
     "clamp_min": (lambda x: x.clamp(min=0.1), [f32(4, 9)]),
     "clamp_int": (lambda x: x.clamp(max=3), [i64(4, 9)]),
+    # both bounds: the engine tests x > max first (blade/engine/ir.py _bounded), but only when
+    # min <= max; reversed bounds give max everywhere, as eager's min(max(x, lo), hi)
+    "clamp_int_both": (lambda x: x.clamp(-3, 5), [i64(4, 9)]),
+    "clamp_reversed": (lambda x: x.clamp(0.7, -0.5), [f32(4, 9)]),
     "hardswish": (F.hardswish, [f32(4, 33)]),
     "hardsigmoid": (F.hardsigmoid, [f32(4, 33)]),
     "mish": (F.mish, [f32(4, 33)]),
