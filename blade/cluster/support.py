@@ -127,13 +127,20 @@ class LowerCtx:
         return self.names[value]
 
     def sizes(self, values: list) -> str:
-        """Ints (Python ints or int arguments) as a 1-d int64 ONNX value: a constant when they all
-        are, else the run-time ones computed from shapes in the cluster."""
-        if all(isinstance(v, int) or is_constant(v) for v in values):
+        """Ints (Python ints, int arguments, or ONNX names of 0-d int64 sizes) as a 1-d int64 ONNX
+        value: a constant when they all are, else the run-time ones computed from shapes."""
+        if all(isinstance(v, int) or (not isinstance(v, str) and is_constant(v)) for v in values):
             return self.b.ints([v if isinstance(v, int) else self.const(v) for v in values])
-        parts = [self.b.op("Unsqueeze", [self.scalar(v, np.int64) if isinstance(v, int) else self.size(v),
-                                         self.b.ints([0])]) for v in values]
+        parts = [self.b.op("Unsqueeze", [self.scalar(v, np.int64) if isinstance(v, int) else
+                                         v if isinstance(v, str) else self.size(v), self.b.ints([0])]) for v in values]
         return self.b.op("Concat", parts, axis=0)
+
+    def dim_size(self, value: torch.Value, d: int):
+        """Dim d of a tensor: an int, or for a run-time dim the ONNX name of a 0-d int64 read
+        from its shape (the same ONNX at every size)."""
+        if d not in self.run_time.get(value, set()):
+            return self.shape(value)[d]
+        return self.b.op("Squeeze", [self.b.op("Shape", [self.tensor(value)], start=d, end=d + 1), self.b.ints([0])])
 
     def const(self, value: torch.Value):
         result = constant_value(value)
@@ -670,21 +677,40 @@ def _index_tensors(ctx: LowerCtx, value) -> list:
 
 def _index(ctx: LowerCtx, node):
     """x[..., i, j, ...] with integer index tensors on adjacent dims: one Gather along the
-    flattened indexed dims, at the linear index sum(i_k * stride_k) (negatives wrapped first)."""
+    flattened indexed dims, at the linear index sum(i_k * stride_k) (negatives wrapped first).
+    Run-time dims of x (the padding mask ``mask[batch_idx, kv_idx]``) are read from its shape."""
     x, index_list = _args(node)[:2]
-    shape = ctx.shape(x)
+    rank = len(ctx.shape(x))
+    size = [ctx.dim_size(x, d) for d in range(rank)]  # ints, or ONNX sizes for run-time dims
     entries = _index_tensors(ctx, index_list)
     dims = [d for d, e in enumerate(entries) if e is not None]
     first, last = dims[0], dims[-1] + 1
     linear, stride = None, 1
-    extent = int(np.prod([shape[d] for d in dims]))  # of the flattened dims the Gather reads
+    extent = _size_product(ctx, [size[d] for d in dims])  # of the flattened dims the Gather reads
     for d in reversed(dims):
-        i = _index_in_range(ctx, entries[d], shape[d], wraps=True, past_end=extent)
-        term = i if stride == 1 else ctx.b.op("Mul", [i, ctx.scalar(stride, np.int64)])
+        i = _index_in_range(ctx, entries[d], size[d], wraps=True, past_end=extent)
+        term = i if isinstance(stride, int) and stride == 1 else ctx.b.op("Mul", [i, _int64_size(ctx, stride)])
         linear = term if linear is None else ctx.b.op("Add", [linear, term])
-        stride *= shape[d]
-    flat = reshape_exact(ctx, ctx.tensor(x), shape[:first] + [stride] + shape[last:])
+        stride = _size_product(ctx, [stride, size[d]])
+    target = size[:first] + [stride] + size[last:]
+    flat = reshape_exact(ctx, ctx.tensor(x), target) if all(isinstance(n, int) for n in target) else \
+        ctx.b.op("Reshape", [ctx.tensor(x), ctx.sizes(target)], allowzero=1)
     return [ctx.b.op("Gather", [flat, linear], axis=first)]
+
+
+def _int64_size(ctx: LowerCtx, n) -> str:
+    """A size (an int, or the ONNX name of a run-time one) as a 0-d int64 ONNX value."""
+    return ctx.scalar(n, np.int64) if isinstance(n, int) else n
+
+
+def _size_product(ctx: LowerCtx, sizes: list):
+    """The product of sizes: an int while they are static, else an ONNX value."""
+    if all(isinstance(n, int) for n in sizes):
+        return int(np.prod(sizes))
+    product = None
+    for n in sizes:
+        product = _int64_size(ctx, n) if product is None else ctx.b.op("Mul", [product, _int64_size(ctx, n)])
+    return product
 
 
 def _index_check(node):
@@ -705,9 +731,9 @@ def _index_check(node):
     return None
 
 
-def _wrap_negative(ctx: LowerCtx, index: str, n: int) -> str:
+def _wrap_negative(ctx: LowerCtx, index: str, n) -> str:
     """index + n where index < 0 (torch's negative indexing), on an int64 ONNX value."""
-    size = ctx.scalar(n, np.int64)
+    size = _int64_size(ctx, n)
     return ctx.b.op("Where", [ctx.b.op("Less", [index, ctx.scalar(0, np.int64)]), ctx.b.op("Add", [index, size]), index])
 
 
@@ -721,8 +747,10 @@ def _index_in_range(ctx: LowerCtx, index: str, n: int, *, wraps: bool, past_end:
     if wraps:
         index = _wrap_negative(ctx, index, n)
     outside = ctx.b.op("Or", [ctx.b.op("Less", [index, ctx.scalar(0, np.int64)]),
-                              ctx.b.op("GreaterOrEqual", [index, ctx.scalar(n, np.int64)])])
-    return ctx.b.op("Where", [outside, ctx.scalar(max(past_end, 1), np.int64), index])
+                              ctx.b.op("GreaterOrEqual", [index, _int64_size(ctx, n)])])
+    past = ctx.scalar(max(past_end, 1), np.int64) if isinstance(past_end, int) else \
+        ctx.b.op("Max", [past_end, ctx.scalar(1, np.int64)])
+    return ctx.b.op("Where", [outside, past, index])
 
 
 def _int64(ctx: LowerCtx, index: torch.Value) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .manifest import DTYPES
-from .symbolic import Expr, Var, constant, minimum, proves_nonnegative
+from .symbolic import Expr, Var, constant, maximum, minimum, proves_nonnegative
 
 # ONNX model metadata naming the ranges of its dim_params: {"seq": [1, 512], ...} as JSON. A graph
 # input dim that is a dim_param becomes a size symbol of the engine (a run-time dim in that range).
@@ -124,9 +125,7 @@ class Builder:
         self._reductions: dict = {}
 
     def _add(self, op, shape, dtype, args=(), **attrs) -> Node:
-        if any(a is not None and a.op == "size" for a in args):
-            # (sizes feed shapes, Range, Slice and Expand; the engine has no code reading one as data)
-            raise UnsupportedOnnxOp(f"a run-time size used as data by {op} {attrs.get('fn', attrs.get('view', ''))}")
+        args = [self._size_data(a) if a is not None and a.op == "size" else a for a in args]
         node = Node(op, tuple(_dim(d) for d in shape), dtype, tuple(args), attrs, f"v{len(self.nodes)}")
         self.nodes.append(node)
         return node
@@ -144,6 +143,13 @@ class Builder:
         node = self._add("const", value.shape, value.dtype.name, value=value, derived=not name)
         node.name = name or node.name
         return node
+
+    def _size_data(self, node: Node) -> Node:
+        """A run-time size read as data (the index arithmetic of ``x[i, j]`` over run-time dims):
+        a 0-d leaf the engine computes from its size symbols."""
+        if node.shape != ():
+            raise UnsupportedOnnxOp(f"run-time sizes {node.attrs['value'].tolist()} read as a data tensor")
+        return self._add("sizeval", (), node.dtype, expr=node.attrs["value"].item())
 
     def sizes(self, values, dtype="int64") -> Node:
         """Ints known when the engine runs (an object array of ints and Exprs over the size
@@ -616,6 +622,9 @@ SIZE_RULES = {
         np.expand_dims(b.const_value(x, ""), tuple(int(a) for a in b.const_value(axes, "Unsqueeze axes").reshape(-1))), x.dtype)],
     "Concat": lambda b, attrs, *args: [b.sizes(
         np.concatenate([b.const_value(a, "Concat").astype(object) for a in args], axis=attrs["axis"]), args[0].dtype)],
+    **{op: (lambda fn: lambda b, attrs, x, y: [b.sizes(
+        np.frompyfunc(fn, 2, 1)(b.const_value(x, op).astype(object), b.const_value(y, op).astype(object)), x.dtype)])(fn)
+       for op, fn in (("Add", operator.add), ("Sub", operator.sub), ("Mul", operator.mul), ("Max", maximum))},
     "Gather": lambda b, attrs, data, indices: [b.sizes(
         np.take(b.const_value(data, ""), b.const_value(indices, "Gather indices of sizes"), axis=attrs.get("axis", 0)),
         data.dtype)],
@@ -839,7 +848,8 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
         args = [env[name] for name in node.input]
-        rule = SIZE_RULES.get(node.op_type) if any(_is_sizes(a) for a in args) else None
+        sizes_only = any(_is_sizes(a) for a in args) and all(a is None or _is_sizes(a) or a.op == "const" for a in args)
+        rule = SIZE_RULES.get(node.op_type) if sizes_only else None
         outs = (rule or ONNX_RULES[node.op_type])(b, attrs, *args)
         for name, out in zip(node.output, outs):
             if not name:

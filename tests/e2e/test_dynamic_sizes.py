@@ -75,6 +75,43 @@ def test_size_one_is_exact_too():
             assert_close(compiled(ids), model(ids))
 
 
+class PaddingMask(torch.nn.Module):
+    """transformers' padding mask (masking_utils): mask[batch_idx, kv_idx] over the run-time
+    batch and key length, then masked scores."""
+
+    def forward(self, scores, mask):
+        batch, kv = mask.shape
+        batch_idx = torch.arange(batch)[:, None, None, None]
+        kv_idx = torch.arange(kv)[None, None, None, :]
+        allowed = mask.to(torch.bool)[batch_idx, kv_idx]                # [batch, 1, 1, kv]
+        return scores.masked_fill(~allowed, -1e4).softmax(-1), mask[batch_idx, kv_idx - 1] * 2
+
+
+def masked_inputs(batch, seq):
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, (seq + 1) // 2:] = 0
+    return torch.randn(batch, 2, seq, seq), mask
+
+
+def test_the_padding_mask_index_computes_in_an_engine():
+    model, capture = PaddingMask().eval(), Capture()
+    compiled = torch.compile(model, backend=capture)
+    scores, mask = masked_inputs(3, 7)
+    for x in (scores, mask):
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=BATCH_MAX)
+    torch._dynamo.mark_dynamic(scores, 2, min=2, max=SEQ_MAX)
+    torch._dynamo.mark_dynamic(scores, 3, min=2, max=SEQ_MAX)
+    torch._dynamo.mark_dynamic(mask, 1, min=2, max=SEQ_MAX)
+    with torch.no_grad():
+        assert_close(compiled(scores, mask), model(scores, mask))
+        for batch, seq in [(2, 2), (BATCH_MAX, SEQ_MAX), (4, 9), (2, SEQ_MAX)]:
+            scores, mask = masked_inputs(batch, seq)
+            assert_close(compiled(scores, mask), model(scores, mask))
+    report = capture.report
+    assert len(capture.compiled) == 1 and report.coverage == 1.0, report.left_out
+    assert any("aten::index" in c.op_kinds for c in report.clusters)
+
+
 class Stepped(torch.nn.Module):
     """An arange of a size by a step of 2: not a pattern the rules take."""
 
