@@ -609,6 +609,14 @@ def _is_sizes(node) -> bool:
     return node is not None and (node.op == "size" or (node.op == "const" and node.attrs.get("sizes", False)))
 
 
+def _size_arithmetic(fn):
+    """An elementwise ONNX op on sizes, as Exprs (no Div: ONNX truncates, the Exprs floor)."""
+    def rule(b, attrs, x, y):
+        values = [b.const_value(v, "size arithmetic").astype(object) for v in (x, y)]
+        return [b.sizes(np.frompyfunc(fn, 2, 1)(*values), x.dtype)]
+    return rule
+
+
 # ONNX ops on "size" nodes (Builder.sizes): the same op on the values, still known at run time only
 SIZE_RULES = {
     "Shape": lambda b, attrs, x: [b.sizes(np.asarray(x.shape[slice(attrs.get("start", 0), attrs.get("end"))],
@@ -622,9 +630,8 @@ SIZE_RULES = {
         np.expand_dims(b.const_value(x, ""), tuple(int(a) for a in b.const_value(axes, "Unsqueeze axes").reshape(-1))), x.dtype)],
     "Concat": lambda b, attrs, *args: [b.sizes(
         np.concatenate([b.const_value(a, "Concat").astype(object) for a in args], axis=attrs["axis"]), args[0].dtype)],
-    **{op: (lambda fn: lambda b, attrs, x, y: [b.sizes(
-        np.frompyfunc(fn, 2, 1)(b.const_value(x, op).astype(object), b.const_value(y, op).astype(object)), x.dtype)])(fn)
-       for op, fn in (("Add", operator.add), ("Sub", operator.sub), ("Mul", operator.mul), ("Max", maximum))},
+    **{op: _size_arithmetic(fn) for op, fn in (("Add", operator.add), ("Sub", operator.sub), ("Mul", operator.mul),
+                                                ("Max", maximum))},
     "Gather": lambda b, attrs, data, indices: [b.sizes(
         np.take(b.const_value(data, ""), b.const_value(indices, "Gather indices of sizes"), axis=attrs.get("axis", 0)),
         data.dtype)],
