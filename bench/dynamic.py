@@ -96,6 +96,9 @@ def tt_dynamic(model, example, max_batch, max_seq, counts):
     compiled = blade.compile_model(model, example, dynamic_shapes=dynamic_shapes_spec(max_batch, max_seq))
     counts["g++"] += engine_compiles(compiled.report)
     counts["graphs"] += 1
+    report = compiled.report
+    counts["coverage"] = f"{report.aten_in_engines}/{report.aten_total} aten ops in engines ({100 * report.coverage:.1f}%)"
+    print(f"{time.strftime('%H:%M:%S')} tt_infer dynamic coverage: {counts['coverage']}", file=sys.stderr, flush=True)
     return compiled
 
 
@@ -296,7 +299,8 @@ def markdown(results, args) -> str:
         lines += [f"## {res['model']}", ""]
         counts = res["counts"]
         lines.append("Compiles over the whole grid: " + "; ".join(
-            f"{k}: {v['graphs']} graph(s), {v['g++']} engine compile(s)" for k, v in counts.items()) +
+            f"{k}: {v['graphs']} graph(s), {v['g++']} engine compile(s)" +
+            (f", {v['coverage']}" if "coverage" in v else "") for k, v in counts.items()) +
             f"; tt_infer static: {sum(p.get('static_g++', 0) for p in res['points'])} engine compile(s) "
             f"for {len(res['points'])} points.")
         lines.append("Compile time (s, incl. first call): " + ", ".join(

@@ -451,9 +451,59 @@ def _prepare(scripted, inputs: list, written: list, probes: list) -> torch.jit.S
         _forget_run_time_sizes(frozen, inputs, probes)
     _specialize_sizes(frozen.graph)
     torch._C._jit_pass_constant_propagation(frozen.graph)
+    if probes:
+        _sizes_per_use(frozen.graph, inputs, probes)
     torch._C._jit_pass_dce(frozen.graph)
     _assign_types(frozen, inputs)  # again: constant propagation made new, untyped values
     return frozen
+
+
+def _sizes_per_use(graph: torch.Graph, inputs: list, probes: list) -> None:
+    """Run-time sizes an op reads (dynamo's SymInt graph inputs, ``aten::size``), also inside
+    int lists (``expand(batch, seq)``), become an ``aten::size`` of a tensor made right before
+    each op that reads them: the op can then join a cluster that computes the size from that
+    tensor's shape (blade/cluster/support.py), and no int crosses a cluster boundary. A SymInt
+    input is the size of the first tensor input dim equal to it at the example and at every
+    probe point; one that matches none stays as it is."""
+    params = list(graph.inputs())[1:]
+    points = [inputs, *probes]
+    tensors = [(value, k) for k, value in enumerate(params) if isinstance(inputs[k], torch.Tensor)]
+    sources = {}  # int value -> (tensor, dim) whose size it is
+    for k, value in enumerate(params):
+        if isinstance(value.type(), torch.IntType):
+            seen = [point[k] for point in points]
+            sources[value] = next(((t, d) for t, j in tensors for d in range(inputs[j].dim())
+                                   if [point[j].shape[d] for point in points] == seen), None)
+    for node in graph.nodes():
+        if node.kind() == "aten::size" and len(list(node.inputs())) == 2 and \
+                node.inputsAt(1).node().kind() == "prim::Constant":
+            sources[node.output()] = (node.inputsAt(0), node.inputsAt(1).toIValue())
+    sources = {value: source for value, source in sources.items() if source is not None}
+    if not sources:
+        return
+
+    def size_before(user: torch.Node, value: torch.Value) -> torch.Value:
+        tensor, dim = sources[value]
+        with graph.insert_point_guard(user):
+            size = graph.insertNode(graph.create("aten::size", [tensor, graph.insertConstant(dim)]))
+        size.output().setType(torch._C.IntType.get())
+        return size.output()
+
+    for node in list(graph.nodes()):
+        if node.kind() in ("prim::ListConstruct", "aten::size"):
+            continue  # (the lists and sizes read by ops are copied per op below)
+        for i, value in enumerate(list(node.inputs())):
+            producer = value.node()
+            if value in sources:
+                node.replaceInput(i, size_before(node, value))
+            elif producer.kind() == "prim::ListConstruct" and isinstance(value.type(), torch.ListType) and \
+                    isinstance(value.type().getElementType(), torch.IntType) and \
+                    any(item in sources for item in producer.inputs()):
+                items = [size_before(node, item) if item in sources else item for item in producer.inputs()]
+                with graph.insert_point_guard(node):
+                    copy = graph.insertNode(graph.create("prim::ListConstruct", items))
+                copy.output().setType(value.type())
+                node.replaceInput(i, copy.output())
 
 
 def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool = True,

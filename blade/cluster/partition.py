@@ -23,8 +23,9 @@ import torch
 from blade.cluster.aliasing import has_side_effects, storage_bound_nodes
 from blade.cluster.support import can_lower, is_constant, is_tensor
 
-# Tensor[] glue and pure aliases: they do not count toward a cluster's size.
-GLUE_KINDS = {"prim::ListConstruct", "prim::ListUnpack", "aten::__getitem__"}
+# Tensor[] glue and pure aliases, and the sizes ops read (frontend._sizes_per_use makes one per
+# op): they do not count toward a cluster's size nor as ops in coverage.
+GLUE_KINDS = {"prim::ListConstruct", "prim::ListUnpack", "aten::__getitem__", "aten::size"}
 
 
 @dataclass

@@ -84,6 +84,18 @@ def is_constant(value: torch.Value) -> bool:
     return constant_value(value) is not _NOT_CONSTANT
 
 
+def is_size_value(value: torch.Value) -> bool:
+    """A run-time size an op may read inside a cluster: an int ``aten::size(x, dim)`` (which the
+    cluster computes from x's shape), or an int list of those and constants (``expand(batch,
+    seq)``). The frontend gives every op its own (frontend._sizes_per_use)."""
+    node = value.node()
+    if node.kind() == "aten::size":
+        return isinstance(value.type(), torch.IntType) and len(list(node.inputs())) == 2
+    return node.kind() == "prim::ListConstruct" and isinstance(value.type(), torch.ListType) and \
+        isinstance(value.type().getElementType(), torch.IntType) and \
+        all(is_constant(v) or is_size_value(v) for v in node.inputs()) and not is_constant(value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Lowering context: maps TorchScript values of one cluster to ONNX names
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +116,31 @@ class LowerCtx:
             tensor = torch.as_tensor(value.toIValue()).detach().contiguous()
             self.names[value] = self.b.constant(tensor.numpy(), "w")
         return self.names[value]
+
+    def size(self, value: torch.Value) -> str:
+        """A constant or run-time int argument as a 0-d int64 ONNX value (is_size_value: the
+        ``aten::size`` computing it is in the cluster)."""
+        if is_constant(value):
+            return self.scalar(self.const(value), np.int64)
+        if value not in self.names:
+            raise LoweringError(f"size %{value.debugName()} is not computed in the cluster")
+        return self.names[value]
+
+    def sizes(self, values: list) -> str:
+        """Ints (Python ints, int arguments, or ONNX names of 0-d int64 sizes) as a 1-d int64 ONNX
+        value: a constant when they all are, else the run-time ones computed from shapes."""
+        if all(isinstance(v, int) or (not isinstance(v, str) and is_constant(v)) for v in values):
+            return self.b.ints([v if isinstance(v, int) else self.const(v) for v in values])
+        parts = [self.b.op("Unsqueeze", [self.scalar(v, np.int64) if isinstance(v, int) else
+                                         v if isinstance(v, str) else self.size(v), self.b.ints([0])]) for v in values]
+        return self.b.op("Concat", parts, axis=0)
+
+    def dim_size(self, value: torch.Value, d: int):
+        """Dim d of a tensor: an int, or for a run-time dim the ONNX name of a 0-d int64 read
+        from its shape (the same ONNX at every size)."""
+        if d not in self.run_time.get(value, set()):
+            return self.shape(value)[d]
+        return self.b.op("Squeeze", [self.b.op("Shape", [self.tensor(value)], start=d, end=d + 1), self.b.ints([0])])
 
     def const(self, value: torch.Value):
         result = constant_value(value)
@@ -198,8 +235,9 @@ class Rule:
     lower: Callable[[LowerCtx, torch.Node], list]
     # Extra condition beyond the generic ones: returns a reason when the node is NOT supported.
     check: Optional[Callable[[torch.Node], Optional[str]]] = None
-    # Indices of non-tensor arguments that may be non-constant (none, so far, for any op).
     tensor_lists: bool = False  # the node consumes or produces Tensor[] values
+    # its non-tensor arguments may be run-time sizes (is_size_value), read with LowerCtx.size(s)
+    size_args: bool = False
 
 
 def binary(onnx_op: str, reverse: bool = False):
@@ -265,9 +303,18 @@ def reshape_exact(ctx: LowerCtx, name: str, shape: list) -> str:
 
 def reshape_to_output(ctx: LowerCtx, node):
     """view/reshape/flatten/expand-free reshapes: the output's static shape says it all (with
-    run-time sizes, ctx.target_shape)."""
+    run-time sizes, ctx.target_shape, else the run-time sizes the view takes)."""
     source = _args(node)[0]
-    shape, allowzero = ctx.target_shape(node.output(), source)
+    try:
+        shape, allowzero = ctx.target_shape(node.output(), source)
+    except LoweringError:
+        sizes = _args(node)[1] if len(_args(node)) > 1 else None
+        if sizes is None or not is_size_value(sizes) or sizes.node().kind() != "prim::ListConstruct":
+            raise
+        items = list(sizes.node().inputs())
+        if any(is_constant(v) and ctx.const(v) < 0 for v in items):
+            raise LoweringError("a view to run-time sizes with a -1 (inferred from a product of sizes)")
+        return [ctx.b.op("Reshape", [ctx.tensor(source), ctx.sizes(items)], allowzero=0)]
     return [ctx.b.op("Reshape", [ctx.tensor(source), ctx.b.ints(shape)], allowzero=allowzero)]
 
 
@@ -492,20 +539,72 @@ def _squeeze(ctx: LowerCtx, node):
 
 def _expand(ctx: LowerCtx, node):
     source = _args(node)[0]
-    return [ctx.b.op("Expand", [ctx.tensor(source), ctx.b.ints(ctx.expand_shape(node.output(), source))])]
+    try:
+        shape = ctx.b.ints(ctx.expand_shape(node.output(), source))
+    except LoweringError:
+        sizes = _args(node)[1]
+        if node.kind() != "aten::expand" or not is_size_value(sizes) or sizes.node().kind() != "prim::ListConstruct":
+            raise
+        # the run-time sizes expanded to; -1 (keep the source's dim) is 1 to ONNX's broadcast
+        items = [1 if is_constant(v) and ctx.const(v) == -1 else v for v in sizes.node().inputs()]
+        shape = ctx.sizes(items)
+    return [ctx.b.op("Expand", [ctx.tensor(source), shape])]
 
 
-def _slice_onnx(ctx: LowerCtx, x: str, dim: int, start: int, end: int, step: int = 1) -> str:
-    return ctx.b.op("Slice", [x, ctx.b.ints([start]), ctx.b.ints([end]), ctx.b.ints([dim]), ctx.b.ints([step])])
+def _slice_onnx(ctx: LowerCtx, x: str, dim: int, start, end, step: int = 1) -> str:
+    """x[start:end:step] along dim; start and end: ints, or run-time sizes (is_size_value)."""
+    return ctx.b.op("Slice", [x, ctx.sizes([start]), ctx.sizes([end]), ctx.b.ints([dim]), ctx.b.ints([step])])
 
 
 def _slice(ctx: LowerCtx, node):
     x, dim, start, end, step = _args(node)[:5]
     rank = len(ctx.shape(x))
-    start = ctx.const(start)
-    end = ctx.const(end)
+    start = start if is_size_value(start) else ctx.const(start)
+    end = end if is_size_value(end) else ctx.const(end)
     return [_slice_onnx(ctx, ctx.tensor(x), ctx.const(dim) % rank, 0 if start is None else start,
                         INT64_MAX if end is None else end, ctx.const(step))]
+
+
+def _size(ctx: LowerCtx, node):
+    """aten::size(x, dim) of a run-time dim: read from x's shape (0-d int64), so ops reading the
+    size compute at every size in range."""
+    x, dim = _args(node)
+    d = ctx.const(dim) % len(ctx.shape(x))
+    return [ctx.b.op("Squeeze", [ctx.b.op("Shape", [ctx.tensor(x)], start=d, end=d + 1), ctx.b.ints([0])])]
+
+
+def _size_check(node):
+    x, dim = (list(node.inputs()) + [None])[:2]
+    if dim is None or not is_constant(dim) or not is_tensor(x):
+        return "aten::size of all dims (an int list) or of a computed dim"
+    return None
+
+
+def _arange(ctx: LowerCtx, node):
+    """arange(end) / arange(start, end[, step]) with end a constant or a run-time size: ONNX Range."""
+    args = _named(node)
+    dtype = _out_dtype(node)
+    start, step = (ctx.const(args[k]) if k in args else default for k, default in (("start", 0), ("step", 1)))
+    end = args["end"]
+    limit = ctx.scalar(ctx.const(end), dtype) if is_constant(end) else ctx.cast(ctx.size(end), np.dtype("int64"), dtype)
+    return [ctx.b.op("Range", [ctx.scalar(start, dtype), limit, ctx.scalar(step, dtype)])]
+
+
+def _arange_check(node):
+    args = _named(node)
+    if "end" not in args:
+        return "arange without an end"
+    start = constant_value(args["start"]) if "start" in args else 0
+    step = constant_value(args["step"]) if "step" in args else 1
+    end = constant_value(args["end"])
+    if end is _NOT_CONSTANT:
+        if not is_size_value(args["end"]):
+            return f"argument %{args['end'].debugName()} is not a compile-time constant"
+        if start != 0 or step != 1:  # (from 0 by 1 to a size: never empty by a negative length)
+            return "arange of a run-time size other than from 0 by 1"
+    elif not all(type(v) is int for v in (start, step, end)) or step <= 0 or end < start:
+        return "arange with non-integer, decreasing or empty bounds"
+    return None
 
 
 def _narrow(ctx: LowerCtx, node):
@@ -563,6 +662,8 @@ def _split(ctx: LowerCtx, node):
 
 
 def _list_construct(ctx: LowerCtx, node):
+    """A Tensor[] (names of its tensors), or a list of run-time sizes (read by its consumer's rule
+    from the TorchScript list itself)."""
     return [[ctx.tensor(v) if is_tensor(v) else None for v in node.inputs()]]
 
 
@@ -576,21 +677,40 @@ def _index_tensors(ctx: LowerCtx, value) -> list:
 
 def _index(ctx: LowerCtx, node):
     """x[..., i, j, ...] with integer index tensors on adjacent dims: one Gather along the
-    flattened indexed dims, at the linear index sum(i_k * stride_k) (negatives wrapped first)."""
+    flattened indexed dims, at the linear index sum(i_k * stride_k) (negatives wrapped first).
+    Run-time dims of x (the padding mask ``mask[batch_idx, kv_idx]``) are read from its shape."""
     x, index_list = _args(node)[:2]
-    shape = ctx.shape(x)
+    rank = len(ctx.shape(x))
+    size = [ctx.dim_size(x, d) for d in range(rank)]  # ints, or ONNX sizes for run-time dims
     entries = _index_tensors(ctx, index_list)
     dims = [d for d, e in enumerate(entries) if e is not None]
     first, last = dims[0], dims[-1] + 1
     linear, stride = None, 1
-    extent = int(np.prod([shape[d] for d in dims]))  # of the flattened dims the Gather reads
+    extent = _size_product(ctx, [size[d] for d in dims])  # of the flattened dims the Gather reads
     for d in reversed(dims):
-        i = _index_in_range(ctx, entries[d], shape[d], wraps=True, past_end=extent)
-        term = i if stride == 1 else ctx.b.op("Mul", [i, ctx.scalar(stride, np.int64)])
+        i = _index_in_range(ctx, entries[d], size[d], wraps=True, past_end=extent)
+        term = i if isinstance(stride, int) and stride == 1 else ctx.b.op("Mul", [i, _int64_size(ctx, stride)])
         linear = term if linear is None else ctx.b.op("Add", [linear, term])
-        stride *= shape[d]
-    flat = reshape_exact(ctx, ctx.tensor(x), shape[:first] + [stride] + shape[last:])
+        stride = _size_product(ctx, [stride, size[d]])
+    target = size[:first] + [stride] + size[last:]
+    flat = reshape_exact(ctx, ctx.tensor(x), target) if all(isinstance(n, int) for n in target) else \
+        ctx.b.op("Reshape", [ctx.tensor(x), ctx.sizes(target)], allowzero=1)
     return [ctx.b.op("Gather", [flat, linear], axis=first)]
+
+
+def _int64_size(ctx: LowerCtx, n) -> str:
+    """A size (an int, or the ONNX name of a run-time one) as a 0-d int64 ONNX value."""
+    return ctx.scalar(n, np.int64) if isinstance(n, int) else n
+
+
+def _size_product(ctx: LowerCtx, sizes: list):
+    """The product of sizes: an int while they are static, else an ONNX value."""
+    if all(isinstance(n, int) for n in sizes):
+        return int(np.prod(sizes))
+    product = None
+    for n in sizes:
+        product = _int64_size(ctx, n) if product is None else ctx.b.op("Mul", [product, _int64_size(ctx, n)])
+    return product
 
 
 def _index_check(node):
@@ -611,9 +731,9 @@ def _index_check(node):
     return None
 
 
-def _wrap_negative(ctx: LowerCtx, index: str, n: int) -> str:
+def _wrap_negative(ctx: LowerCtx, index: str, n) -> str:
     """index + n where index < 0 (torch's negative indexing), on an int64 ONNX value."""
-    size = ctx.scalar(n, np.int64)
+    size = _int64_size(ctx, n)
     return ctx.b.op("Where", [ctx.b.op("Less", [index, ctx.scalar(0, np.int64)]), ctx.b.op("Add", [index, size]), index])
 
 
@@ -627,8 +747,10 @@ def _index_in_range(ctx: LowerCtx, index: str, n: int, *, wraps: bool, past_end:
     if wraps:
         index = _wrap_negative(ctx, index, n)
     outside = ctx.b.op("Or", [ctx.b.op("Less", [index, ctx.scalar(0, np.int64)]),
-                              ctx.b.op("GreaterOrEqual", [index, ctx.scalar(n, np.int64)])])
-    return ctx.b.op("Where", [outside, ctx.scalar(max(past_end, 1), np.int64), index])
+                              ctx.b.op("GreaterOrEqual", [index, _int64_size(ctx, n)])])
+    past = ctx.scalar(max(past_end, 1), np.int64) if isinstance(past_end, int) else \
+        ctx.b.op("Max", [past_end, ctx.scalar(1, np.int64)])
+    return ctx.b.op("Where", [outside, past, index])
 
 
 def _int64(ctx: LowerCtx, index: torch.Value) -> str:
@@ -1407,8 +1529,8 @@ LOWERING: dict[str, Rule] = {
     "aten::baddbmm": Rule(_addmm),
     "aten::scaled_dot_product_attention": Rule(_sdpa, _sdpa_check),
     # shapes and data movement
-    "aten::view": Rule(reshape_to_output),
-    "aten::reshape": Rule(reshape_to_output),
+    "aten::view": Rule(reshape_to_output, size_args=True),
+    "aten::reshape": Rule(reshape_to_output, size_args=True),
     "aten::flatten": Rule(reshape_to_output),
     "aten::unflatten": Rule(reshape_to_output),
     "aten::view_as": Rule(reshape_to_output),
@@ -1418,11 +1540,13 @@ LOWERING: dict[str, Rule] = {
     "aten::t": Rule(_transpose),
     "aten::unsqueeze": Rule(_unsqueeze),
     "aten::squeeze": Rule(_squeeze),
-    "aten::expand": Rule(_expand),
+    "aten::expand": Rule(_expand, size_args=True),
     "aten::expand_as": Rule(_expand),
     "aten::contiguous": Rule(identity),
     "aten::clone": Rule(identity),
-    "aten::slice": Rule(_slice),
+    "aten::slice": Rule(_slice, size_args=True),
+    "aten::size": Rule(_size, _size_check),
+    "aten::arange": Rule(_arange, _arange_check, size_args=True),
     "aten::narrow": Rule(_narrow),
     "aten::select": Rule(_select),
     "aten::cat": Rule(_cat, _cat_check, tensor_lists=True),
@@ -1444,7 +1568,7 @@ LOWERING: dict[str, Rule] = {
     "aten::split_with_sizes": Rule(_split, tensor_lists=True),
     "aten::chunk": Rule(_split, tensor_lists=True),
     # Tensor[] glue: lives inside a cluster only together with its producer/consumers
-    "prim::ListConstruct": Rule(_list_construct, tensor_lists=True),
+    "prim::ListConstruct": Rule(_list_construct, tensor_lists=True, size_args=True),
     "prim::ListUnpack": Rule(_list_unpack, tensor_lists=True),
     "aten::__getitem__": Rule(_list_getitem, tensor_lists=True),
 }
@@ -1470,7 +1594,7 @@ def can_lower(node: torch.Node, excluded_ops=()) -> tuple[bool, str]:
     rule = LOWERING.get(kind)
     if rule is None:
         return False, f"unsupported op {kind}"
-    if kind == "prim::ListConstruct" and not is_tensor_list(node.output()):
+    if kind == "prim::ListConstruct" and not is_tensor_list(node.output()) and not is_size_value(node.output()):
         return False, "a list of non-tensors (folded into its users as a constant)"
     for value in list(node.inputs()) + list(node.outputs()):
         if is_tensor(value):
@@ -1480,7 +1604,7 @@ def can_lower(node: torch.Node, excluded_ops=()) -> tuple[bool, str]:
         elif is_tensor_list(value):
             if not rule.tensor_lists:
                 return False, f"takes a Tensor[] argument %{value.debugName()}"
-        elif value in set(node.inputs()) and not is_constant(value):
+        elif value in set(node.inputs()) and not is_constant(value) and not (rule.size_args and is_size_value(value)):
             return False, f"argument %{value.debugName()} is not a compile-time constant"
     if rule.check is not None:
         reason = rule.check(node)

@@ -16,7 +16,7 @@ from .buffers import Memory, Strided
 from .ir import Node
 from .lines import Access, Names, Scope, for_loop
 from .optable import ARG_REDUCE, CODE_FOR_OP, REDUCE, CType, literal
-from .symbolic import Const, Var, as_expr
+from .symbolic import Const, Var, as_expr, render
 
 
 class Values:
@@ -75,12 +75,15 @@ class Values:
         data, indices = node.args
         axis, n = node.attrs["axis"], data.shape[node.attrs["axis"]]
         raw = self.value(indices, idx[axis:axis + indices.rank], scope)
-        pos = Var.loop(self.names.fresh("g"), max(n, 1))   # in range once the lines below ran
+        if not isinstance(n, int) and n.bounds()[0] < 1:
+            raise ValueError(f"a gather along a run-time axis of size {n}, empty at some sizes")
+        extent = n if not isinstance(n, int) else max(n, 1)
+        pos = Var.loop(self.names.fresh("g"), extent)   # in range once the lines below ran
         scope.lines += [
             f"int64_t {pos} = static_cast<int64_t>({raw});",
             f"if ({pos} < 0) {pos} += {n};",
             # Out of range: flag the error and read a valid element instead of faulting.
-            f"if ({pos} < 0 || {pos} >= {max(n, 1)}) {{ status.store(BLADE_ERR_INDEX_OUT_OF_RANGE, "
+            f"if ({pos} < 0 || {pos} >= {extent}) {{ status.store(BLADE_ERR_INDEX_OUT_OF_RANGE, "
             f"std::memory_order_relaxed); {pos} = 0; }}",
         ]
         scope.binds.add(pos)
@@ -182,7 +185,13 @@ class Values:
         return pos
 
 
+def _size_value(self, node, idx, scope, key):
+    """A run-time size read as data (ir.Builder._size_data): its expression over the size symbols."""
+    return scope.define(CType(node.dtype), f"static_cast<{CType(node.dtype)}>({render(node.attrs['expr'])})", key)
+
+
 LAZY = {
+    "sizeval": _size_value,
     "view": Values._view_value,
     "ew": Values._elementwise_value,
     "gather": Values._gather_value,

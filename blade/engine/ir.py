@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .manifest import DTYPES
-from .symbolic import Expr, Var, constant, proves_nonnegative
+from .symbolic import Expr, Var, constant, maximum, minimum, proves_nonnegative
 
 # ONNX model metadata naming the ranges of its dim_params: {"seq": [1, 512], ...} as JSON. A graph
 # input dim that is a dim_param becomes a size symbol of the engine (a run-time dim in that range).
@@ -124,6 +125,7 @@ class Builder:
         self._reductions: dict = {}
 
     def _add(self, op, shape, dtype, args=(), **attrs) -> Node:
+        args = [self._size_data(a) if a is not None and a.op == "size" else a for a in args]
         node = Node(op, tuple(_dim(d) for d in shape), dtype, tuple(args), attrs, f"v{len(self.nodes)}")
         self.nodes.append(node)
         return node
@@ -142,11 +144,33 @@ class Builder:
         node.name = name or node.name
         return node
 
+    def _size_data(self, node: Node) -> Node:
+        """A run-time size read as data (the index arithmetic of ``x[i, j]`` over run-time dims):
+        a 0-d leaf the engine computes from its size symbols."""
+        if node.shape != ():
+            raise UnsupportedOnnxOp(f"run-time sizes {node.attrs['value'].tolist()} read as a data tensor")
+        return self._add("sizeval", (), node.dtype, expr=node.attrs["value"].item())
+
+    def sizes(self, values, dtype="int64") -> Node:
+        """Ints known when the engine runs (an object array of ints and Exprs over the size
+        symbols: ONNX Shape, and Gather/Concat/... of it): a "size" node, which shapes, Range,
+        Slice and Expand read through const_value; all-int values are a plain constant."""
+        values = np.asarray(values, dtype=object)
+        folded = np.vectorize(_dim, otypes=[object])(values) if values.size else values
+        if all(isinstance(v, int) for v in folded.reshape(-1)):  # (static dims: a constant, still a size)
+            node = self.const(np.asarray(folded.tolist(), dtype=dtype).reshape(values.shape), dtype)
+            node.attrs["sizes"] = True
+            return node
+        return self._add("size", values.shape, dtype, value=folded)
+
     @staticmethod
     def const_value(node: Node | None, what: str):
-        """The numpy value of a node that must be a compile-time constant (shapes, axes, ...)."""
+        """The numpy value of a node that must be a compile-time constant (shapes, axes, ...); a
+        "size" node's is an object array holding Exprs where sizes are run-time."""
         if node is None:
             return None
+        if node.op == "size":
+            return node.attrs["value"]
         if node.op != "const":
             raise UnsupportedOnnxOp(f"{what} must be a constant initializer, got a computed value")
         return node.attrs["value"]
@@ -452,9 +476,11 @@ def _gemm(b, attrs, a, w, c=None):
 
 
 def _reshape(b, attrs, x, shape_node):
-    shape = [int(d) for d in b.const_value(shape_node, "Reshape shape")]
+    shape = [_dim(d) for d in b.const_value(shape_node, "Reshape shape").reshape(-1)]
     if not attrs.get("allowzero", 0):
-        shape = [x.shape[d] if n == 0 else n for d, n in enumerate(shape)]
+        shape = [x.shape[d] if isinstance(n, int) and n == 0 else n for d, n in enumerate(shape)]
+    if -1 in shape and not is_static(shape):
+        raise UnsupportedOnnxOp(f"Reshape to {shape}: a -1 beside run-time sizes")
     if -1 in shape:
         known = math.prod(n for n in shape if n != -1)
         shape[shape.index(-1)] = x.numel // known if known else 0
@@ -483,7 +509,7 @@ def _squeeze(b, attrs, x, axes=None):
 
 
 def _expand(b, attrs, x, shape):
-    return [b.expand(x, broadcast_shapes(x.shape, tuple(int(d) for d in b.const_value(shape, "Expand shape"))))]
+    return [b.expand(x, broadcast_shapes(x.shape, tuple(_dim(d) for d in b.const_value(shape, "Expand shape").reshape(-1))))]
 
 
 def _slice(b, attrs, x, starts, ends, axes=None, steps=None):
@@ -496,6 +522,10 @@ def _slice(b, attrs, x, starts, ends, axes=None, steps=None):
     first, step_of, shape = [0] * x.rank, [1] * x.rank, list(x.shape)
     for axis, start, end, step in zip(axes, starts, ends, steps):
         axis = normalize_axis(int(axis), x.rank)
+        start, end = _dim(start), _dim(end)
+        if isinstance(start, Expr) or isinstance(end, Expr):
+            first[axis], shape[axis] = _slice_to_sizes(x.shape[axis], start, end, int(step))
+            continue
         if isinstance(x.shape[axis], Expr):
             first[axis], shape[axis] = _run_time_slice(x.shape[axis], int(start), int(end), int(step))
             continue
@@ -526,6 +556,86 @@ def _run_time_slice(n: Expr, start: int, end: int, step: int) -> tuple:
     if not proves_nonnegative(length):
         raise UnsupportedOnnxOp(f"Slice [{start}:{end}] of a run-time dim in [{lo}, {hi}] (empty at some sizes)")
     return first, length
+
+
+def _slice_to_sizes(n, start, end, step: int) -> tuple:
+    """(first, length) of x[start:end] along a dim of size n when start or end is a run-time size
+    (``position_ids[:, :seq]``): each bound a size (>= 0) or a non-negative int, clamped to n as
+    Python does (provably, else through a min); refused when the slice could be empty at some
+    sizes only by its bounds crossing."""
+    if step != 1:
+        raise UnsupportedOnnxOp(f"Slice with step {step} to a run-time size")
+
+    def position(i):
+        if not proves_nonnegative(i):
+            raise UnsupportedOnnxOp(f"Slice bound {i} (negative at some sizes)")
+        if proves_nonnegative(n - i):
+            return i
+        return n if proves_nonnegative(i - n) else minimum(i, n)
+
+    first = position(start)
+    length = position(end) - first
+    if not proves_nonnegative(length):
+        raise UnsupportedOnnxOp(f"Slice [{start}:{end}] of a dim of size {n} (empty at some sizes)")
+    return first, length
+
+
+def _number(value: np.ndarray):
+    """A one-element constant or size as an int, float or Expr."""
+    item = value.reshape(()).item()
+    return _dim(item) if isinstance(item, (int, Expr)) else item
+
+
+def _range(b, attrs, start, limit, delta):
+    """Range: constant bounds are a constant; to a run-time limit, the first `length` elements
+    of the constant range at the limit's maximum (a view: exact, and no code of its own)."""
+    begin, end, step = (_number(b.const_value(v, "Range bounds")) for v in (start, limit, delta))
+    if not any(isinstance(v, Expr) for v in (begin, end, step)):
+        return [b.const(np.arange(begin, end, step, dtype=start.dtype), start.dtype)]
+    if not (isinstance(begin, int) and isinstance(step, int)) or step <= 0:
+        raise UnsupportedOnnxOp("Range from a run-time size or by a non-constant or negative step")
+    if not proves_nonnegative(end - begin):
+        raise UnsupportedOnnxOp(f"Range [{begin}, {end}) (negative length at some sizes)")
+    length = (end - begin + step - 1) // step
+    most = length.bounds()[1]
+    if start.dtype == "float32" and abs(begin) + most * step > 2 ** 24:
+        raise UnsupportedOnnxOp("a float32 Range past 2**24 (not every integer is a float32)")
+    values = b.const(np.arange(begin, begin + most * step, step).astype(start.dtype), start.dtype)
+    return [b.slice(values, [0], [1], (length,))]
+
+
+def _is_sizes(node) -> bool:
+    """A node Builder.sizes made: ints known at run time, or the static dims of a Shape."""
+    return node is not None and (node.op == "size" or (node.op == "const" and node.attrs.get("sizes", False)))
+
+
+def _size_arithmetic(fn):
+    """An elementwise ONNX op on sizes, as Exprs (no Div: ONNX truncates, the Exprs floor)."""
+    def rule(b, attrs, x, y):
+        values = [b.const_value(v, "size arithmetic").astype(object) for v in (x, y)]
+        return [b.sizes(np.frompyfunc(fn, 2, 1)(*values), x.dtype)]
+    return rule
+
+
+# ONNX ops on "size" nodes (Builder.sizes): the same op on the values, still known at run time only
+SIZE_RULES = {
+    "Shape": lambda b, attrs, x: [b.sizes(np.asarray(x.shape[slice(attrs.get("start", 0), attrs.get("end"))],
+                                                      dtype=object))],
+    "Identity": lambda b, attrs, x: [x],
+    "Cast": lambda b, attrs, x: [b.sizes(b.const_value(x, "Cast"), helper.tensor_dtype_to_np_dtype(attrs["to"]).name)],
+    "Squeeze": lambda b, attrs, x, axes=None: [b.sizes(
+        np.squeeze(b.const_value(x, ""), tuple(int(a) for a in b.const_value(axes, "Squeeze axes").reshape(-1)))
+        if axes is not None else np.squeeze(b.const_value(x, "")), x.dtype)],
+    "Unsqueeze": lambda b, attrs, x, axes: [b.sizes(
+        np.expand_dims(b.const_value(x, ""), tuple(int(a) for a in b.const_value(axes, "Unsqueeze axes").reshape(-1))), x.dtype)],
+    "Concat": lambda b, attrs, *args: [b.sizes(
+        np.concatenate([b.const_value(a, "Concat").astype(object) for a in args], axis=attrs["axis"]), args[0].dtype)],
+    **{op: _size_arithmetic(fn) for op, fn in (("Add", operator.add), ("Sub", operator.sub), ("Mul", operator.mul),
+                                                ("Max", maximum))},
+    "Gather": lambda b, attrs, data, indices: [b.sizes(
+        np.take(b.const_value(data, ""), b.const_value(indices, "Gather indices of sizes"), axis=attrs.get("axis", 0)),
+        data.dtype)],
+}
 
 
 def _concat(b, attrs, *args):
@@ -683,6 +793,8 @@ ONNX_RULES = {
     "AveragePool": _pool("average"),
     "GlobalAveragePool": _global_average_pool,
     "Pad": _pad,
+    "Range": _range,
+    "Shape": SIZE_RULES["Shape"],
 }
 
 
@@ -742,15 +854,20 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
                                     f"(node {node.name or node.output[0]!r}) is not supported by the engine")
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-        outs = ONNX_RULES[node.op_type](b, attrs, *(env[name] for name in node.input))
+        args = [env[name] for name in node.input]
+        sizes_only = any(_is_sizes(a) for a in args) and all(a is None or _is_sizes(a) or a.op == "const" for a in args)
+        rule = SIZE_RULES.get(node.op_type) if sizes_only else None
+        outs = (rule or ONNX_RULES[node.op_type])(b, attrs, *args)
         for name, out in zip(node.output, outs):
             if not name:
                 continue
             _check_against_inference(node, name, out, typed.get(name), symbols)
             env[name] = out
     outputs = [(v.name, env[v.name]) for v in graph.output]
+    if any(node.op == "size" for _, node in outputs):
+        raise UnsupportedOnnxOp("a run-time size as a graph output")
     used = {d for node in inputs for d in node.shape if isinstance(d, Var)}
-    return Graph(inputs, outputs, b.nodes, [(name, var) for name, var in symbols.items() if var in used])
+    return Graph(inputs, outputs, [n for n in b.nodes if n.op != "size"], [(name, var) for name, var in symbols.items() if var in used])
 
 
 def _size_symbols(model: onnx.ModelProto) -> dict:

@@ -202,10 +202,10 @@ NOT_EDGE_TESTED = {
         "aten::roll", "aten::stack", "aten::unbind", "aten::split", "aten::split_with_sizes", "aten::chunk",
         "aten::pad", "aten::constant_pad_nd", "aten::reflection_pad1d", "aten::reflection_pad2d",
         "aten::replication_pad1d", "aten::replication_pad2d",
-        "prim::ListConstruct", "prim::ListUnpack", "aten::__getitem__")},
+        "prim::ListConstruct", "prim::ListUnpack", "aten::__getitem__", "aten::size")},
     **{kind: _CREATION for kind in (
         "aten::zeros_like", "aten::new_zeros", "aten::ones_like", "aten::new_ones", "aten::full_like",
-        "aten::new_full")},
+        "aten::new_full", "aten::arange")},
 }
 
 

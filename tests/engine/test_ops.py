@@ -359,6 +359,12 @@ CASES = [
     graph_case("cross-row-read", [node("ReduceMax", ["x", "ax"], ["m"], keepdims=1),
                                   node("Transpose", ["m"], ["mt"], perm=[1, 0]), node("Add", ["x", "mt"], ["y"])],
                {"x": ((9, 9), "float32")}, ["y"], {"ax": arr([1], i64)}),
+    # Shape and Range on static shapes (run-time sizes: test_run_time_sizes.py): constants
+    graph_case("shape-range", [node("Shape", ["x"], ["sh"], start=1, end=2), node("Squeeze", ["sh", "ax"], ["n"]),
+                               node("Range", ["zero", "n", "one"], ["r"]), node("Cast", ["r"], ["rf"], to=1),
+                               node("Add", ["x", "rf"], ["y"]), node("Range", ["zero", "seven", "two"], ["z"])],
+               {"x": ((3, 8), "float32")}, ["y", "z"],
+               {"ax": arr([0], i64), "zero": np.array(0, i64), "one": np.array(1, i64), "two": np.array(2, i64), "seven": np.array(7, i64)}),
 ]
 ERRORS = {"Gather-out-of-range": "BLADE_ERR_INDEX_OUT_OF_RANGE",   # expected run-time errors
           "Div-int64-by-zero": "BLADE_ERR_DIVISION_BY_ZERO"}

@@ -74,6 +74,26 @@ CASES = {
         {"x": ["batch", "seq", 16]}, {"out": ["batch", 2, "seq", 4]},
         {"bias": GAMMA, "heads": np.array([0, 0, 2, 4], np.int64),
          **{name: np.array([v], np.int64) for name, v in {"zero": 0, "eight": 8, "sixteen": 16, "two": 2}.items()}}),
+    # sizes read from a shape (blade/cluster/support.py's aten::size): positions Range(0, seq),
+    # a table sliced to seq, an Expand to (batch, seq, 16), and seq read as data
+    "sizes-from-shape": dynamic_model(
+        [helper.make_node("Shape", ["x"], ["bs"], start=0, end=2),
+         helper.make_node("Shape", ["x"], ["s1"], start=1, end=2),
+         helper.make_node("Squeeze", ["s1", "zero_axis"], ["seq"]),
+         helper.make_node("Range", ["zero", "seq", "one"], ["positions"]),
+         helper.make_node("Gather", ["table", "positions"], ["by_position"], axis=0),
+         helper.make_node("Slice", ["table", "start", "s1", "zero_axis"], ["sliced"]),
+         helper.make_node("Concat", ["bs", "width"], ["target"], axis=0),
+         helper.make_node("Expand", ["row", "target"], ["rows"]),
+         helper.make_node("Cast", ["seq"], ["seq_f"], to=F),
+         helper.make_node("Add", ["x", "by_position"], ["a"]),
+         helper.make_node("Mul", ["a", "sliced"], ["b"]),
+         helper.make_node("Add", ["b", "rows"], ["c"]),
+         helper.make_node("Add", ["c", "seq_f"], ["out"])],
+        {"x": ["batch", "seq", 16]}, {"out": ["batch", "seq", 16]},
+        {"zero_axis": np.array([0], np.int64), "zero": np.array(0, np.int64), "one": np.array(1, np.int64),
+         "start": np.array([0], np.int64), "width": np.array([16], np.int64),
+         "table": rng.standard_normal((32, 16)).astype(np.float32), "row": GAMMA.reshape(1, 16)}),
 }
 
 
@@ -144,6 +164,15 @@ def test_scratch_is_planned_at_the_maxima(compiled):
      "dim 'n' has no declared range"),
     (dynamic_model([helper.make_node("Concat", ["x", "x"], ["out"], axis=0)], {"x": ["batch", 16]},
                    {"out": [None, 16]}), "run-time"),
+    (dynamic_model([helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Cast", ["shape"], ["f"], to=F),
+                    helper.make_node("Add", ["x", "f"], ["out"])], {"x": ["batch", 2]}, {"out": ["batch", 2]}),
+     "read as a data tensor"),
+    (dynamic_model([helper.make_node("Shape", ["x"], ["s"], start=0, end=1),
+                    helper.make_node("Squeeze", ["s", "axis"], ["n"]),
+                    helper.make_node("Range", ["n", "zero", "minus"], ["r"]),
+                    helper.make_node("Cast", ["r"], ["out"], to=F)], {"x": ["batch", 2]}, {"out": ["batch"]},
+                   {"axis": np.array([0], np.int64), "zero": np.array(0, np.int64), "minus": np.array(-1, np.int64)}),
+     "Range from a run-time size"),
 ])
 def test_what_the_slice_does_not_handle_is_refused(tmp_path, model, reason):
     with pytest.raises(UnsupportedOnnxOp, match=reason):

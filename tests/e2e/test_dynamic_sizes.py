@@ -1,0 +1,158 @@
+"""Run-time sizes read by ops inside clusters (issue 12): ``arange(seq)``, ``buffer[:, :seq]`` and
+``expand(batch, seq)`` compute in engines with dynamic shapes: the frontend gives each such op an
+``aten::size`` of a tensor (frontend._sizes_per_use), the cluster reads it from that tensor's
+shape (ONNX Shape), and the engine's Range/Slice/Expand take it as an expression of its size
+symbols. Checked against eager at several sizes, the range maxima and size 1 (dynamo's second
+graph); a pattern the rules do not take stays in TorchScript with its reason."""
+import pytest
+import torch
+
+from blade_testing import Capture, assert_close
+
+SEQ_MAX, BATCH_MAX = 24, 6
+
+
+class Positions(torch.nn.Module):
+    """BERT's embeddings: positions arange(seq) (GPT-2) and a position buffer sliced to seq
+    (BERT), token types from a buffer expanded to (batch, seq)."""
+
+    def __init__(self, dim=16, vocab=50):
+        super().__init__()
+        self.words, self.positions = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(SEQ_MAX, dim)
+        self.types = torch.nn.Embedding(2, dim)
+        self.register_buffer("position_ids", torch.arange(SEQ_MAX).expand(1, -1), persistent=False)
+        self.register_buffer("type_ids", torch.zeros(1, SEQ_MAX, dtype=torch.long), persistent=False)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, ids):
+        batch, seq = ids.shape
+        sliced = self.position_ids[:, :seq]
+        arange = torch.arange(seq)
+        types = self.type_ids[:, :seq].expand(batch, seq)
+        x = self.words(ids) + self.positions(arange) + self.positions(sliced) + self.types(types)
+        return self.norm(x), arange * 2 + 1
+
+
+def ids_of(batch, seq):
+    return torch.randint(0, 50, (batch, seq))
+
+
+def compiled_positions():
+    torch.manual_seed(0)
+    model, capture = Positions().eval(), Capture()
+    compiled = torch.compile(model, backend=capture)
+    ids = ids_of(3, 7)
+    torch._dynamo.mark_dynamic(ids, 0, min=2, max=BATCH_MAX)
+    torch._dynamo.mark_dynamic(ids, 1, min=2, max=SEQ_MAX)
+    with torch.no_grad():
+        assert_close(compiled(ids), model(ids))
+    return model, capture, compiled
+
+
+def test_arange_slice_and_expand_of_sizes_compute_in_engines():
+    model, capture, compiled = compiled_positions()
+    report = capture.report
+    kinds = {kind for c in report.clusters for kind in c.op_kinds}
+    assert {"aten::arange", "aten::slice", "aten::expand"} <= kinds, kinds
+    assert not any(kind in ("aten::arange", "aten::slice", "aten::expand") for kind, _ in report.left_out), \
+        report.left_out
+    assert all(c.status == "compiled" for c in report.clusters)
+    assert report.coverage == 1.0, report.left_out
+    with torch.no_grad():
+        for batch, seq in [(2, 2), (5, 11), (BATCH_MAX, SEQ_MAX), (2, SEQ_MAX), (BATCH_MAX, 3), (3, 7)]:
+            ids = ids_of(batch, seq)
+            assert_close(compiled(ids), model(ids))
+    assert len(capture.compiled) == 1  # one graph, one compile, every size in range
+
+
+def test_size_one_is_exact_too():
+    """dynamo specializes size 1 (a graph of its own, static in that dim)."""
+    model = Positions().eval()
+    compiled = torch.compile(model, backend="tt_infer", dynamic=True)
+    with torch.no_grad():
+        for batch, seq in [(3, 5), (1, 1), (1, 9), (4, 1), (2, 6)]:
+            ids = ids_of(batch, seq)
+            assert_close(compiled(ids), model(ids))
+
+
+class PaddingMask(torch.nn.Module):
+    """transformers' padding mask (masking_utils): mask[batch_idx, kv_idx] over the run-time
+    batch and key length, then masked scores."""
+
+    def forward(self, scores, mask):
+        batch, kv = mask.shape
+        batch_idx = torch.arange(batch)[:, None, None, None]
+        kv_idx = torch.arange(kv)[None, None, None, :]
+        allowed = mask.to(torch.bool)[batch_idx, kv_idx]                # [batch, 1, 1, kv]
+        return scores.masked_fill(~allowed, -1e4).softmax(-1), mask[batch_idx, kv_idx - 1] * 2
+
+
+def masked_inputs(batch, seq):
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, (seq + 1) // 2:] = 0
+    return torch.randn(batch, 2, seq, seq), mask
+
+
+def test_the_padding_mask_index_computes_in_an_engine():
+    model, capture = PaddingMask().eval(), Capture()
+    compiled = torch.compile(model, backend=capture)
+    scores, mask = masked_inputs(3, 7)
+    for x in (scores, mask):
+        torch._dynamo.mark_dynamic(x, 0, min=2, max=BATCH_MAX)
+    torch._dynamo.mark_dynamic(scores, 2, min=2, max=SEQ_MAX)
+    torch._dynamo.mark_dynamic(scores, 3, min=2, max=SEQ_MAX)
+    torch._dynamo.mark_dynamic(mask, 1, min=2, max=SEQ_MAX)
+    with torch.no_grad():
+        assert_close(compiled(scores, mask), model(scores, mask))
+        for batch, seq in [(2, 2), (BATCH_MAX, SEQ_MAX), (4, 9), (2, SEQ_MAX)]:
+            scores, mask = masked_inputs(batch, seq)
+            assert_close(compiled(scores, mask), model(scores, mask))
+    report = capture.report
+    assert len(capture.compiled) == 1 and report.coverage == 1.0, report.left_out
+    assert any("aten::index" in c.op_kinds for c in report.clusters)
+
+
+class Stepped(torch.nn.Module):
+    """An arange of a size by a step of 2: not a pattern the rules take."""
+
+    def forward(self, x):
+        return (x * 2.0).relu(), torch.arange(0, x.shape[1], 2) * 3
+
+
+def test_a_size_pattern_not_taken_stays_in_torchscript_with_its_reason():
+    model, capture = Stepped().eval(), Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        for batch, seq in [(2, 6), (3, 9), (5, 4)]:
+            x = torch.randn(batch, seq)
+            assert_close(compiled(x), model(x))
+    reasons = [reason for kind, reason in capture.report.left_out if kind == "aten::arange"]
+    assert reasons and "other than from 0 by 1" in reasons[0], capture.report.left_out
+
+
+def test_static_shapes_keep_their_graph():
+    """Without size symbols no op reads a size: the frontend adds no aten::size."""
+    model, capture = Positions().eval(), Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=False)
+    with torch.no_grad():
+        ids = ids_of(3, 7)
+        assert_close(compiled(ids), model(ids))
+    assert "aten::size" not in capture.graph_text
+
+
+@pytest.mark.parametrize("seq", [2, 13, SEQ_MAX])
+def test_export_serves_size_one_and_the_maxima(tmp_path, seq):
+    """blade.export with dynamic_shapes: one compile checked at the minima (size 1, no second
+    graph) and serving every size in range."""
+    import blade
+    torch.manual_seed(0)
+    model = Positions().eval()
+    batch, length = torch.export.Dim("batch", min=1, max=BATCH_MAX), torch.export.Dim("seq", min=1, max=SEQ_MAX)
+    path = tmp_path / "positions.blade"
+    blade.export(model, (ids_of(3, 7),), str(path), dynamic_shapes={"ids": {0: batch, 1: length}})
+    loaded = blade.load(str(path))
+    with torch.no_grad():
+        for b in (1, BATCH_MAX):
+            for s in (1, seq):
+                ids = ids_of(b, s)
+                assert_close(loaded(ids), model(ids))
