@@ -209,7 +209,8 @@ BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, c
     const float* b = bias != nullptr ? bias + j0 : nullptr;
     const float* residual = sum != nullptr ? sum + begin * ldc + j0 : nullptr;
     float* out = output + begin * ldc + j0;
-    const float* next = prefetch && p + 1 < panel_end ? panel + depth * kPanel : nullptr;
+    // The next panel even past this item's (its neighbour's, or this thread's next item's).
+    const float* next = prefetch && j0 + kPanel < ldc ? panel + depth * kPanel : nullptr;
     if (width > 16) {
       panel_rows<2>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin, next);
     } else {
@@ -281,16 +282,33 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   if (blocks > threads && blocks % threads != 0) blocks = (blocks + threads - 1) / threads * threads;
   const int64_t block_rows = (rows + blocks - 1) / blocks;  // the largest block
   const int64_t panel_count = (s.out_channels + kPanel - 1) / kPanel;
+  // A thread's first block prefetches its panels (panel_rows); later blocks find them in its cache
+  // unless the weight exceeds about half an L2 (prefetching hot panels cost MobileNetV2's 16 -> 96
+  // at 80x80, 6 KB of weight in 134 blocks, 4%).
+  const bool large_weight = panel_count * s.depth() * kPanel * int64_t{sizeof(float)} > (int64_t{1} << 19);
+  if (blocks < 2 * threads && panel_count % threads != 0 && s.direct() && rows >= threads * kTileRows) {
+    // Few pixels and panels the threads do not divide (MobileNetV2's 960 -> 160 at 5x5: 25 pixels,
+    // 5 panels, split 3 + 2 on 2 threads): items of one panel x one of at least `threads` pixel
+    // blocks, panel by panel, so each thread gets the same pixel-panels and streams about its
+    // share of the weight (neighbouring threads share one panel).
+    const int64_t row_blocks = std::max(blocks, threads);
+    const int64_t item_work = (rows + row_blocks - 1) / row_blocks * s.depth() * kPanel;
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
+    at::parallel_for(0, panel_count * row_blocks, grain, [&](int64_t item_begin, int64_t item_end) {
+      for (int64_t item = item_begin; item < item_end; ++item) {
+        const int64_t panel = item / row_blocks, block = item % row_blocks;
+        patch_block(s, input, panels, bias, sum, clamp, output, rows * block / row_blocks,
+                    rows * (block + 1) / row_blocks, panel, panel + 1, nullptr, true);
+      }
+    });
+    return;
+  }
   // Fewer pixel blocks than two a thread (MobileNet's 5x5 stage: 25 pixels, 960 channels): the
   // panels are split across the threads too.
   const int64_t splits = blocks >= 2 * threads ? 1 : std::min(panel_count, (2 * threads + blocks - 1) / blocks);
   // A work item worth a thread wake-up: about 64K multiply-adds.
   const int64_t item_work = block_rows * s.depth() * kPanel * ((panel_count + splits - 1) / splits);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
-  // A thread's first block prefetches its panels (panel_rows); later blocks find them in its cache
-  // unless the weight exceeds about half an L2 (prefetching hot panels cost MobileNetV2's 16 -> 96
-  // at 80x80, 6 KB of weight in 134 blocks, 4%).
-  const bool large_weight = panel_count * s.depth() * kPanel * int64_t{sizeof(float)} > (int64_t{1} << 19);
   at::parallel_for(0, blocks * splits, grain, [&](int64_t item_begin, int64_t item_end) {
     thread_local std::vector<float> gathered;
     if (!s.direct()) gathered.resize(block_rows * s.depth() + kGatherSlack);
