@@ -43,11 +43,12 @@ __attribute__((noinline)) void partial_store(float* y, const float* bias, const 
 
 // A tile of Rows pixels x `width` (<= 16 * Vectors) output channels: the sums over the depth in
 // registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
-// lda (ldc) floats apart.
-template <int Rows, int Vectors>
+// lda (ldc) floats apart. With Prefetch, each step over the depth also prefetches that step's
+// row of the next panel (`next`, depth x kPanel floats like `panel`; see panel_rows).
+template <int Rows, int Vectors, bool Prefetch>
 __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                 const float* bias, const float* sum, Clamp clamp, float* out,
-                                                int64_t ldc, int64_t width) {
+                                                int64_t ldc, int64_t width, const float* next) {
   Floats16 acc[Rows][Vectors];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
@@ -55,6 +56,11 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
     for (int v = 0; v < Vectors; ++v) acc[r][v] = Floats16{};
   }
   for (int64_t k = 0; k < depth; ++k) {
+    if constexpr (Prefetch) {
+      static_assert(kPanel == 32, "a panel row is two 64-byte lines");
+      __builtin_prefetch(next + k * kPanel);
+      __builtin_prefetch(next + k * kPanel + 16);
+    }
     Floats16 w[Vectors];
 #pragma GCC unroll 2
     for (int v = 0; v < Vectors; ++v) w[v] = load16(panel + k * kPanel + 16 * v);
@@ -85,33 +91,77 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
   }
 }
 
+template <int Rows, int Vectors>
+__attribute__((always_inline)) inline void tile_prefetching(const float* a, int64_t lda, const float* panel,
+                                                            int64_t depth, const float* bias, const float* sum,
+                                                            Clamp clamp, float* out, int64_t ldc, int64_t width,
+                                                            const float* next) {
+  if (next != nullptr) {
+    tile<Rows, Vectors, true>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+  } else {
+    tile<Rows, Vectors, false>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr);
+  }
+}
+
 // `rows` pixels of one panel in as few tiles of at most kTileRows as it takes, of even sizes (25
 // pixels: five of 5, not four of 6 and one of 1 that streams the whole panel again for one pixel).
+// The first tile prefetches the next panel (null: none) while the later ones reuse this one from
+// the cache: a panel of a large weight (MobileNetV2's 320 -> 1280 at 5x5: 1.6 MB, cold in the
+// model) otherwise arrives at the memory's pace during its first tile, and that conv took twice
+// its cache-hot time.
 template <int Vectors>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,
-                                                      int64_t ldc, int64_t width, int64_t rows) {
+                                                      int64_t ldc, int64_t width, int64_t rows, const float* next) {
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
-    const int64_t next = rows * (t + 1) / tiles;
+    const int64_t end = rows * (t + 1) / tiles;
     const float* tile_sum = sum != nullptr ? sum + r * ldc : nullptr;
-    switch (next - r) {
-      case 1: tile<1, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
-      case 2: tile<2, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
-      case 3: tile<3, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
-      case 4: tile<4, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
-      case 5: tile<5, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
-      default: tile<6, Vectors>(a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc, ldc, width); break;
+    const float* tile_next = t == 0 ? next : nullptr;
+    const float* ta = a + r * lda;
+    float* tout = out + r * ldc;
+    switch (end - r) {
+      case 1: tile_prefetching<1, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 2: tile_prefetching<2, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 3: tile_prefetching<3, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 4: tile_prefetching<4, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 5: tile_prefetching<5, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      default: tile_prefetching<6, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
     }
-    r = next;
+    r = end;
   }
+}
+
+// Copies of the short runs gather makes (MobileNetV2's stem: 9 floats, three a pixel) as whole
+// vectors: each one a memmove call cost the stem 67 of its 116 us (one core). A store may run up
+// to 15 floats past the run, into the part of dest written next (runs go out in increasing
+// order; the buffer has kGatherSlack floats more); a load runs past only while it stays inside
+// the input (`limit` is its end), else the tail goes float by float.
+constexpr int64_t kGatherSlack = 16;
+
+__attribute__((always_inline)) inline void copy_run(float* dest, const float* from, int64_t count, const float* limit) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) store16(dest + i, load16(from + i));
+  if (i == count) return;
+  if (from + i + 16 <= limit) {
+    store16(dest + i, load16(from + i));
+  } else {
+    for (; i < count; ++i) dest[i] = from[i];
+  }
+}
+
+__attribute__((always_inline)) inline void zero_run(float* dest, int64_t count) {
+  for (int64_t i = 0; i < count; i += 16) store16(dest + i, Floats16{});
 }
 
 // The receptive fields of output pixels [begin, end) as rows of dest ([kh][kw][channel] each,
 // zeros where a tap falls into the padding), from a channels-last image batch. An undilated
-// kernel row inside the image is one run of kernel_w * channels floats.
-void gather(const PatchConvShape& s, const float* input, int64_t begin, int64_t end, float* dest) {
+// kernel row inside the image is one run of kernel_w * channels floats. dest holds
+// kGatherSlack floats past the rows.
+__attribute__((always_inline)) inline void gather(const PatchConvShape& s, const float* input, int64_t begin,
+                                                  int64_t end, float* dest) {
   const int64_t channels = s.in_channels, depth = s.depth(), run = s.kernel_w * channels;
+  const float* limit = input + s.batch * s.in_h * s.in_w * channels;
   int64_t n = begin / (s.out_h * s.out_w), oh = begin / s.out_w % s.out_h, ow = begin % s.out_w;
   for (int64_t row = begin; row < end; ++row) {
     const float* image = input + n * s.in_h * s.in_w * channels;
@@ -121,17 +171,17 @@ void gather(const PatchConvShape& s, const float* input, int64_t begin, int64_t 
     for (int64_t kh = 0; kh < s.kernel_h; ++kh, d += run) {
       const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
       if (ih < 0 || ih >= s.in_h) {
-        std::fill(d, d + run, 0.0f);
+        zero_run(d, run);
       } else if (whole_rows) {
-        std::copy(image + (ih * s.in_w + iw0) * channels, image + (ih * s.in_w + iw0) * channels + run, d);
+        copy_run(d, image + (ih * s.in_w + iw0) * channels, run, limit);
       } else {
         for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
           const int64_t iw = iw0 + kw * s.dilation_w;
           float* tap = d + kw * channels;
           if (iw < 0 || iw >= s.in_w) {
-            std::fill(tap, tap + channels, 0.0f);
+            zero_run(tap, channels);
           } else {
-            std::copy(image + (ih * s.in_w + iw) * channels, image + (ih * s.in_w + iw + 1) * channels, tap);
+            copy_run(tap, image + (ih * s.in_w + iw) * channels, channels, limit);
           }
         }
       }
@@ -146,7 +196,7 @@ void gather(const PatchConvShape& s, const float* input, int64_t begin, int64_t 
 // Output pixels [begin, end) x panels [panel_begin, panel_end).
 BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
                                   const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end,
-                                  int64_t panel_begin, int64_t panel_end, float* gathered) {
+                                  int64_t panel_begin, int64_t panel_end, float* gathered, bool prefetch) {
   const int64_t depth = s.depth(), ldc = s.out_channels;
   const float* a = input + begin * depth;
   if (!s.direct()) {
@@ -159,10 +209,12 @@ BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, c
     const float* b = bias != nullptr ? bias + j0 : nullptr;
     const float* residual = sum != nullptr ? sum + begin * ldc + j0 : nullptr;
     float* out = output + begin * ldc + j0;
+    // The next panel even past this item's (its neighbour's, or this thread's next item's).
+    const float* next = prefetch && j0 + kPanel < ldc ? panel + depth * kPanel : nullptr;
     if (width > 16) {
-      panel_rows<2>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin);
+      panel_rows<2>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin, next);
     } else {
-      panel_rows<1>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin);
+      panel_rows<1>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin, next);
     }
   }
 }
@@ -221,16 +273,36 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
     input = transposed.data();
   }
   // Blocks of up to kBlockRows pixels, as many as a multiple of the threads where there are more
-  // than threads (200 pixels on 2 threads: 6 of 34, not 5 of 48, which left one thread 3 blocks
-  // while the other ran 2).
+  // than threads, the pixels split evenly between them (panel_rows cuts any count into even
+  // tiles): 100 pixels on 2 threads run as 4 blocks of 25 (blocks of whole 6-pixel tiles, 30 + 30
+  // + 30 + 10, left one thread 60 pixels and the other 40; MobileNetV2 has 16 such 10x10 1x1
+  // convolutions). Block b is pixels [rows * b / blocks, rows * (b + 1) / blocks).
   const int64_t threads = at::get_num_threads();
-  int64_t block_rows = kBlockRows, blocks = (rows + kBlockRows - 1) / kBlockRows;
-  if (blocks > threads && blocks % threads != 0) {
-    const int64_t target = (blocks + threads - 1) / threads * threads;
-    block_rows = ((rows + target - 1) / target + kTileRows - 1) / kTileRows * kTileRows;
-    blocks = (rows + block_rows - 1) / block_rows;
-  }
+  int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  if (blocks > threads && blocks % threads != 0) blocks = (blocks + threads - 1) / threads * threads;
+  const int64_t block_rows = (rows + blocks - 1) / blocks;  // the largest block
   const int64_t panel_count = (s.out_channels + kPanel - 1) / kPanel;
+  // A thread's first block prefetches its panels (panel_rows); later blocks find them in its cache
+  // unless the weight exceeds about half an L2 (prefetching hot panels cost MobileNetV2's 16 -> 96
+  // at 80x80, 6 KB of weight in 134 blocks, 4%).
+  const bool large_weight = panel_count * s.depth() * kPanel * int64_t{sizeof(float)} > (int64_t{1} << 19);
+  if (blocks < 2 * threads && panel_count % threads != 0 && s.direct() && rows >= threads * kTileRows) {
+    // Few pixels and panels the threads do not divide (MobileNetV2's 960 -> 160 at 5x5: 25 pixels,
+    // 5 panels, split 3 + 2 on 2 threads): items of one panel x one of at least `threads` pixel
+    // blocks, panel by panel, so each thread gets the same pixel-panels and streams about its
+    // share of the weight (neighbouring threads share one panel).
+    const int64_t row_blocks = std::max(blocks, threads);
+    const int64_t item_work = (rows + row_blocks - 1) / row_blocks * s.depth() * kPanel;
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
+    at::parallel_for(0, panel_count * row_blocks, grain, [&](int64_t item_begin, int64_t item_end) {
+      for (int64_t item = item_begin; item < item_end; ++item) {
+        const int64_t panel = item / row_blocks, block = item % row_blocks;
+        patch_block(s, input, panels, bias, sum, clamp, output, rows * block / row_blocks,
+                    rows * (block + 1) / row_blocks, panel, panel + 1, nullptr, true);
+      }
+    });
+    return;
+  }
   // Fewer pixel blocks than two a thread (MobileNet's 5x5 stage: 25 pixels, 960 channels): the
   // panels are split across the threads too.
   const int64_t splits = blocks >= 2 * threads ? 1 : std::min(panel_count, (2 * threads + blocks - 1) / blocks);
@@ -239,12 +311,12 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
   at::parallel_for(0, blocks * splits, grain, [&](int64_t item_begin, int64_t item_end) {
     thread_local std::vector<float> gathered;
-    if (!s.direct()) gathered.resize(block_rows * s.depth());
+    if (!s.direct()) gathered.resize(block_rows * s.depth() + kGatherSlack);
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t block = item / splits, split = item % splits;
-      const int64_t begin = block * block_rows, end = std::min(rows, begin + block_rows);
+      const int64_t begin = rows * block / blocks, end = rows * (block + 1) / blocks;
       patch_block(s, input, panels, bias, sum, clamp, output, begin, end, split * panel_count / splits,
-                  (split + 1) * panel_count / splits, gathered.data());
+                  (split + 1) * panel_count / splits, gathered.data(), item == item_begin || large_weight);
     }
   });
 }

@@ -340,6 +340,47 @@ def test_conv_patch(case, with_bias, with_sum, activation, pack):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+# How the patch kernel splits its work across threads (pixel blocks split evenly, panels split
+# when there are few pixels, the next panel prefetched, always on a weight past 512 KB) and its
+# gather's whole-vector copies (short runs ending at the input's last float, channel counts off
+# the 16-float vectors): on 1 and 2 threads, against float64.
+PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-last
+    ((1, 96, 10, 10), 576, 1, 1, [0, 0, 0, 0], True),      # 100 pixels: 4 blocks of 25
+    ((1, 32, 20, 20), 70, 1, 1, [0, 0, 0, 0], True),       # 400 pixels: 10 blocks of 40, last panel 6 wide
+    ((1, 320, 5, 5), 1280, 1, 1, [0, 0, 0, 0], True),      # 25 pixels, 40 panels split, a 1.6 MB weight
+    ((1, 160, 5, 5), 150, 1, 1, [0, 0, 0, 0], True),       # 5 panels split 4 ways
+    ((3, 17, 7, 5), 33, 1, 1, [0, 0, 0, 0], True),         # 105 pixels over images
+    ((1, 3, 9, 9), 32, 3, 1, [0, 0, 0, 0], False),         # runs of 9 floats, the last one ends the input
+    ((1, 20, 6, 7), 24, 3, 1, [0, 0, 0, 0], True),         # runs of 60 floats, ending the input
+    ((2, 5, 8, 8), 19, 3, 2, [1, 1, 1, 1], True),          # taps of 5 floats, padded borders
+    ((1, 64, 12, 12), 600, 3, 2, [0, 0, 1, 1], True),      # gathered rows, a 1.4 MB weight
+]
+
+
+@pytest.mark.parametrize("case", PATCH_SPLIT_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_conv_patch_threads_and_gather(case, threads):
+    torch.manual_seed(9)
+    x_shape, c_out, k, stride, pads, input_channels_last = case
+    x = torch.randn(x_shape)
+    weight = torch.randn(c_out, x_shape[1], k, k) / (x_shape[1] * k * k) ** 0.5
+    bias = torch.randn(c_out)
+    shape = patch_reference(x, weight, None, stride, pads, 1, None, 0).shape
+    residual = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+    expected = patch_reference(x, weight, bias, stride, pads, 1, residual, 2)
+    out = torch.full(shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = _testing.conv_kernel_calls("patch")
+        _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
+                      [stride] * 2, pads, [1, 1], 1, out, 2 | int(input_channels_last), True, residual, 2, -0.5, 0.75)
+        assert _testing.conv_kernel_calls("patch") == before + 1
+    finally:
+        torch.set_num_threads(before_threads)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_conv_patch_nan_and_inf():
     """A NaN or inf input reaches exactly the outputs whose receptive field holds it (the zero-padded
     lanes of the last panel never mix into stored channels), as torch computes them."""
