@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import blade._C as blade_C  # noqa: E402  (thread_stalls, for the notes)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backends import BACKENDS, ORT_CHOSEN, TT_INFER_REPORTS, median_call_s  # noqa: E402
@@ -141,7 +142,9 @@ def bench_model(name, build, rounds) -> dict:
         eager_s = median_call_s(model, inputs, 3)
         row["calls"] = calls = max(MIN_CALLS, min(MAX_CALLS, int(MEASURE_S / max(eager_s, 1e-6))))
         loads = [row["load"]]
+        stalls = blade_C.thread_stalls()
         per_round, foreign = measure(runners, inputs, rounds, calls, loads)
+        row["stalls"] = blade_C.thread_stalls() - stalls
     row["clean"], row["rounds"] = 0, 0
     for backend, times in per_round.items():
         # the best clean round (no other job holding a core while it ran), else the best round:
@@ -186,6 +189,8 @@ def tt_infer_notes(row) -> str:
         notes.append("WRONG RESULT")
     if "tt_infer" not in row["errors"] and row.get("coverage", 0) == 0:
         notes.append("all fallback")
+    if row.get("stalls"):  # cpp/oversubscription.h: engine calls then ran on one thread for a while
+        notes.append(f"{row['stalls']} thread stalls")
     compiled, total = row.get("graphs", (0, 0))
     if total > 1:
         notes.append(f"{total} graphs ({compiled} with engines)")

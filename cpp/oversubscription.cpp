@@ -14,6 +14,7 @@ namespace {
 std::atomic<int64_t> serial_until_ns{0};  // steady-clock time until which engine calls run serially
 std::atomic<int64_t> window_ns{kSerialWindowNs};  // the length of the current (or last) serial window
 std::atomic<int64_t> stalls{0};
+std::atomic<int64_t> last_stall_ns{0};
 
 }  // namespace
 
@@ -25,9 +26,13 @@ int64_t steady_ns() {
 bool note_region(int64_t worked_ns, int64_t waited_ns) {
   if (waited_ns <= kStallNs || waited_ns <= kStallRatio * worked_ns) return false;
   stalls.fetch_add(1, std::memory_order_relaxed);
+  // One stall alone may be a passing job (a quiet machine sees one now and then): serial mode
+  // starts at the second within kConfirmNs, which a lasting load brings within a few regions.
+  const int64_t now = steady_ns();
+  const int64_t previous = last_stall_ns.exchange(now, std::memory_order_relaxed);
+  if (previous == 0 || now - previous > kConfirmNs) return true;
   // A stall soon after a serial window ended: the load lasts, so the next window is twice as long
   // (each try costs a stall); after a longer calm, the first window again.
-  const int64_t now = steady_ns();
   const int64_t last_until = serial_until_ns.load(std::memory_order_relaxed);
   const int64_t last_window = window_ns.load(std::memory_order_relaxed);
   const bool lasting = last_until != 0 && now - last_until < last_window;
@@ -59,6 +64,7 @@ SerialScope::~SerialScope() {
 int64_t stall_count() { return stalls.load(std::memory_order_relaxed); }
 
 void force_serial_for(int64_t ms) {
+  last_stall_ns.store(0, std::memory_order_relaxed);
   serial_until_ns.store(ms > 0 ? steady_ns() + ms * 1'000'000 : 0, std::memory_order_relaxed);
 }
 

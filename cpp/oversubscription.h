@@ -23,6 +23,7 @@ namespace blade {
 constexpr int64_t kSerialWindowNs = 200'000'000;
 constexpr int64_t kSerialWindowMaxNs = 10'000'000'000;
 constexpr int64_t kStallNs = 1'000'000;
+constexpr int64_t kConfirmNs = 100'000'000;  // serial mode starts at a second stall within this
 constexpr int64_t kStallRatio = 4;
 
 // The steady clock in nanoseconds (what the region times below are differences of).
@@ -30,7 +31,7 @@ int64_t steady_ns();
 
 // A parallel region's times: from its start until the first thread finished its chunk
 // (`worked_ns`), and from then until the region ended (`waited_ns`). Returns whether that was a
-// stall (then engine calls run serially for a while).
+// stall (a second one within kConfirmNs makes engine calls run serially for a while).
 bool note_region(int64_t worked_ns, int64_t waited_ns);
 
 // Whether engine calls run serially now.
@@ -52,8 +53,8 @@ class SerialScope {
   int saved_mkl_threads_ = 0;
 };
 
-// For tests and blade.profile: stalls seen in this process, and serial mode set for `ms`
-// milliseconds from now (0 ends it).
+// For tests and benchmarks: stalls seen in this process, and serial mode set for `ms`
+// milliseconds from now (0 ends it and forgets the last stall).
 int64_t stall_count();
 void force_serial_for(int64_t ms);
 
