@@ -159,19 +159,29 @@ inline float blade_logf(float x) {
 // Both are computed for every element and one is selected: no branch.
 struct BladeReduced { double r; int32_t quadrant; };
 
-// Bits 32i .. 32i + 31 of 2/pi (bit 0: the ones), i in 0..6, as masks ORed together: a ?: chain
-// would become a switch table, a load g++ does not vectorize.
-inline uint32_t blade_two_over_pi_word(int32_t i) {
-  constexpr uint32_t words[7] = {0x517cc1b7u, 0x27220a94u, 0xfe13abe8u, 0xfa9a6ee0u, 0x6db14accu, 0x9e21c820u,
-                                 0xff28b1d5u};
+// Bits 32i .. 32i + 31 of 2/pi (bit 0: the ones), i in 0..6. A window of the bit string starts in
+// word w in 0..3 (exponents up to 254), so its word w + j is one of words j .. j + 3: picked as masks
+// ORed together (a ?: chain would become a switch table, a load g++ does not vectorize), each of
+// the four words once, in 32-bit lanes.
+constexpr uint32_t kBladeTwoOverPi[7] = {0x517cc1b7u, 0x27220a94u, 0xfe13abe8u, 0xfa9a6ee0u, 0x6db14accu, 0x9e21c820u,
+                                         0xff28b1d5u};
+
+inline uint32_t blade_two_over_pi_word(int32_t w, int32_t j) {   // word w + j of 2/pi, w in 0..3
   uint32_t word = 0;
-  for (int32_t k = 0; k < 7; ++k) word |= words[k] & (0u - static_cast<uint32_t>(i == k));
+  for (int32_t k = 0; k < 4; ++k) word |= kBladeTwoOverPi[j + k] & (0u - static_cast<uint32_t>(w == k));
   return word;
 }
 
-inline uint32_t blade_window_word(int32_t word, int32_t shift) {   // 32 bits of 2/pi from bit 32 word + shift
-  const uint64_t pair = (uint64_t(blade_two_over_pi_word(word)) << 32) | blade_two_over_pi_word(word + 1);
-  return static_cast<uint32_t>((pair << shift) >> 32);
+// 32 bits of the string from bit 32 w + shift, shift in 0..31: word a's low bits then word b's high
+// ones (b >> 1 >> 31 - shift, as b >> 32 - shift is undefined for shift 0).
+inline uint32_t blade_window_word(uint32_t a, uint32_t b, int32_t shift) {
+  return (a << shift) | ((b >> 1) >> (31 - shift));
+}
+
+// 32 x 32 -> 64-bit product. Written with masks, g++ vectorizes it as vpmuludq (one instruction);
+// uint64_t(a) * b becomes zero-extensions and a full 64-bit multiply (vpmullq).
+inline uint64_t blade_mul_32x32(uint32_t a, uint32_t b) {
+  return (uint64_t(a) & 0xffffffffu) * (uint64_t(b) & 0xffffffffu);
 }
 
 // An integer below 2^62 as a double, through 31-bit pieces: AVX2 converts only int32 to double
@@ -194,9 +204,11 @@ inline BladeReduced blade_reduce_pi_over_2(float ax) {
   const int32_t offset = ((bits >> 23) & 255) - 151 < 0 ? 0 : ((bits >> 23) & 255) - 151;
   const uint32_t m = static_cast<uint32_t>((bits & 0x007fffff) | 0x00800000);
   const int32_t word = offset >> 5, shift = offset & 31;
-  const uint64_t p0 = uint64_t(m) * blade_window_word(word, shift);   // 32 x 32 -> 64-bit multiplies
-  const uint64_t p1 = uint64_t(m) * blade_window_word(word + 1, shift);
-  const uint64_t p2 = uint64_t(m) * blade_window_word(word + 2, shift);
+  const uint32_t w0 = blade_two_over_pi_word(word, 0), w1 = blade_two_over_pi_word(word, 1);
+  const uint32_t w2 = blade_two_over_pi_word(word, 2), w3 = blade_two_over_pi_word(word, 3);
+  const uint64_t p0 = blade_mul_32x32(m, blade_window_word(w0, w1, shift));
+  const uint64_t p1 = blade_mul_32x32(m, blade_window_word(w1, w2, shift));
+  const uint64_t p2 = blade_mul_32x32(m, blade_window_word(w2, w3, shift));
   const uint64_t lo = p2 + (p1 << 32);
   const uint64_t hi = p0 + (p1 >> 32) + (lo < p2 ? 1u : 0u);
   // product = hi 2^64 + lo; ax 2/pi mod 4 = product / 2^94: quadrant bits 94-95, fraction below.
