@@ -57,9 +57,8 @@ inline float blade_expf(float x) {
 
 // 1 / y for y in [1, 2^126], relative error < 2^-23: an integer-trick estimate (error < 1/8)
 // and three Newton steps (each squares the error), 7 FMA-port instructions instead of a divide.
-// A vector divide's latency (~20 cycles with AVX-512) dominated sigmoid loops (perf annotate of
-// bench/'s pointwise model). Only for the known ranges of sigmoid and tanh below, not for Div.
-// NaN propagates through the Newton steps.
+// Used by tanh below (not re-measured against a divide); sigmoid's loop was faster with the divide
+// (see there). Only for the known range of tanh, not for Div. NaN propagates through the Newton steps.
 inline float blade_recipf(float y) {
   float r = __builtin_bit_cast(float, 0x7EF311C3 - __builtin_bit_cast(int32_t, y));
   r = std::fma(r, std::fma(-y, r, 1.0f), r);
@@ -68,11 +67,13 @@ inline float blade_recipf(float y) {
 }
 
 // sigmoid 1 / (1 + e^-x); 0 below -87.33 (like blade_expf's flush). -x is clamped to
-// blade_exp_inrange's range, which also keeps 1 + e^-x in blade_recipf's; NaN passes the clamps.
+// blade_exp_inrange's range; NaN passes the clamps. A true divide, as ATen does: its unit runs beside
+// the FMAs, and the loop ([64, 4096], one thread, x86-64-v4) took 53 us with it against 73 us with
+// blade_recipf's seven FMAs (eager 54 us), and the quotient is correctly rounded.
 inline float blade_sigmoidf(float x) {
   const float capped = -x > 87.3365448f ? 87.3365448f : -x;
   const float minus_x = capped < -87.3365448f ? -87.3365448f : capped;
-  const float r = blade_recipf(1.0f + blade_exp_inrange(minus_x));
+  const float r = 1.0f / (1.0f + blade_exp_inrange(minus_x));
   return x < -87.3365448f ? 0.0f : r;
 }
 
@@ -154,31 +155,28 @@ inline float blade_logf(float x) {
 // Trigonometric range reduction of ax = |x| (finite): ax = (4k + quadrant) pi/2 + r, |r| <= pi/4,
 // r in double. Below 2^24 Cody-Waite with pi/2 in three doubles (n < 2^24, each fma nearly exact);
 // from 2^24 on (every such float is m 2^k, m a 24-bit integer) Payne-Hanek: ax 2/pi mod 4 is
-// m times a 96-bit window of the bits of 2/pi starting at bit k - 1, a 120-bit integer product of
-// 32-bit words (the window's words picked by selects, so no table lookup stops vectorization).
+// m times a 96-bit window of the bits of 2/pi starting at bit k - 1 (the window's words picked by
+// selects, so no table lookup stops vectorization), summed in double from exact partial products.
 // Both are computed for every element and one is selected: no branch.
 struct BladeReduced { double r; int32_t quadrant; };
 
-// Bits 32i .. 32i + 31 of 2/pi (bit 0: the ones), i in 0..6, as masks ORed together: a ?: chain
-// would become a switch table, a load g++ does not vectorize.
-inline uint32_t blade_two_over_pi_word(int32_t i) {
-  constexpr uint32_t words[7] = {0x517cc1b7u, 0x27220a94u, 0xfe13abe8u, 0xfa9a6ee0u, 0x6db14accu, 0x9e21c820u,
-                                 0xff28b1d5u};
+// Bits 32i .. 32i + 31 of 2/pi (bit 0: the ones), i in 0..6. A window of the bit string starts in
+// word w in 0..3 (exponents up to 254), so its word w + j is one of words j .. j + 3: picked as masks
+// ORed together (a ?: chain would become a switch table, a load g++ does not vectorize), each of
+// the four words once, in 32-bit lanes.
+constexpr uint32_t kBladeTwoOverPi[7] = {0x517cc1b7u, 0x27220a94u, 0xfe13abe8u, 0xfa9a6ee0u, 0x6db14accu, 0x9e21c820u,
+                                         0xff28b1d5u};
+
+inline uint32_t blade_two_over_pi_word(int32_t w, int32_t j) {   // word w + j of 2/pi, w in 0..3
   uint32_t word = 0;
-  for (int32_t k = 0; k < 7; ++k) word |= words[k] & (0u - static_cast<uint32_t>(i == k));
+  for (int32_t k = 0; k < 4; ++k) word |= kBladeTwoOverPi[j + k] & (0u - static_cast<uint32_t>(w == k));
   return word;
 }
 
-inline uint32_t blade_window_word(int32_t word, int32_t shift) {   // 32 bits of 2/pi from bit 32 word + shift
-  const uint64_t pair = (uint64_t(blade_two_over_pi_word(word)) << 32) | blade_two_over_pi_word(word + 1);
-  return static_cast<uint32_t>((pair << shift) >> 32);
-}
-
-// An integer below 2^62 as a double, through 31-bit pieces: AVX2 converts only int32 to double
-// (int64 conversions are AVX-512), and the loops should vectorize on both.
-inline double blade_u62_to_double(uint64_t v) {
-  return static_cast<double>(static_cast<int32_t>(v >> 31)) * 2147483648.0 +
-         static_cast<double>(static_cast<int32_t>(v & 0x7fffffffu));
+// 32 bits of the string from bit 32 w + shift, shift in 0..31: word a's low bits then word b's high
+// ones (b >> 1 >> 31 - shift, as b >> 32 - shift is undefined for shift 0).
+inline uint32_t blade_window_word(uint32_t a, uint32_t b, int32_t shift) {
+  return (a << shift) | ((b >> 1) >> (31 - shift));
 }
 
 inline BladeReduced blade_reduce_pi_over_2(float ax) {
@@ -194,19 +192,25 @@ inline BladeReduced blade_reduce_pi_over_2(float ax) {
   const int32_t offset = ((bits >> 23) & 255) - 151 < 0 ? 0 : ((bits >> 23) & 255) - 151;
   const uint32_t m = static_cast<uint32_t>((bits & 0x007fffff) | 0x00800000);
   const int32_t word = offset >> 5, shift = offset & 31;
-  const uint64_t p0 = uint64_t(m) * blade_window_word(word, shift);   // 32 x 32 -> 64-bit multiplies
-  const uint64_t p1 = uint64_t(m) * blade_window_word(word + 1, shift);
-  const uint64_t p2 = uint64_t(m) * blade_window_word(word + 2, shift);
-  const uint64_t lo = p2 + (p1 << 32);
-  const uint64_t hi = p0 + (p1 >> 32) + (lo < p2 ? 1u : 0u);
-  // product = hi 2^64 + lo; ax 2/pi mod 4 = product / 2^94: quadrant bits 94-95, fraction below.
-  const bool upper_half = (hi >> 29) & 1;   // fraction >= 1/2: take the next quadrant, r < 0
-  const uint64_t frac_hi = (upper_half ? ~hi + (lo == 0 ? 1u : 0u) : hi) & 0x3fffffffu;
-  const uint64_t frac_lo = upper_half ? ~lo + 1 : lo;
-  const double frac = static_cast<double>(static_cast<int32_t>(frac_hi)) * 9.313225746154785e-10 +   // 2^-30
-                      blade_u62_to_double(frac_lo >> 2) * 2.0194839173657902e-28;                  // 2^-92
-  const double big_r = (upper_half ? -frac : frac) * 1.5707963267948966;
-  const int32_t big_quadrant = static_cast<int32_t>(((hi >> 30) + (upper_half ? 1u : 0u)) & 3);
+  const uint32_t w0 = blade_two_over_pi_word(word, 0), w1 = blade_two_over_pi_word(word, 1);
+  const uint32_t w2 = blade_two_over_pi_word(word, 2), w3 = blade_two_over_pi_word(word, 3);
+  const uint32_t v0 = blade_window_word(w0, w1, shift), v1 = blade_window_word(w1, w2, shift);
+  const uint32_t v2 = blade_window_word(w2, w3, shift);
+  // ax 2/pi mod 4 = m (v0 2^64 + v1 2^32 + v2) / 2^94 (the quadrant is the integer part), summed
+  // in double over pieces of the 96-bit window of at most 29 bits: m has 24, so every m * piece is
+  // exact (no 64-bit integer multiplies or carries). t0 < 2^26 (a multiple of 2^-27), t1 < 2^-3,
+  // t2 < 2^-32, t3 < 2^-61. t0 - k0 + t1 is exact below 1/8 (its bits 2^-4 .. 2^-56); above it
+  // rounds by < 2^-56 where the fraction is >= 3/8, so the fraction is accurate to ~2^-53 relative.
+  const double md = static_cast<double>(static_cast<int32_t>(m));
+  const double t0 = md * static_cast<double>(static_cast<int32_t>(v0 >> 3)) * 0x1p-27;
+  const double t1 = md * static_cast<double>(static_cast<int32_t>(((v0 & 7u) << 26) | (v1 >> 6))) * 0x1p-56;
+  const double t2 = md * static_cast<double>(static_cast<int32_t>(((v1 & 63u) << 23) | (v2 >> 9))) * 0x1p-85;
+  const double t3 = md * static_cast<double>(static_cast<int32_t>(v2 & 511u)) * 0x1p-94;
+  const double k0 = std::nearbyint(t0);
+  const double s = (t0 - k0) + t1;
+  const double k1 = std::nearbyint(s);   // s - k1 is exact (Sterbenz), in [-1/2, 1/2]
+  const double big_r = ((s - k1) + (t2 + t3)) * 1.5707963267948966;
+  const int32_t big_quadrant = static_cast<int32_t>(k0 + k1) & 3;   // k0 + k1 < 2^27
   return {small ? r : big_r, small ? small_quadrant : big_quadrant};
 }
 
