@@ -140,6 +140,10 @@ class LowerCtx:
         from its shape (the same ONNX at every size)."""
         if d not in self.run_time.get(value, set()):
             return self.shape(value)[d]
+        return self.read_dim(value, d)
+
+    def read_dim(self, value: torch.Value, d: int) -> str:
+        """Dim d of a tensor read from its shape at run time: the ONNX name of a 0-d int64."""
         return self.b.op("Squeeze", [self.b.op("Shape", [self.tensor(value)], start=d, end=d + 1), self.b.ints([0])])
 
     def const(self, value: torch.Value):
@@ -569,8 +573,7 @@ def _size(ctx: LowerCtx, node):
     """aten::size(x, dim) of a run-time dim: read from x's shape (0-d int64), so ops reading the
     size compute at every size in range."""
     x, dim = _args(node)
-    d = ctx.const(dim) % len(ctx.shape(x))
-    return [ctx.b.op("Squeeze", [ctx.b.op("Shape", [ctx.tensor(x)], start=d, end=d + 1), ctx.b.ints([0])])]
+    return [ctx.read_dim(x, ctx.const(dim) % len(ctx.shape(x)))]
 
 
 def _size_check(node):
