@@ -160,6 +160,7 @@ def timed(fn, inputs) -> float:
 # too. So after the first call at a point has been measured, every backend gets these calls
 # (within a time cap) before the timed rounds, as a server's first requests would.
 WARM_UP_CALLS, WARM_UP_S = 30, 3.0
+RANDOM_SHAPES = 30   # shapes in range, after the grid, in the served process's RSS check
 
 
 def warm_up(fn, inputs) -> None:
@@ -248,7 +249,10 @@ def bench_model(name, build, batches, seqs, rounds) -> dict:
 
 def serve_exported(model, example, vocab, batches, seqs) -> str:
     """blade.export with dynamic batch and sequence, then a fresh process (no C++ compiler on
-    PATH) loads the archive and runs every grid point against eager's outputs; its verdict line."""
+    PATH) loads the archive and runs every grid point against eager's outputs; its verdict line.
+    The served process also measures issue 12's "peak RSS flat after the largest shape": it runs
+    the largest point first, reads its peak RSS (VmHWM), then runs the whole grid and RANDOM_SHAPES
+    random shapes within the grid's bounds, and reads the peak again (a server's memory as new shapes arrive)."""
     import subprocess
     import blade
     work = Path(tempfile.mkdtemp(prefix="blade-dynamic-export-"))
@@ -263,19 +267,33 @@ def serve_exported(model, example, vocab, batches, seqs) -> str:
             inputs = grid_inputs(vocab, batch, seq)
             points.append({"inputs": inputs, "expected": model(*inputs)})
     torch.save(points, work / "points.pt")
+    largest = max(range(len(points)), key=lambda i: points[i]["inputs"][0].numel())
     script = f"""
-import time, torch, blade
+import random, time, torch, blade
+def peak_mib():
+    line = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+    return int(line.split()[1]) / 1024
 points = torch.load({str(work / 'points.pt')!r})
 start = time.perf_counter()
 m = blade.load({str(work / 'model.blade.pt')!r})
 loaded = time.perf_counter() - start
 worst = 0.0
 with torch.no_grad():
+    for _ in range(3):
+        m(*points[{largest}]["inputs"])
+    after_largest = peak_mib()
     for p in points:
         got = m(*p["inputs"])
         worst = max(worst, ((got - p["expected"]).abs().max() / p["expected"].abs().max()).item())
+    rng = random.Random(0)
+    for _ in range({RANDOM_SHAPES}):
+        batch, seq = rng.randint({min(batches)}, {max(batches)}), rng.randint({min(seqs)}, {max(seqs)})
+        m(torch.randint(0, {vocab}, (batch, seq)), torch.ones(batch, seq, dtype=torch.int64))
+    after_all = peak_mib()
 print(f"{{len(points)}} points served from one archive in a fresh process (loaded in {{loaded:.2f}} s, "
-      f"no C++ compiler on PATH), max rel err {{worst:.1e}}")
+      f"no C++ compiler on PATH), max rel err {{worst:.1e}}; peak RSS {{after_largest:.0f}} MiB after the "
+      f"largest shape, {{after_all:.0f}} MiB after the grid and {RANDOM_SHAPES} random shapes "
+      f"({{after_all - after_largest:+.0f}} MiB)")
 """
     env = dict(os.environ, PATH="/nonexistent")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=1800)
