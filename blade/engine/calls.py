@@ -36,22 +36,28 @@ def _gemm_operand(em, node: Node):
     # A transposed operand (K^T) is copied untransposed, and a reshape's source in its own shape
     # (a patch GEMM's [N, O1, O2, C, K1, K2] patches): the copy's loops then run along the
     # source's rows without div/mod, and the view of the dense copy is a stride pattern again.
-    viewed = _swaps_matrix_dims(node) or (node.op == "view" and node.attrs["view"] == "reshape")
+    reshaped = node.op == "view" and node.attrs["view"] == "reshape"
+    viewed = _swaps_matrix_dims(node) or reshaped
     src = node.args[0] if viewed else node
     copy = em.memory.new_scratch(src.dtype, src.shape)
-    _emit_copy(em, f"contiguous copy of {src!r} for GEMM", copy, src)
+    _emit_copy(em, f"contiguous copy of {src!r} for GEMM", copy, src, along_memory=reshaped)
     if viewed:
         copy = Strided(copy.buf, node.shape, views.view_layout(node, copy.layout))
     return _fit(copy)
 
 
-def _emit_copy(em, comment, copy: Strided, src: Node):
-    """copy = src, with the loops along src's memory when src is a reordering view of memory (a
-    patch GEMM's patches: the image is read row by row, 138 -> 60 us for ViT's [196, 768] patches)
-    as long as the innermost dim stays the same, so each row written is still one contiguous run."""
+def _emit_copy(em, comment, copy: Strided, src: Node, along_memory: bool):
+    """copy = src. along_memory (a reshape's source, as a patch GEMM's patches): the loops run along
+    src's memory when src is a reordering view of it (the image is read row by row, 138 -> 60 us for
+    ViT's [196, 768] patches) as long as the innermost dim stays the same, so each row written is
+    still one contiguous run. Otherwise in the copy's own order: one attention head's slice of an
+    unbiased projection ([b, s, h, d] memory read as [b, h, s, d], T5's q/k/v) then has the loop
+    rows of the kernels around it, and fuses with them (q and k copied in one kernel, v in the
+    softmax's rows) where along memory each copy was a kernel of its own; the rows read and
+    written are head_dim floats either way."""
     source = em.memory.strided_of(src)
     order = tuple(range(src.rank))
-    if source is not None and all(isinstance(n, int) for n in (*source.shape, *source.layout.strides)):
+    if along_memory and source is not None and all(isinstance(n, int) for n in (*source.shape, *source.layout.strides)):
         order = memory_order(source)
     if order == tuple(range(src.rank)) or order[-1] != src.rank - 1:
         em.kernels.emit_loop(comment, copy, lambda scope, idx: em.values.value(src, idx, scope))

@@ -87,6 +87,15 @@ def test_attention_heads_are_copied_dense_with_the_bias_add_and_the_row_max_is_s
     assert (scores[0], scores[6], scores[10], scores[12]) == ("2", "4", "4", "1")   # batch, lda, ldb, trans_b
 
 
+def test_unbiased_attention_heads_are_copied_in_the_kernels_around_them():
+    (case,) = [c for c in CASES if c.name == "attention-heads-of-an-unbiased-projection"]
+    listed = kernels(source_of(case))
+    copies = [k for k in listed if "contiguous copy" in k]
+    # q and k in one kernel, v's copy in the softmax's row loop: 5 kernels with the 3 GEMMs
+    assert len(copies) == 2 and copies[0].count("contiguous copy") == 2, listed
+    assert "reduce max" in copies[1] and len(listed) == 5, listed
+
+
 def test_a_patch_embedding_is_one_gemm_and_other_convolutions_stay_convolutions():
     programs = {c.name: source_of(c) for c in CASES if c.name.startswith("Conv-")}
     for name in ("Conv-patches-as-gemm", "Conv-1d-patches-as-gemm", "Conv-3d-patches-as-gemm"):

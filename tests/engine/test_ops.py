@@ -344,6 +344,21 @@ CASES = [
          "ax0": arr([0], i64), "ax3": arr([3], i64), "ninf": arr(-np.inf, f32), "zero": arr(0, f32)},
         values={"keep": np.tril(np.ones((6, 6), bool)) & np.array([1, 1, 1, 1, 1, 0], bool)[:, None]},
         rtol=1e-4),
+    # T5's heads: an unbiased projection split the same way, a constant position bias added to the
+    # scores. Each head's operand is then a plain view of the projection: q and k are copied in one
+    # kernel and v in the softmax's rows (calls._emit_copy: the copies' own order).
+    graph_case("attention-heads-of-an-unbiased-projection", [
+        node("MatMul", ["x", "w"], ["qkv"]),
+        node("Reshape", ["qkv", "split"], ["r"]), node("Transpose", ["r"], ["h"], perm=[1, 2, 0, 3]),
+        *[node("Slice", ["h", f"s{i}", f"s{i + 1}", "ax0"], [z]) for i, z in enumerate("qkv")],
+        node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), node("MatMul", ["q", "kt"], ["s"]),
+        node("Add", ["s", "bias"], ["sb"]), node("Softmax", ["sb"], ["a"], axis=-1),
+        node("MatMul", ["a", "v"], ["y"])],
+        {"x": ((6, 8), "float32")}, ["y"],
+        {"w": np.random.default_rng(2).standard_normal((8, 24)).astype(f32), "split": arr([6, 3, 2, 4], i64),
+         "s0": arr([0], i64), "s1": arr([1], i64), "s2": arr([2], i64), "s3": arr([3], i64),
+         "ax0": arr([0], i64), "bias": np.random.default_rng(3).standard_normal((1, 2, 6, 6)).astype(f32)},
+        rtol=1e-4),
     graph_case("shared-exp-two-outputs", [node("Exp", ["x"], ["e"]), node("Add", ["e", "e"], ["y"]),
                                           node("Neg", ["e"], ["z"])],
                {"x": ((5, 6), "float32")}, ["y", "z", "e"]),
