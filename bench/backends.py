@@ -127,6 +127,16 @@ def tt_infer(model, inputs):
     return torch.compile(model, backend=recording_backend)
 
 
+def tt_infer_aot(model, inputs):
+    """The serving path: blade.export's archive loaded with blade.load (no dynamo, no guards per
+    call; the engines are the ones tt_infer compiled, from blade's cache)."""
+    import tempfile
+    import blade
+    path = tempfile.mkdtemp(prefix="blade-bench-aot-") + "/model.blade.pt"
+    blade.export(model, inputs, path)
+    return blade.load(path)
+
+
 BACKENDS = {
     "eager": eager,
     "TorchScript frozen": torchscript_frozen,
@@ -134,4 +144,5 @@ BACKENDS = {
     "Inductor frozen": inductor_frozen,
     "ONNX Runtime": onnxruntime_cpu,
     "tt_infer": tt_infer,
+    "tt_infer AOT": tt_infer_aot,
 }

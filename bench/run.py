@@ -34,7 +34,8 @@ MIN_CALLS, MAX_CALLS = 5, 400
 WARMUP_CALLS = 3   # right before each measurement: caches and thread pools back to this backend
 PAUSE_S = 0.2      # after each measurement: spinning worker threads go idle before the next one
 WRONG_REL_ERR = 1e-3  # above this vs eager, a backend's result is flagged as wrong
-PEERS = [b for b in BACKENDS if b not in ("eager", "tt_infer")]
+BLADE = ("tt_infer", "tt_infer AOT")  # blade through torch.compile, and its exported archive
+PEERS = [b for b in BACKENDS if b != "eager" and b not in BLADE]
 QUIET_CORES = 0.25   # other processes' CPU use (in cores) below which a measurement counts as clean
 MAX_WAIT_S = 2.0     # how long to wait for a quiet machine before measuring anyway
 TICK = os.sysconf("SC_CLK_TCK")
@@ -183,10 +184,11 @@ def geomean(values):
 def tt_infer_notes(row) -> str:
     """What went wrong for tt_infer on this model, if anything (a finding, not noise)."""
     notes = []
-    if "tt_infer" in row["errors"]:
-        notes.append("error")
-    elif row["rel_err"].get("tt_infer", 0) > WRONG_REL_ERR:
-        notes.append("WRONG RESULT")
+    for backend in BLADE:
+        if backend in row["errors"]:
+            notes.append(f"{backend} error")
+        elif row["rel_err"].get(backend, 0) > WRONG_REL_ERR:
+            notes.append(f"{backend} WRONG RESULT")
     if "tt_infer" not in row["errors"] and row.get("coverage", 0) == 0:
         notes.append("all fallback")
     if row.get("stalls"):  # cpp/oversubscription.h: engine calls then ran on one thread for a while
@@ -202,22 +204,21 @@ def cell(value, fmt):
 
 
 def main_table(rows) -> list[str]:
-    head = ["model", "load", "clean", "eager ms", *(f"{b} x" for b in PEERS), "tt_infer x", "best peer",
-            "tt_infer / best peer", "ORT exporter", "aten ops in engines", "tt_infer notes"]
+    head = ["model", "load", "clean", "eager ms", *(f"{b} x" for b in PEERS + list(BLADE)), "best peer",
+            *(f"{b} / best peer" for b in BLADE), "ORT exporter", "aten ops in engines", "tt_infer notes"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for row in rows:
         peer, peer_x = best_peer(row)
-        tt_x = ratio(row, "tt_infer")
-        vs_peer = tt_x / peer_x if tt_x and peer_x else None
+        vs_peer = [ratio(row, b) / peer_x if ratio(row, b) and peer_x else None for b in BLADE]
         eager = row["ms"].get("eager")
-        cells = [row["model"], f"{row['load']:.1f}", f"{row['clean']}/{row['rounds']}", cell(eager, ".2f"), *(cell(ratio(row, b), ".2f") for b in PEERS),
-                 cell(tt_x, ".2f"), f"{peer} {peer_x:.2f}" if peer else "-", cell(vs_peer, ".2f"),
+        cells = [row["model"], f"{row['load']:.1f}", f"{row['clean']}/{row['rounds']}", cell(eager, ".2f"),
+                 *(cell(ratio(row, b), ".2f") for b in PEERS + list(BLADE)),
+                 f"{peer} {peer_x:.2f}" if peer else "-", *(cell(v, ".2f") for v in vs_peer),
                  row.get("ort_exporter", "-"), f"{100 * row.get('coverage', 0.0):.0f}%",
                  tt_infer_notes(row)]
         lines.append("| " + " | ".join(cells) + " |")
-    geo = ["**geomean**", "", "", "", *(f"{geomean(ratio(r, b) for r in rows):.2f}" for b in PEERS),
-           f"{geomean(ratio(r, 'tt_infer') for r in rows):.2f}",
-           f"{geomean(best_peer(r)[1] for r in rows):.2f}", "", "", "", ""]
+    geo = ["**geomean**", "", "", "", *(f"{geomean(ratio(r, b) for r in rows):.2f}" for b in PEERS + list(BLADE)),
+           f"{geomean(best_peer(r)[1] for r in rows):.2f}", *([""] * len(BLADE)), "", "", ""]
     lines.append("| " + " | ".join(geo) + " |")
     return lines
 
@@ -243,10 +244,14 @@ SETUP = """How each backend was set up (peers at their users' defaults):
   dynamo exporter (`torch.onnx.export(..., dynamo=True)`) and the TorchScript one (opset 17), and
   the one that exports and runs faster used (column "ORT exporter"). Inputs go through `.numpy()`
   per call (zero-copy).
-- **tt_infer**: `torch.compile(model, backend="tt_infer")`, blade's defaults.
+- **tt_infer**: `torch.compile(model, backend="tt_infer")`, blade's defaults. Every call goes
+  through dynamo's guards and frame handling first (on the transformers models, a few hundred
+  guards: 0.3-0.6 ms of CPU a call, which Inductor's columns pay too and ONNX Runtime does not).
+- **tt_infer AOT**: the serving path: `blade.export(model, inputs, path)` then `blade.load(path)`,
+  the same engines without dynamo (no guards; the archive checks its inputs' shapes and dtypes).
 
 Ratio = eager time / backend time (higher is faster). "best peer" is the fastest of the peers on
-that model; "tt_infer / best peer" below 1 means a peer beats tt_infer. Geomeans are over the
+that model; "tt_infer / best peer" (and "tt_infer AOT / best peer") below 1 means a peer beats it. Geomeans are over the
 models where the column ran. Compile times include the first call and are with whatever caches are
 warm (blade's engine cache, Inductor's FX graph cache; ONNX Runtime's includes exporting twice and
 timing both sessions). Rel err = max |backend - eager| / max |eager| on the first output; notes flag
