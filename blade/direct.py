@@ -7,7 +7,7 @@ A model that compiles to a single engine (one op, or a fully fused block) is sav
       %in = prim::ListConstruct(%x, %y)
       %out = prim::CallMethod[name="execute"](%engine, %in)
       %a, %b = prim::ListUnpack(%out)
-      %res = prim::ListConstruct(%a, %b)
+      %res = prim::ListConstruct(%a, %b)       (torch.compile's graphs: prim::TupleConstruct)
       return (%res)
 
 Calling that forward from Python costs ~1.7 us per call beyond the engine (pybind into TorchScript,
@@ -22,7 +22,9 @@ import torch
 
 import blade._C as _C
 
-_KINDS = ["prim::GetAttr", "prim::ListConstruct", "prim::CallMethod", "prim::ListUnpack", "prim::ListConstruct"]
+_KINDS = ["prim::GetAttr", "prim::ListConstruct", "prim::CallMethod", "prim::ListUnpack"]
+# the forward's result: a list (blade.export's graphs) or a tuple (torch.compile's)
+_RESULTS = {"prim::ListConstruct": None, "prim::TupleConstruct": tuple}
 
 
 def direct_call(script: torch.jit.ScriptModule):
@@ -30,7 +32,7 @@ def direct_call(script: torch.jit.ScriptModule):
     None when the forward is anything but one engine call on its tensor inputs."""
     graph = script.forward.graph
     nodes = list(graph.nodes())
-    if [n.kind() for n in nodes] != _KINDS:
+    if [n.kind() for n in nodes[:-1]] != _KINDS or len(nodes) != 5 or nodes[-1].kind() not in _RESULTS:
         return None
     get_engine, pack, call, unpack, repack = nodes
     ids = lambda values: [v.unique() for v in values]  # noqa: E731 - Values compare by their unique id
@@ -40,7 +42,7 @@ def direct_call(script: torch.jit.ScriptModule):
           and ids(unpack.inputs()) == ids([call.output()])
           and ids(graph.outputs()) == ids([repack.output()])
           and str(get_engine.output().type()) == "__torch__.torch.classes.blade.Engine"
-          and all(str(p.type()) == "Tensor" for p in list(graph.inputs())[1:]))
+          and all(isinstance(p.type(), torch._C.TensorType) for p in list(graph.inputs())[1:]))
     if not ok:
         return None
     inputs, results = params[1:], ids(unpack.outputs())
@@ -49,16 +51,17 @@ def direct_call(script: torch.jit.ScriptModule):
     order = [inputs.index(v) for v in ids(pack.inputs())]
     picks = [results.index(v) for v in ids(repack.inputs())]
     engine = _C.engine_call(getattr(script, get_engine.s("name")))
-    n = len(inputs)
+    n, container = len(inputs), _RESULTS[repack.kind()]
     if order == list(range(n)) and picks == list(range(len(results))):
-        return engine  # the forward's inputs are the engine's: Engine::execute checks their count
-    return _reordered(engine, n, order, picks)
+        # the forward's inputs are the engine's: Engine::execute checks their count
+        return engine if container is None else (lambda flat: container(engine(flat)))
+    return _reordered(engine, n, order, picks, container or list)
 
 
-def _reordered(engine, n: int, order: list, picks: list):
+def _reordered(engine, n: int, order: list, picks: list, container):
     def call(inputs):
         if len(inputs) != n or not all(isinstance(t, torch.Tensor) for t in inputs):
             raise RuntimeError(f"forward() expected {n} tensors, got {[type(t).__name__ for t in inputs]}")
         results = engine([inputs[i] for i in order])
-        return [results[i] for i in picks]
+        return container([results[i] for i in picks])
     return call

@@ -90,3 +90,23 @@ def test_other_archives_keep_their_forward(tmp_path):
     got = loaded(x, y)
     assert isinstance(got, tuple) and len(got) == 2
     torch.testing.assert_close(got, _TwoOutputs()(x, y), rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_graph_of_one_engine_is_called_directly():
+    """torch.compile's graphs return a tuple and carry complete tensor types: recognized too."""
+    from blade.direct import direct_call
+    from blade.dynamo import tt_infer
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(tt_infer(gm, example_inputs, {"min_cluster_size": 1}))
+        return compiled[-1]
+    fn = torch.compile(lambda x, y: torch.sigmoid(x) * y + 1.0, backend=backend)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with torch.no_grad():
+        got = fn(x, y)
+    direct = direct_call(compiled[0].module)
+    assert direct is not None
+    flat = direct((x, y))
+    assert isinstance(flat, tuple) and torch.equal(flat[0], compiled[0].module.forward(x, y)[0])
+    torch.testing.assert_close(got, torch.sigmoid(x) * y + 1.0, rtol=1e-5, atol=1e-6)
