@@ -39,8 +39,9 @@ RUNTIME_SOURCES = [
 ]
 RUNTIME_LIBRARIES = ["crypto"]
 # What the Python extension adds on top: the pybind module, its test hooks, the per-call
-# frozen-weights check.
-PYTHON_SOURCES = ["cpp/python_module.cpp", "cpp/python_testing.cpp", "cpp/frozen_tensors.cpp"]
+# frozen-weights check, the direct engine call of blade.load.
+PYTHON_SOURCES = ["cpp/python_module.cpp", "cpp/python_testing.cpp", "cpp/frozen_tensors.cpp",
+                  "cpp/python_engine_call.cpp"]
 HEADERS = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "cpp").glob("*.h"))
 
 # torch 2.13's headers use a C++20 extension (bit-field initializers) that g++ accepts in C++17.

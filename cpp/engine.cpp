@@ -1,6 +1,6 @@
 #include "engine.h"
 
-#include <ATen/ops/empty.h>
+#include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/SmallVector.h>
 
@@ -295,7 +295,9 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
     for (int64_t& dim : shape) {
       if (symbol_of(dim) >= 0) dim = sizes[static_cast<size_t>(symbol_of(dim))];
     }
-    outputs.push_back(at::empty(shape, at::TensorOptions().dtype(spec.dtype)));
+    // ATen's CPU empty itself, past the dispatcher (~0.1 us a call); at::empty would also fill it
+    // with NaN under torch.use_deterministic_algorithms, which the engine overwrites entirely
+    outputs.push_back(at::detail::empty_cpu(shape, spec.dtype));
     output_data.push_back(outputs.back().mutable_data_ptr());
   }
 

@@ -113,13 +113,13 @@ inline float blade_erff(float x) {
   const int32_t bits = __builtin_bit_cast(int32_t, ax);
   const int32_t above = bits < 0x3f600000 ? 0x3f600000 : bits;
   const float t = __builtin_bit_cast(float, above > 0x40800000 ? 0x40800000 : above);
-  float p = 1.998941006604582e-4f;
-  p = std::fma(p, t, -3.081925678998232e-3f);
-  p = std::fma(p, t, 2.2380756214261055e-2f);
-  p = std::fma(p, t, -1.0424964874982834e-1f);
-  p = std::fma(p, t, -6.368212699890137e-1f);
-  p = std::fma(p, t, -1.1278890371322632f);
-  p = std::fma(p, t, -1.4429383736569434e-4f);
+  // P in Estrin's form: the loop is bound by the latency of this polynomial feeding the exp
+  // (Horner's 6 dependent FMAs: gelu [64,4096] 1 thread 74 us against 66), not by its FMAs.
+  const float t2 = t * t;
+  const float p01 = std::fma(-1.1278890371322632f, t, -1.4429383736569434e-4f);
+  const float p23 = std::fma(-1.0424964874982834e-1f, t, -6.368212699890137e-1f);
+  const float p45 = std::fma(-3.081925678998232e-3f, t, 2.2380756214261055e-2f);
+  const float p = std::fma(std::fma(1.998941006604582e-4f, t2, p45), t2 * t2, std::fma(p23, t2, p01));
   const float large = 1.0f - blade_exp_inrange(p);  // p in [-16.8, -0.25]
   return ax >= 0.875f ? std::copysign(large, x) : small;
 }

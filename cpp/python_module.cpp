@@ -8,6 +8,7 @@
 #include "frozen_tensors.h"
 #include "isa.h"
 #include "oversubscription.h"
+#include "python_engine_call.h"
 #include "python_testing.h"
 #include "runtime.h"
 
@@ -21,6 +22,7 @@ PYBIND11_MODULE(_C, m) {
         "Whether code compiled with -march=<isa> runs on this CPU (False for unknown names).");
   m.def("known_isas", &blade::known_isas, "The ISA levels blade knows, lowest first.");
   blade::bind_frozen_tensors(m);
+  blade::bind_engine_call(m);
   m.def("verify_archive", &blade::verify_archive, pybind11::arg("path"),
         "Checks an exported archive's records against the SHA-256s in extra/blade_records.txt; "
         "RuntimeError naming the first record that differs.");
