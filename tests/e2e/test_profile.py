@@ -25,6 +25,9 @@ class Block(torch.nn.Module):
 def test_profile_reports_every_kernel():
     torch.manual_seed(0)
     model, x = Block().eval(), torch.randn(256, 64)  # a GEMM big enough for the runtime to time kernels
+    # the choice table is per bucket of shapes and process-wide: an earlier test's GEMM in the same
+    # bucket would have made (and named) the choice; start from an empty table
+    _testing.set_gemm_backend("")
     profile = blade.profile(model, x, runs=5, warmup=2)
     text = str(profile)
     print("\n" + text)
