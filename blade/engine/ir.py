@@ -31,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .manifest import DTYPES
-from .symbolic import Expr, Var, constant, maximum, minimum, proves_nonnegative
+from .symbolic import Expr, Var, constant, floordiv, maximum, minimum, proves_multiple, proves_nonnegative
 
 # ONNX model metadata naming the ranges of its dim_params: {"seq": [1, 512], ...} as JSON. A graph
 # input dim that is a dim_param becomes a size symbol of the engine (a run-time dim in that range).
@@ -479,11 +479,17 @@ def _reshape(b, attrs, x, shape_node):
     shape = [_dim(d) for d in b.const_value(shape_node, "Reshape shape").reshape(-1)]
     if not attrs.get("allowzero", 0):
         shape = [x.shape[d] if isinstance(n, int) and n == 0 else n for d, n in enumerate(shape)]
-    if -1 in shape and not is_static(shape):
-        raise UnsupportedOnnxOp(f"Reshape to {shape}: a -1 beside run-time sizes")
     if -1 in shape:
         known = math.prod(n for n in shape if n != -1)
-        shape[shape.index(-1)] = x.numel // known if known else 0
+        if is_static(shape):
+            shape[shape.index(-1)] = x.numel // known if known else 0
+        elif proves_multiple(x.numel, known, 0):
+            # numel = known * q at every size (e.g. [b, s, 256] to [b, 4, -1, 64]: q = s), so the
+            # -1 is that exact quotient; a known product that may be 0 or may not divide is refused
+            shape[shape.index(-1)] = _dim(floordiv(x.numel, known))
+        else:
+            raise UnsupportedOnnxOp(f"Reshape of {x.shape} to {shape}: the -1 is not provably the "
+                                    f"element count over the other dims at every run-time size")
     return [b.reshape(x, shape)]
 
 
