@@ -91,9 +91,42 @@ def is_size_value(value: torch.Value) -> bool:
     node = value.node()
     if node.kind() == "aten::size":
         return isinstance(value.type(), torch.IntType) and len(list(node.inputs())) == 2
+    if is_size_arithmetic(node):
+        return all(is_constant(v) or is_size_value(v) for v in node.inputs())
     return node.kind() == "prim::ListConstruct" and isinstance(value.type(), torch.ListType) and \
         isinstance(value.type().getElementType(), torch.IntType) and \
         all(is_constant(v) or is_size_value(v) for v in node.inputs()) and not is_constant(value)
+
+
+# Python int arithmetic on run-time sizes (``mask.size(0) * mask.size(1) // ids.size(0)``): kind ->
+# the ONNX op on 0-d int64 sizes. floordiv is ONNX Div, which truncates: equal to Python's floor
+# only for a non-negative dividend and a positive divisor, so its rule checks both (and the engine
+# proves them from the size ranges, blade/engine/ir.py SIZE_RULES). A subtraction may go negative,
+# so nothing divides a difference.
+SIZE_ARITHMETIC_OPS = {"aten::add": "Add", "aten::sub": "Sub", "aten::mul": "Mul", "aten::floordiv": "Div"}
+
+
+def is_size_arithmetic(node: torch.Node) -> bool:
+    """An int-valued op of SIZE_ARITHMETIC_OPS (two int operands, e.g. ``aten::mul.int``)."""
+    return node.kind() in SIZE_ARITHMETIC_OPS and isinstance(node.output().type(), torch.IntType) and \
+        all(isinstance(v.type(), torch.IntType) for v in node.inputs())
+
+
+def is_nonnegative_size(value: torch.Value, positive: bool = False) -> bool:
+    """Whether an int is >= 0 (> 0 with positive) by construction: a constant, a size (0 only at an
+    empty dim, which a size range's minimum of 1 excludes where it divides), or a sum, product or
+    floor quotient of such."""
+    c = constant_value(value)
+    if c is not _NOT_CONSTANT:
+        return type(c) is int and (c > 0 if positive else c >= 0)
+    node = value.node()
+    if node.kind() == "aten::size":
+        return True
+    if is_size_arithmetic(node) and node.kind() in ("aten::add", "aten::mul"):
+        return all(is_nonnegative_size(v, positive) for v in node.inputs())
+    if is_size_arithmetic(node) and node.kind() == "aten::floordiv":
+        return not positive and is_nonnegative_size(node.inputsAt(0)) and is_nonnegative_size(node.inputsAt(1), True)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,6 +640,20 @@ def _arange_check(node):
             return "arange of a run-time size other than from 0 by 1"
     elif not all(type(v) is int for v in (start, step, end)) or step <= 0 or end < start:
         return "arange with non-integer, decreasing or empty bounds"
+    return None
+
+
+def size_arithmetic(onnx_op: str):
+    def lower(ctx: LowerCtx, node):
+        a, b = _args(node)
+        return [ctx.b.op(onnx_op, [ctx.size(a), ctx.size(b)])]
+    return lower
+
+
+def _floordiv_check(node):
+    a, b = _args(node)
+    if not (is_nonnegative_size(a) and is_nonnegative_size(b, positive=True)):
+        return "floordiv of sizes whose operands are not provably non-negative (ONNX Div truncates)"
     return None
 
 
@@ -1576,6 +1623,17 @@ LOWERING: dict[str, Rule] = {
     "aten::__getitem__": Rule(_list_getitem, tensor_lists=True),
 }
 
+# int arithmetic on run-time sizes (is_size_arithmetic), looked up before LOWERING (rule_for)
+SIZE_ARITHMETIC: dict[str, Rule] = {
+    kind: Rule(size_arithmetic(op), _floordiv_check if kind == "aten::floordiv" else None, size_args=True)
+    for kind, op in SIZE_ARITHMETIC_OPS.items()}
+
+
+def rule_for(node: torch.Node) -> Optional[Rule]:
+    """The node's rule: SIZE_ARITHMETIC for int arithmetic on sizes, else LOWERING's."""
+    return SIZE_ARITHMETIC[node.kind()] if is_size_arithmetic(node) else LOWERING.get(node.kind())
+
+
 # Ops whose rules read through _index_in_range: an index from the model's data that is out of
 # range fails the engine's call (blade/errors.py names these ops in the error).
 RANGE_CHECKED = ("aten::embedding", "aten::index", "aten::index_select", "aten::gather")
@@ -1594,7 +1652,7 @@ def can_lower(node: torch.Node, excluded_ops=()) -> tuple[bool, str]:
     kind = node.kind()
     if kind in excluded_ops:
         return False, "excluded by config (excluded_ops)"
-    rule = LOWERING.get(kind)
+    rule = rule_for(node)
     if rule is None:
         return False, f"unsupported op {kind}"
     if kind == "prim::ListConstruct" and not is_tensor_list(node.output()) and not is_size_value(node.output()):
