@@ -1147,6 +1147,8 @@ def _gather(ctx: LowerCtx, node):
     x, _, index = _args(node)[:3]
     shape, ishape = ctx.shape(x), ctx.shape(index)
     dim = _dim_arg(ctx, node, 1, len(shape))
+    if ctx.run_time.get(x) or ctx.run_time.get(index):
+        return [_gather_run_time(ctx, x, index, dim)]
     strides = [int(np.prod(shape[d + 1:])) for d in range(len(shape))]
     position = np.zeros(ishape, np.int64)   # the linear offset of every index position, but at dim
     for d, n in enumerate(ishape):
@@ -1156,6 +1158,26 @@ def _gather(ctx: LowerCtx, node):
     linear = ctx.b.op("Add", [ctx.b.op("Mul", [i, ctx.scalar(strides[dim], np.int64)]), ctx.b.constant(position)])
     flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
     return [ctx.b.op("Gather", [flat, linear], axis=0)]
+
+
+def _gather_run_time(ctx: LowerCtx, x: torch.Value, index: torch.Value, dim: int) -> str:
+    """_gather with run-time dims: the same flat Gather, its offsets built from the sizes read at
+    run time (a Range per index dim times x's stride there) instead of one constant."""
+    rank = len(ctx.shape(x))
+    dims = [ctx.dim_size(x, d) for d in range(rank)]
+    strides = [_size_product(ctx, dims[d + 1:]) for d in range(rank)]
+    i = _index_in_range(ctx, _int64(ctx, index), dims[dim], wraps=False, past_end=_size_product(ctx, dims))
+    linear = ctx.b.op("Mul", [i, _int64_size(ctx, strides[dim])])
+    for d in range(rank):
+        if d == dim:
+            continue
+        steps = ctx.b.op("Range", [ctx.scalar(0, np.int64), _int64_size(ctx, ctx.dim_size(index, d)),
+                                   ctx.scalar(1, np.int64)])
+        offsets = ctx.b.op("Mul", [steps, _int64_size(ctx, strides[d])])
+        along = ctx.b.op("Reshape", [offsets, ctx.b.ints([-1 if k == d else 1 for k in range(rank)])])
+        linear = ctx.b.op("Add", [linear, along])
+    flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
+    return ctx.b.op("Gather", [flat, linear], axis=0)
 
 
 def _triangle(ctx: LowerCtx, node):
