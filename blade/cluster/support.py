@@ -1112,7 +1112,20 @@ def _named(node) -> dict:
 def _filled(ctx: LowerCtx, node, value) -> list:
     """A tensor of the output's shape and dtype holding `value` everywhere: a broadcast scalar."""
     dtype = _out_dtype(node)
-    return [ctx.b.op("Expand", [ctx.scalar(value, dtype), ctx.b.ints(ctx.shape(node.output()))])]
+    return [ctx.b.op("Expand", [ctx.scalar(value, dtype), _fill_shape(ctx, node)])]
+
+
+def _fill_shape(ctx: LowerCtx, node) -> str:
+    """The shape a fill op makes: its static output shape; with run-time dims, a *_like op's input's
+    shape read at run time, or a new_* op's run-time size list."""
+    if not ctx.run_time.get(node.output()):
+        return ctx.b.ints(ctx.shape(node.output()))
+    if node.kind().endswith("_like"):
+        return ctx.b.op("Shape", [ctx.tensor(_args(node)[0])])
+    sizes = _named(node)["size"]
+    if not is_size_value(sizes) or sizes.node().kind() != "prim::ListConstruct":
+        raise LoweringError(f"{node.kind()} to run-time dims not given as a list of sizes")
+    return ctx.sizes(list(sizes.node().inputs()))
 
 
 FILL_VALUES = {"aten::zeros_like": 0, "aten::new_zeros": 0, "aten::ones_like": 1, "aten::new_ones": 1}
@@ -1633,7 +1646,7 @@ LOWERING: dict[str, Rule] = {
     "aten::stack": Rule(_stack, _cat_check, tensor_lists=True),
     "aten::unbind": Rule(_unbind, tensor_lists=True),
     # tensor creation from a tensor's shape (constant arguments; shape and dtype as measured)
-    **{kind: Rule(_fill) for kind in (*FILL_VALUES, "aten::full_like", "aten::new_full")},
+    **{kind: Rule(_fill, size_args=True) for kind in (*FILL_VALUES, "aten::full_like", "aten::new_full")},
     **{kind: Rule(_upsample) for kind in ("aten::upsample_nearest1d", "aten::upsample_nearest2d",
                                           "aten::upsample_linear1d", "aten::upsample_bilinear2d")},
     "aten::split": Rule(_split, tensor_lists=True),
