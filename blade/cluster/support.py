@@ -164,8 +164,11 @@ class LowerCtx:
         value: a constant when they all are, else the run-time ones computed from shapes."""
         if all(isinstance(v, int) or (not isinstance(v, str) and is_constant(v)) for v in values):
             return self.b.ints([v if isinstance(v, int) else self.const(v) for v in values])
-        parts = [self.b.op("Unsqueeze", [self.scalar(v, np.int64) if isinstance(v, int) else
-                                         v if isinstance(v, str) else self.size(v), self.b.ints([0])]) for v in values]
+        # constants as 1-d constants (an Unsqueeze of one would be data to the engine, and a Concat
+        # of sizes with data is no longer sizes), run-time ones unsqueezed
+        parts = [self.b.ints([v if isinstance(v, int) else self.const(v)])
+                 if isinstance(v, int) or (not isinstance(v, str) and is_constant(v)) else
+                 self.b.op("Unsqueeze", [v if isinstance(v, str) else self.size(v), self.b.ints([0])]) for v in values]
         return self.b.op("Concat", parts, axis=0)
 
     def dim_size(self, value: torch.Value, d: int):
