@@ -1132,6 +1132,27 @@ def _fill_shape(ctx: LowerCtx, node) -> str:
 
 
 FILL_VALUES = {"aten::zeros_like": 0, "aten::new_zeros": 0, "aten::ones_like": 1, "aten::new_ones": 1}
+# zeros/ones/full(size): constant sizes fold to a constant in the frontend; these rules take the
+# ones over run-time sizes (``torch.ones(seq, seq)`` of a causal mask)
+CREATE_VALUES = {"aten::zeros": 0, "aten::ones": 1}
+
+
+def _create(ctx: LowerCtx, node):
+    args = _named(node)
+    value = CREATE_VALUES[node.kind()] if node.kind() in CREATE_VALUES else ctx.const(args["fill_value"])
+    sizes = args["size"]
+    shape = ctx.b.ints(ctx.const(sizes)) if is_constant(sizes) else ctx.sizes(list(sizes.node().inputs()))
+    return [ctx.b.op("Expand", [ctx.scalar(value, _out_dtype(node)), shape])]
+
+
+def _create_check(node):
+    args = _named(node)
+    sizes = args.get("size")
+    if sizes is None or not (is_constant(sizes) or (is_size_value(sizes) and sizes.node().kind() == "prim::ListConstruct")):
+        return f"{node.kind()} of sizes that are neither constants nor a list of run-time sizes"
+    if "fill_value" in args and not is_constant(args["fill_value"]):
+        return f"{node.kind()} with a computed fill value"
+    return None
 
 
 def _fill(ctx: LowerCtx, node):
@@ -1199,10 +1220,21 @@ def _gather_run_time(ctx: LowerCtx, x: torch.Value, index: torch.Value, dim: int
 def _triangle(ctx: LowerCtx, node):
     """tril/triu(x, diagonal): a Where against a constant mask over the last two dims."""
     x, diagonal = _args(node)[:2]
-    rows, cols = ctx.shape(x)[-2:]
-    pick = np.tril if node.kind() == "aten::tril" else np.triu
-    keep = pick(np.ones((rows, cols), bool), ctx.const(diagonal))
-    return [ctx.b.op("Where", [ctx.b.constant(keep, "mask"), ctx.tensor(x), ctx.scalar(0, ctx.dtype(x))])]
+    rank = len(ctx.shape(x))
+    rows, cols = ctx.dim_size(x, rank - 2), ctx.dim_size(x, rank - 1)
+    if isinstance(rows, int) and isinstance(cols, int):
+        pick = np.tril if node.kind() == "aten::tril" else np.triu
+        keep = ctx.b.constant(pick(np.ones((rows, cols), bool), ctx.const(diagonal)), "mask")
+    else:
+        # a causal mask over run-time sizes (torch.ones(s, s).triu(1)): keep where column - row
+        # is >= diagonal (triu) or <= diagonal (tril), the rows and columns counted at run time
+        def positions(n):
+            return ctx.b.op("Range", [ctx.scalar(0, np.int64), _int64_size(ctx, n), ctx.scalar(1, np.int64)])
+        row = ctx.b.op("Unsqueeze", [positions(rows), ctx.b.ints([1])])
+        offset = ctx.b.op("Sub", [positions(cols), row])
+        compare = "LessOrEqual" if node.kind() == "aten::tril" else "GreaterOrEqual"
+        keep = ctx.b.op(compare, [offset, ctx.scalar(ctx.const(diagonal), np.int64)])
+    return [ctx.b.op("Where", [keep, ctx.tensor(x), ctx.scalar(0, ctx.dtype(x))])]
 
 
 def _repeat(ctx: LowerCtx, node):
@@ -1519,7 +1551,7 @@ def _div_check(node):
 # each): TorchScript normalizes aten::true_divide to div and aten::concat to cat; freezing drops
 # aten::detach and eval-mode aten::dropout / feature_dropout (training mode was refused anyway);
 # constant propagation folds creation ops without tensor arguments (aten::zeros, ones, full,
-# arange) into constants.
+# arange) into constants: their rules here are for run-time sizes.
 
 LOWERING: dict[str, Rule] = {
     # arithmetic (tensor and scalar operands; alpha; broadcasting; type promotion via dtypes)
@@ -1650,6 +1682,7 @@ LOWERING: dict[str, Rule] = {
     "aten::unbind": Rule(_unbind, tensor_lists=True),
     # tensor creation from a tensor's shape (constant arguments; shape and dtype as measured)
     **{kind: Rule(_fill, size_args=True) for kind in (*FILL_VALUES, "aten::full_like", "aten::new_full")},
+    **{kind: Rule(_create, _create_check, size_args=True) for kind in (*CREATE_VALUES, "aten::full")},
     **{kind: Rule(_upsample) for kind in ("aten::upsample_nearest1d", "aten::upsample_nearest2d",
                                           "aten::upsample_linear1d", "aten::upsample_bilinear2d")},
     "aten::split": Rule(_split, tensor_lists=True),

@@ -222,3 +222,40 @@ def test_a_floordiv_not_provably_non_negative_stays_in_torchscript_with_its_reas
     left_out = [item for compiled in capture.compiled for item in compiled.report.left_out]
     reasons = [reason for kind, reason in left_out if kind == "aten::floordiv"]
     assert reasons and all("not provably non-negative" in r for r in reasons), left_out
+
+
+class CausalMask(torch.nn.Module):
+    """Causal masks built over the run-time sequence length (GPT-2 and Llama before transformers'
+    masking_utils): ``full((s, s), -1e4).triu(1)``, ``ones(s, s).tril(-1)``, ``zeros(batch, s)``."""
+
+    def forward(self, scores):
+        batch, seq = scores.size(0), scores.size(-1)
+        causal = torch.full((seq, seq), -1e4).triu(1)
+        below = torch.ones(seq, seq, dtype=torch.bool).tril(-1)
+        return (scores + causal).softmax(-1), scores.masked_fill(below, 0.0), torch.zeros(batch, seq) + scores[:, 0, 0]
+
+
+@pytest.mark.parametrize("path", ["torch.compile", "export"])
+def test_causal_masks_over_run_time_sizes_compute_in_engines(tmp_path, path):
+    import blade
+    model = CausalMask().eval()
+    scores = torch.randn(3, 2, 7, 7)
+    if path == "export":
+        batch, length = torch.export.Dim("batch", min=1, max=BATCH_MAX), torch.export.Dim("seq", min=1, max=SEQ_MAX)
+        compiled = blade.compile_model(model, (scores,), dynamic_shapes={"scores": {0: batch, 2: length, 3: length}})
+        report, points = compiled.report, [(1, 1), (1, SEQ_MAX), (BATCH_MAX, 1), (2, 5), (BATCH_MAX, SEQ_MAX)]
+    else:
+        capture = Capture()
+        compiled = torch.compile(model, backend=capture)
+        for d, lo, hi in ((0, 2, BATCH_MAX), (2, 2, SEQ_MAX), (3, 2, SEQ_MAX)):
+            torch._dynamo.mark_dynamic(scores, d, min=lo, max=hi)
+        with torch.no_grad():
+            compiled(scores)
+        report, points = capture.report, [(2, 2), (2, SEQ_MAX), (BATCH_MAX, 3), (4, 9)]
+    kinds = {kind for c in report.clusters for kind in c.op_kinds}
+    assert {"aten::triu", "aten::tril", "aten::full", "aten::ones", "aten::zeros"} <= kinds, report.left_out
+    assert report.aten_in_engines == report.aten_total, report.left_out
+    with torch.no_grad():
+        for b, s in points:
+            x = torch.randn(b, 2, s, s)
+            assert_close(compiled(x), model(x))
