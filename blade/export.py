@@ -79,6 +79,7 @@ def capture_graph(model, example_inputs: tuple, example_kwargs: dict | None = No
     gm.meta["pytree_info"] = gm.graph._codegen.pytree_info
     gm.graph._codegen = torch.fx.graph.CodeGen()  # flat positional inputs, flat tuple output
     _sizes_as_methods(gm.graph)
+    _drop_usage_logging(gm.graph)
     gm.recompile()
     return gm
 
@@ -96,6 +97,18 @@ def _sizes_as_methods(graph: torch.fx.Graph) -> None:
                 replacement = graph.call_method(method, node.args, node.kwargs)
             replacement.meta = dict(node.meta)
             node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+
+
+# Calls dynamo's export records for their side effect only, none of which the compiled model needs:
+# torch's API-usage logging (slicing an nn.ModuleList, as Llama's ``self.layers[:n]`` does, builds
+# a new ModuleList that logs). TorchScript cannot script them.
+_USAGE_LOGGING = (torch._C._log_api_usage_once,)
+
+
+def _drop_usage_logging(graph: torch.fx.Graph) -> None:
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _USAGE_LOGGING and not node.users:
             graph.erase_node(node)
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.fx
 
 from blade.cluster.aliasing import written_attributes, written_constants
+from blade.cluster.support import is_size_arithmetic
 from blade.guards import wrapped_scalars
 
 log = logging.getLogger("blade")
@@ -482,24 +483,39 @@ def _sizes_per_use(graph: torch.Graph, inputs: list, probes: list) -> None:
     if not sources:
         return
 
+    # int arithmetic on those sizes (``mask.size(0) * mask.size(1) // ids.size(0)``) is copied per
+    # op as well, with its own sizes, so the whole computation can join the op's cluster
+    derived = set()
+    for node in graph.nodes():
+        if is_size_arithmetic(node) and all(v in sources or v in derived or v.node().kind() == "prim::Constant"
+                                            for v in node.inputs()):
+            derived.add(node.output())
+
     def size_before(user: torch.Node, value: torch.Value) -> torch.Value:
+        if value in derived:
+            operands = [size_before(user, v) if v in sources or v in derived else v for v in value.node().inputs()]
+            with graph.insert_point_guard(user):
+                result = graph.insertNode(graph.create(value.node().kind(), operands))
+            result.output().setType(torch._C.IntType.get())
+            return result.output()
         tensor, dim = sources[value]
         with graph.insert_point_guard(user):
             size = graph.insertNode(graph.create("aten::size", [tensor, graph.insertConstant(dim)]))
         size.output().setType(torch._C.IntType.get())
         return size.output()
 
+    per_use = set(sources) | derived
     for node in list(graph.nodes()):
-        if node.kind() in ("prim::ListConstruct", "aten::size"):
-            continue  # (the lists and sizes read by ops are copied per op below)
+        if node.kind() in ("prim::ListConstruct", "aten::size") or any(o in derived for o in node.outputs()):
+            continue  # (the lists, sizes and their arithmetic read by ops are copied per op below)
         for i, value in enumerate(list(node.inputs())):
             producer = value.node()
-            if value in sources:
+            if value in per_use:
                 node.replaceInput(i, size_before(node, value))
             elif producer.kind() == "prim::ListConstruct" and isinstance(value.type(), torch.ListType) and \
                     isinstance(value.type().getElementType(), torch.IntType) and \
-                    any(item in sources for item in producer.inputs()):
-                items = [size_before(node, item) if item in sources else item for item in producer.inputs()]
+                    any(item in per_use for item in producer.inputs()):
+                items = [size_before(node, item) if item in per_use else item for item in producer.inputs()]
                 with graph.insert_point_guard(node):
                     copy = graph.insertNode(graph.create("prim::ListConstruct", items))
                 copy.output().setType(value.type())

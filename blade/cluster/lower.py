@@ -7,7 +7,7 @@ import onnx.shape_inference
 
 from blade.cluster.onnx_builder import NP_TO_ONNX, OnnxBuilder
 from blade.cluster.partition import Cluster
-from blade.cluster.support import LOWERING, LowerCtx, LoweringError, tensor_info
+from blade.cluster.support import LowerCtx, LoweringError, rule_for, tensor_info
 
 ONNX_TO_NP = {code: dtype for dtype, code in NP_TO_ONNX.items()}
 
@@ -27,7 +27,7 @@ def lower_cluster(cluster: Cluster, name: str, run_time: dict | None = None,
     ctx = LowerCtx(builder, names, run_time)
     for node in cluster.nodes:
         try:
-            results = LOWERING[node.kind()].lower(ctx, node)
+            results = rule_for(node).lower(ctx, node)
         except LoweringError:
             raise
         except Exception as err:  # a rule crashing is a lowering bug; keep the cluster in TorchScript

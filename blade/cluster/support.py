@@ -91,9 +91,42 @@ def is_size_value(value: torch.Value) -> bool:
     node = value.node()
     if node.kind() == "aten::size":
         return isinstance(value.type(), torch.IntType) and len(list(node.inputs())) == 2
+    if is_size_arithmetic(node):
+        return all(is_constant(v) or is_size_value(v) for v in node.inputs())
     return node.kind() == "prim::ListConstruct" and isinstance(value.type(), torch.ListType) and \
         isinstance(value.type().getElementType(), torch.IntType) and \
         all(is_constant(v) or is_size_value(v) for v in node.inputs()) and not is_constant(value)
+
+
+# Python int arithmetic on run-time sizes (``mask.size(0) * mask.size(1) // ids.size(0)``): kind ->
+# the ONNX op on 0-d int64 sizes. floordiv is ONNX Div, which truncates: equal to Python's floor
+# only for a non-negative dividend and a positive divisor, so its rule checks both (and the engine
+# proves them from the size ranges, blade/engine/ir.py SIZE_RULES). A subtraction may go negative,
+# so nothing divides a difference.
+SIZE_ARITHMETIC_OPS = {"aten::add": "Add", "aten::sub": "Sub", "aten::mul": "Mul", "aten::floordiv": "Div"}
+
+
+def is_size_arithmetic(node: torch.Node) -> bool:
+    """An int-valued op of SIZE_ARITHMETIC_OPS (two int operands, e.g. ``aten::mul.int``)."""
+    return node.kind() in SIZE_ARITHMETIC_OPS and isinstance(node.output().type(), torch.IntType) and \
+        all(isinstance(v.type(), torch.IntType) for v in node.inputs())
+
+
+def is_nonnegative_size(value: torch.Value, positive: bool = False) -> bool:
+    """Whether an int is >= 0 (> 0 with positive) by construction: a constant, a size (0 only at an
+    empty dim, which a size range's minimum of 1 excludes where it divides), or a sum, product or
+    floor quotient of such."""
+    c = constant_value(value)
+    if c is not _NOT_CONSTANT:
+        return type(c) is int and (c > 0 if positive else c >= 0)
+    node = value.node()
+    if node.kind() == "aten::size":
+        return True
+    if is_size_arithmetic(node) and node.kind() in ("aten::add", "aten::mul"):
+        return all(is_nonnegative_size(v, positive) for v in node.inputs())
+    if is_size_arithmetic(node) and node.kind() == "aten::floordiv":
+        return not positive and is_nonnegative_size(node.inputsAt(0)) and is_nonnegative_size(node.inputsAt(1), True)
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,8 +164,11 @@ class LowerCtx:
         value: a constant when they all are, else the run-time ones computed from shapes."""
         if all(isinstance(v, int) or (not isinstance(v, str) and is_constant(v)) for v in values):
             return self.b.ints([v if isinstance(v, int) else self.const(v) for v in values])
-        parts = [self.b.op("Unsqueeze", [self.scalar(v, np.int64) if isinstance(v, int) else
-                                         v if isinstance(v, str) else self.size(v), self.b.ints([0])]) for v in values]
+        # constants as 1-d constants (an Unsqueeze of one would be data to the engine, and a Concat
+        # of sizes with data is no longer sizes), run-time ones unsqueezed
+        parts = [self.b.ints([v if isinstance(v, int) else self.const(v)])
+                 if isinstance(v, int) or (not isinstance(v, str) and is_constant(v)) else
+                 self.b.op("Unsqueeze", [v if isinstance(v, str) else self.size(v), self.b.ints([0])]) for v in values]
         return self.b.op("Concat", parts, axis=0)
 
     def dim_size(self, value: torch.Value, d: int):
@@ -610,6 +646,20 @@ def _arange_check(node):
     return None
 
 
+def size_arithmetic(onnx_op: str):
+    def lower(ctx: LowerCtx, node):
+        a, b = _args(node)
+        return [ctx.b.op(onnx_op, [ctx.size(a), ctx.size(b)])]
+    return lower
+
+
+def _floordiv_check(node):
+    a, b = _args(node)
+    if not (is_nonnegative_size(a) and is_nonnegative_size(b, positive=True)):
+        return "floordiv of sizes whose operands are not provably non-negative (ONNX Div truncates)"
+    return None
+
+
 def _narrow(ctx: LowerCtx, node):
     x, dim, start, length = _args(node)[:4]
     rank = len(ctx.shape(x))
@@ -1065,10 +1115,44 @@ def _named(node) -> dict:
 def _filled(ctx: LowerCtx, node, value) -> list:
     """A tensor of the output's shape and dtype holding `value` everywhere: a broadcast scalar."""
     dtype = _out_dtype(node)
-    return [ctx.b.op("Expand", [ctx.scalar(value, dtype), ctx.b.ints(ctx.shape(node.output()))])]
+    return [ctx.b.op("Expand", [ctx.scalar(value, dtype), _fill_shape(ctx, node)])]
+
+
+def _fill_shape(ctx: LowerCtx, node) -> str:
+    """The shape a fill op makes: its static output shape; with run-time dims, a *_like op's input's
+    shape read at run time, or a new_* op's run-time size list."""
+    if not ctx.run_time.get(node.output()):
+        return ctx.b.ints(ctx.shape(node.output()))
+    if node.kind().endswith("_like"):
+        return ctx.b.op("Shape", [ctx.tensor(_args(node)[0])])
+    sizes = _named(node)["size"]
+    if not is_size_value(sizes) or sizes.node().kind() != "prim::ListConstruct":
+        raise LoweringError(f"{node.kind()} to run-time dims not given as a list of sizes")
+    return ctx.sizes(list(sizes.node().inputs()))
 
 
 FILL_VALUES = {"aten::zeros_like": 0, "aten::new_zeros": 0, "aten::ones_like": 1, "aten::new_ones": 1}
+# zeros/ones/full(size): constant sizes fold to a constant in the frontend; these rules take the
+# ones over run-time sizes (``torch.ones(seq, seq)`` of a causal mask)
+CREATE_VALUES = {"aten::zeros": 0, "aten::ones": 1}
+
+
+def _create(ctx: LowerCtx, node):
+    args = _named(node)
+    value = CREATE_VALUES[node.kind()] if node.kind() in CREATE_VALUES else ctx.const(args["fill_value"])
+    sizes = args["size"]
+    shape = ctx.b.ints(ctx.const(sizes)) if is_constant(sizes) else ctx.sizes(list(sizes.node().inputs()))
+    return [ctx.b.op("Expand", [ctx.scalar(value, _out_dtype(node)), shape])]
+
+
+def _create_check(node):
+    args = _named(node)
+    sizes = args.get("size")
+    if sizes is None or not (is_constant(sizes) or (is_size_value(sizes) and sizes.node().kind() == "prim::ListConstruct")):
+        return f"{node.kind()} of sizes that are neither constants nor a list of run-time sizes"
+    if "fill_value" in args and not is_constant(args["fill_value"]):
+        return f"{node.kind()} with a computed fill value"
+    return None
 
 
 def _fill(ctx: LowerCtx, node):
@@ -1100,6 +1184,8 @@ def _gather(ctx: LowerCtx, node):
     x, _, index = _args(node)[:3]
     shape, ishape = ctx.shape(x), ctx.shape(index)
     dim = _dim_arg(ctx, node, 1, len(shape))
+    if ctx.run_time.get(x) or ctx.run_time.get(index):
+        return [_gather_run_time(ctx, x, index, dim)]
     strides = [int(np.prod(shape[d + 1:])) for d in range(len(shape))]
     position = np.zeros(ishape, np.int64)   # the linear offset of every index position, but at dim
     for d, n in enumerate(ishape):
@@ -1111,13 +1197,44 @@ def _gather(ctx: LowerCtx, node):
     return [ctx.b.op("Gather", [flat, linear], axis=0)]
 
 
+def _gather_run_time(ctx: LowerCtx, x: torch.Value, index: torch.Value, dim: int) -> str:
+    """_gather with run-time dims: the same flat Gather, its offsets built from the sizes read at
+    run time (a Range per index dim times x's stride there) instead of one constant."""
+    rank = len(ctx.shape(x))
+    dims = [ctx.dim_size(x, d) for d in range(rank)]
+    strides = [_size_product(ctx, dims[d + 1:]) for d in range(rank)]
+    i = _index_in_range(ctx, _int64(ctx, index), dims[dim], wraps=False, past_end=_size_product(ctx, dims))
+    linear = ctx.b.op("Mul", [i, _int64_size(ctx, strides[dim])])
+    for d in range(rank):
+        if d == dim:
+            continue
+        steps = ctx.b.op("Range", [ctx.scalar(0, np.int64), _int64_size(ctx, ctx.dim_size(index, d)),
+                                   ctx.scalar(1, np.int64)])
+        offsets = ctx.b.op("Mul", [steps, _int64_size(ctx, strides[d])])
+        along = ctx.b.op("Reshape", [offsets, ctx.b.ints([-1 if k == d else 1 for k in range(rank)])])
+        linear = ctx.b.op("Add", [linear, along])
+    flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
+    return ctx.b.op("Gather", [flat, linear], axis=0)
+
+
 def _triangle(ctx: LowerCtx, node):
     """tril/triu(x, diagonal): a Where against a constant mask over the last two dims."""
     x, diagonal = _args(node)[:2]
-    rows, cols = ctx.shape(x)[-2:]
-    pick = np.tril if node.kind() == "aten::tril" else np.triu
-    keep = pick(np.ones((rows, cols), bool), ctx.const(diagonal))
-    return [ctx.b.op("Where", [ctx.b.constant(keep, "mask"), ctx.tensor(x), ctx.scalar(0, ctx.dtype(x))])]
+    rank = len(ctx.shape(x))
+    rows, cols = ctx.dim_size(x, rank - 2), ctx.dim_size(x, rank - 1)
+    if isinstance(rows, int) and isinstance(cols, int):
+        pick = np.tril if node.kind() == "aten::tril" else np.triu
+        keep = ctx.b.constant(pick(np.ones((rows, cols), bool), ctx.const(diagonal)), "mask")
+    else:
+        # a causal mask over run-time sizes (torch.ones(s, s).triu(1)): keep where column - row
+        # is >= diagonal (triu) or <= diagonal (tril), the rows and columns counted at run time
+        def positions(n):
+            return ctx.b.op("Range", [ctx.scalar(0, np.int64), _int64_size(ctx, n), ctx.scalar(1, np.int64)])
+        row = ctx.b.op("Unsqueeze", [positions(rows), ctx.b.ints([1])])
+        offset = ctx.b.op("Sub", [positions(cols), row])
+        compare = "LessOrEqual" if node.kind() == "aten::tril" else "GreaterOrEqual"
+        keep = ctx.b.op(compare, [offset, ctx.scalar(ctx.const(diagonal), np.int64)])
+    return [ctx.b.op("Where", [keep, ctx.tensor(x), ctx.scalar(0, ctx.dtype(x))])]
 
 
 def _repeat(ctx: LowerCtx, node):
@@ -1434,7 +1551,7 @@ def _div_check(node):
 # each): TorchScript normalizes aten::true_divide to div and aten::concat to cat; freezing drops
 # aten::detach and eval-mode aten::dropout / feature_dropout (training mode was refused anyway);
 # constant propagation folds creation ops without tensor arguments (aten::zeros, ones, full,
-# arange) into constants.
+# arange) into constants: their rules here are for run-time sizes.
 
 LOWERING: dict[str, Rule] = {
     # arithmetic (tensor and scalar operands; alpha; broadcasting; type promotion via dtypes)
@@ -1564,7 +1681,8 @@ LOWERING: dict[str, Rule] = {
     "aten::stack": Rule(_stack, _cat_check, tensor_lists=True),
     "aten::unbind": Rule(_unbind, tensor_lists=True),
     # tensor creation from a tensor's shape (constant arguments; shape and dtype as measured)
-    **{kind: Rule(_fill) for kind in (*FILL_VALUES, "aten::full_like", "aten::new_full")},
+    **{kind: Rule(_fill, size_args=True) for kind in (*FILL_VALUES, "aten::full_like", "aten::new_full")},
+    **{kind: Rule(_create, _create_check, size_args=True) for kind in (*CREATE_VALUES, "aten::full")},
     **{kind: Rule(_upsample) for kind in ("aten::upsample_nearest1d", "aten::upsample_nearest2d",
                                           "aten::upsample_linear1d", "aten::upsample_bilinear2d")},
     "aten::split": Rule(_split, tensor_lists=True),
@@ -1575,6 +1693,17 @@ LOWERING: dict[str, Rule] = {
     "prim::ListUnpack": Rule(_list_unpack, tensor_lists=True),
     "aten::__getitem__": Rule(_list_getitem, tensor_lists=True),
 }
+
+# int arithmetic on run-time sizes (is_size_arithmetic), looked up before LOWERING (rule_for)
+SIZE_ARITHMETIC: dict[str, Rule] = {
+    kind: Rule(size_arithmetic(op), _floordiv_check if kind == "aten::floordiv" else None, size_args=True)
+    for kind, op in SIZE_ARITHMETIC_OPS.items()}
+
+
+def rule_for(node: torch.Node) -> Optional[Rule]:
+    """The node's rule: SIZE_ARITHMETIC for int arithmetic on sizes, else LOWERING's."""
+    return SIZE_ARITHMETIC[node.kind()] if is_size_arithmetic(node) else LOWERING.get(node.kind())
+
 
 # Ops whose rules read through _index_in_range: an index from the model's data that is out of
 # range fails the engine's call (blade/errors.py names these ops in the error).
@@ -1594,7 +1723,7 @@ def can_lower(node: torch.Node, excluded_ops=()) -> tuple[bool, str]:
     kind = node.kind()
     if kind in excluded_ops:
         return False, "excluded by config (excluded_ops)"
-    rule = LOWERING.get(kind)
+    rule = rule_for(node)
     if rule is None:
         return False, f"unsupported op {kind}"
     if kind == "prim::ListConstruct" and not is_tensor_list(node.output()) and not is_size_value(node.output()):

@@ -31,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .manifest import DTYPES
-from .symbolic import Expr, Var, constant, maximum, minimum, proves_nonnegative
+from .symbolic import Expr, Var, as_expr, constant, floordiv, maximum, minimum, proves_multiple, proves_nonnegative
 
 # ONNX model metadata naming the ranges of its dim_params: {"seq": [1, 512], ...} as JSON. A graph
 # input dim that is a dim_param becomes a size symbol of the engine (a run-time dim in that range).
@@ -479,11 +479,17 @@ def _reshape(b, attrs, x, shape_node):
     shape = [_dim(d) for d in b.const_value(shape_node, "Reshape shape").reshape(-1)]
     if not attrs.get("allowzero", 0):
         shape = [x.shape[d] if isinstance(n, int) and n == 0 else n for d, n in enumerate(shape)]
-    if -1 in shape and not is_static(shape):
-        raise UnsupportedOnnxOp(f"Reshape to {shape}: a -1 beside run-time sizes")
     if -1 in shape:
         known = math.prod(n for n in shape if n != -1)
-        shape[shape.index(-1)] = x.numel // known if known else 0
+        if is_static(shape):
+            shape[shape.index(-1)] = x.numel // known if known else 0
+        elif proves_multiple(x.numel, known, 0):
+            # numel = known * q at every size (e.g. [b, s, 256] to [b, 4, -1, 64]: q = s), so the
+            # -1 is that exact quotient; a known product that may be 0 or may not divide is refused
+            shape[shape.index(-1)] = _dim(floordiv(x.numel, known))
+        else:
+            raise UnsupportedOnnxOp(f"Reshape of {x.shape} to {shape}: the -1 is not provably the "
+                                    f"element count over the other dims at every run-time size")
     return [b.reshape(x, shape)]
 
 
@@ -610,11 +616,29 @@ def _is_sizes(node) -> bool:
 
 
 def _size_arithmetic(fn):
-    """An elementwise ONNX op on sizes, as Exprs (no Div: ONNX truncates, the Exprs floor)."""
+    """An elementwise ONNX op on sizes, as Exprs."""
     def rule(b, attrs, x, y):
         values = [b.const_value(v, "size arithmetic").astype(object) for v in (x, y)]
         return [b.sizes(np.frompyfunc(fn, 2, 1)(*values), x.dtype)]
     return rule
+
+
+def _size_quotient(a, d):
+    """ONNX Div of two integer sizes. It truncates; the Exprs floor: the same for a >= 0 and d >= 1,
+    which must hold at every size in range (else refused, never rendered as the wrong rounding)."""
+    a, d = _dim(a), _dim(d)
+    if isinstance(a, int) and isinstance(d, int) and a >= 0 and d >= 1:
+        return a // d
+    if not (proves_nonnegative(as_expr(a)) and as_expr(d).bounds()[0] >= 1):
+        raise UnsupportedOnnxOp(f"Div of sizes {a} / {d}: truncation equals floor division only for a "
+                                f"non-negative dividend and a divisor >= 1 at every size")
+    return _dim(floordiv(a, d))
+
+
+def _size_div(b, attrs, x, y):
+    if not np.issubdtype(np.dtype(x.dtype), np.integer):
+        raise UnsupportedOnnxOp(f"Div of {x.dtype} sizes (only integer division of sizes is exact)")
+    return _size_arithmetic(_size_quotient)(b, attrs, x, y)
 
 
 # ONNX ops on "size" nodes (Builder.sizes): the same op on the values, still known at run time only
@@ -632,6 +656,7 @@ SIZE_RULES = {
         np.concatenate([b.const_value(a, "Concat").astype(object) for a in args], axis=attrs["axis"]), args[0].dtype)],
     **{op: _size_arithmetic(fn) for op, fn in (("Add", operator.add), ("Sub", operator.sub), ("Mul", operator.mul),
                                                 ("Max", maximum))},
+    "Div": _size_div,
     "Gather": lambda b, attrs, data, indices: [b.sizes(
         np.take(b.const_value(data, ""), b.const_value(indices, "Gather indices of sizes"), axis=attrs.get("axis", 0)),
         data.dtype)],

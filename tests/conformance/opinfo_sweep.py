@@ -484,7 +484,7 @@ def _table_row(label: str, results: list) -> str:
 
 # Kinds a static graph never puts in an engine (freezing folds them to constants): checked with
 # run-time sizes in tests/e2e/test_dynamic_sizes.py, which the sweep's static graphs cannot give.
-RUN_TIME_SIZE_KINDS = {"aten::arange"}
+RUN_TIME_SIZE_KINDS = {"aten::arange", "aten::zeros", "aten::ones", "aten::full"}
 
 
 def lowering_kinds() -> set:

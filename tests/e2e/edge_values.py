@@ -205,7 +205,7 @@ NOT_EDGE_TESTED = {
         "prim::ListConstruct", "prim::ListUnpack", "aten::__getitem__", "aten::size")},
     **{kind: _CREATION for kind in (
         "aten::zeros_like", "aten::new_zeros", "aten::ones_like", "aten::new_ones", "aten::full_like",
-        "aten::new_full", "aten::arange")},
+        "aten::new_full", "aten::arange", "aten::zeros", "aten::ones", "aten::full")},
 }
 
 

@@ -134,15 +134,14 @@ def test_sizes_past_the_cap_compile_per_shape(model, engine_compiles):
 
 
 def test_an_op_that_computes_from_a_size_stays_in_torchscript():
-    """A causal mask indexed by the run-time length: the ops whose ONNX would bake the length in
-    stay in TorchScript, named with the reason; the rest still compiles once."""
-    class Causal(torch.nn.Module):
+    """A roll along the run-time length (its Slice bounds are the length): the ops whose ONNX
+    would bake the length in stay in TorchScript, named with the reason; the rest still compiles
+    once. (A causal mask over the length computes in engines: test_dynamic_sizes.py.)"""
+    class Rolled(torch.nn.Module):
         def forward(self, x):
-            s = x.shape[1]
-            mask = torch.ones(s, s).triu(1).to(torch.bool)
-            return torch.softmax(x.masked_fill(mask, -1e4) * 2.0, -1).relu()
+            return torch.softmax(torch.roll(x, 1, 1) * 2.0, -1).relu()
 
-    model, capture = Causal().eval(), Capture()
+    model, capture = Rolled().eval(), Capture()
     compiled = torch.compile(model, backend=capture, dynamic=True)
     with torch.no_grad():
         for batch, seq in [(2, 6), (3, 9), (5, 4)]:
@@ -213,10 +212,9 @@ def test_specialize_mode_compiles_per_shape():
 def test_explain_names_the_size_symbols_and_what_stays_in_torchscript():
     import blade
 
-    class Causal(torch.nn.Module):
+    class Rolled(torch.nn.Module):
         def forward(self, x):
-            s = x.shape[1]
-            return torch.softmax(x.masked_fill(torch.ones(s, s).triu(1).to(torch.bool), -1e4) * 2.0, -1).relu()
+            return torch.softmax(torch.roll(x, 1, 1) * 2.0, -1).relu()
 
-    text = str(blade.explain(Causal().eval(), torch.randn(2, 6, 6), dynamic=True))
+    text = str(blade.explain(Rolled().eval(), torch.randn(2, 6, 6), dynamic=True))
     assert "size symbols: s" in text and "computes from a run-time size" in text, text

@@ -156,3 +156,106 @@ def test_export_serves_size_one_and_the_maxima(tmp_path, seq):
             for s in (1, seq):
                 ids = ids_of(b, s)
                 assert_close(loaded(ids), model(ids))
+
+
+class SizeArithmetic(torch.nn.Module):
+    """What the untuned models compute from sizes: GPT-2's key length ``mask.size(0) *
+    mask.size(1) // ids.size(0)``, Llama's ``view(batch, heads, -1, head_dim)``, BERT's token
+    types gathered at the positions from a buffer expanded to the batch, T5's ``full_like``."""
+
+    def __init__(self, dim=16, vocab=50):
+        super().__init__()
+        self.words, self.positions = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(SEQ_MAX, dim)
+        self.register_buffer("type_ids", (torch.arange(SEQ_MAX) % 3).expand(1, -1), persistent=False)
+
+    def forward(self, ids, mask):
+        batch = ids.size(0)
+        kv = mask.size(0) * mask.size(1) // ids.size(0)
+        positions = torch.arange(kv)
+        x = self.words(ids) + self.positions(positions)
+        heads = x.view(batch, 4, -1, 4).softmax(-1)
+        types = torch.gather(self.type_ids.expand(batch, -1), 1, positions.expand(batch, -1))
+        return heads, types * 2 + 1, x * torch.full_like(x, 0.5) + torch.ones_like(x)
+
+
+def size_inputs(batch, seq):
+    return ids_of(batch, seq), torch.ones(batch, seq, dtype=torch.long)
+
+
+def test_size_arithmetic_gather_and_fills_compute_in_engines_at_every_size(tmp_path):
+    """Through blade.export (one compile, min=1): every op in engines, exact at size 1 and the maxima,
+    and the archive serves the same in a fresh load."""
+    import blade
+    torch.manual_seed(0)
+    model = SizeArithmetic().eval()
+    batch, length = torch.export.Dim("batch", min=1, max=BATCH_MAX), torch.export.Dim("seq", min=1, max=SEQ_MAX)
+    spec = {"ids": {0: batch, 1: length}, "mask": {0: batch, 1: length}}
+    path = tmp_path / "sizes.blade"
+    compiled = blade.export(model, size_inputs(3, 7), str(path), dynamic_shapes=spec)
+    report = compiled.report
+    kinds = {kind for c in report.clusters for kind in c.op_kinds}
+    assert {"aten::floordiv", "aten::gather", "aten::full_like", "aten::view"} <= kinds, report.left_out
+    assert report.aten_in_engines == report.aten_total, report.left_out
+    loaded = blade.load(str(path))
+    with torch.no_grad():
+        for b, s in [(1, 1), (1, SEQ_MAX), (BATCH_MAX, 1), (2, 5), (BATCH_MAX, SEQ_MAX)]:
+            inputs = size_inputs(b, s)
+            assert_close(compiled(*inputs), model(*inputs))
+            assert_close(loaded(*inputs), model(*inputs))
+
+
+class DividedDifference(torch.nn.Module):
+    """(seq - 3) // 2 is negative at seq < 3, where ONNX Div's truncation differs from floor."""
+
+    def forward(self, x):
+        return (x * 2.0).relu(), torch.arange((x.size(1) - 3) // 2 + 2) * 3
+
+
+def test_a_floordiv_not_provably_non_negative_stays_in_torchscript_with_its_reason():
+    model, capture = DividedDifference().eval(), Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        for batch, seq in [(2, 6), (3, 9), (5, 4), (2, 2)]:
+            x = torch.randn(batch, seq)
+            assert_close(compiled(x), model(x))
+    # (dynamo may guard on the difference's sign and hand over a second graph: each keeps it out)
+    left_out = [item for compiled in capture.compiled for item in compiled.report.left_out]
+    reasons = [reason for kind, reason in left_out if kind == "aten::floordiv"]
+    assert reasons and all("not provably non-negative" in r for r in reasons), left_out
+
+
+class CausalMask(torch.nn.Module):
+    """Causal masks built over the run-time sequence length (GPT-2 and Llama before transformers'
+    masking_utils): ``full((s, s), -1e4).triu(1)``, ``ones(s, s).tril(-1)``, ``zeros(batch, s)``."""
+
+    def forward(self, scores):
+        batch, seq = scores.size(0), scores.size(-1)
+        causal = torch.full((seq, seq), -1e4).triu(1)
+        below = torch.ones(seq, seq, dtype=torch.bool).tril(-1)
+        return (scores + causal).softmax(-1), scores.masked_fill(below, 0.0), torch.zeros(batch, seq) + scores[:, 0, 0]
+
+
+@pytest.mark.parametrize("path", ["torch.compile", "export"])
+def test_causal_masks_over_run_time_sizes_compute_in_engines(tmp_path, path):
+    import blade
+    model = CausalMask().eval()
+    scores = torch.randn(3, 2, 7, 7)
+    if path == "export":
+        batch, length = torch.export.Dim("batch", min=1, max=BATCH_MAX), torch.export.Dim("seq", min=1, max=SEQ_MAX)
+        compiled = blade.compile_model(model, (scores,), dynamic_shapes={"scores": {0: batch, 2: length, 3: length}})
+        report, points = compiled.report, [(1, 1), (1, SEQ_MAX), (BATCH_MAX, 1), (2, 5), (BATCH_MAX, SEQ_MAX)]
+    else:
+        capture = Capture()
+        compiled = torch.compile(model, backend=capture)
+        for d, lo, hi in ((0, 2, BATCH_MAX), (2, 2, SEQ_MAX), (3, 2, SEQ_MAX)):
+            torch._dynamo.mark_dynamic(scores, d, min=lo, max=hi)
+        with torch.no_grad():
+            compiled(scores)
+        report, points = capture.report, [(2, 2), (2, SEQ_MAX), (BATCH_MAX, 3), (4, 9)]
+    kinds = {kind for c in report.clusters for kind in c.op_kinds}
+    assert {"aten::triu", "aten::tril", "aten::full", "aten::ones", "aten::zeros"} <= kinds, report.left_out
+    assert report.aten_in_engines == report.aten_total, report.left_out
+    with torch.no_grad():
+        for b, s in points:
+            x = torch.randn(b, 2, s, s)
+            assert_close(compiled(x), model(x))

@@ -94,6 +94,29 @@ CASES = {
         {"zero_axis": np.array([0], np.int64), "zero": np.array(0, np.int64), "one": np.array(1, np.int64),
          "start": np.array([0], np.int64), "width": np.array([16], np.int64),
          "table": rng.standard_normal((32, 16)).astype(np.float32), "row": GAMMA.reshape(1, 16)}),
+    # int arithmetic on sizes (GPT-2's mask.size(0) * mask.size(1) // ids.size(0)): ONNX Div of
+    # non-negative sizes by a size >= 1 is the floor quotient, here batch * seq / batch = seq
+    "size-quotient": dynamic_model(
+        [helper.make_node("Shape", ["x"], ["b1"], start=0, end=1),
+         helper.make_node("Shape", ["x"], ["s1"], start=1, end=2),
+         helper.make_node("Mul", ["b1", "s1"], ["cells"]),
+         helper.make_node("Div", ["cells", "b1"], ["q1"]),
+         helper.make_node("Squeeze", ["q1", "zero_axis"], ["q"]),
+         helper.make_node("Range", ["zero", "q", "one"], ["positions"]),
+         helper.make_node("Cast", ["positions"], ["pf"], to=F),
+         helper.make_node("Unsqueeze", ["pf", "one_axis"], ["column"]),
+         helper.make_node("Add", ["x", "column"], ["out"])],
+        {"x": ["batch", "seq", 16]}, {"out": ["batch", "seq", 16]},
+        {"zero_axis": np.array([0], np.int64), "one_axis": np.array([1], np.int64),
+         "zero": np.array(0, np.int64), "one": np.array(1, np.int64)}),
+    # Llama's view(batch, heads, -1, head_dim) beside a run-time batch: the -1 is numel / (4 batch 4)
+    "reshape-inferred-beside-run-time-dims": dynamic_model(
+        [helper.make_node("Shape", ["x"], ["b1"], start=0, end=1),
+         helper.make_node("Concat", ["b1", "rest"], ["target"], axis=0),
+         helper.make_node("Reshape", ["x", "target"], ["r"]),
+         helper.make_node("Softmax", ["r"], ["out"], axis=2)],
+        {"x": ["batch", "seq", 16]}, {"out": ["batch", 4, "seq", 4]},
+        {"rest": np.array([4, -1, 4], np.int64)}),
 }
 
 
@@ -175,6 +198,35 @@ def test_scratch_is_planned_at_the_maxima(compiled):
      "Range from a run-time size"),
 ])
 def test_what_the_slice_does_not_handle_is_refused(tmp_path, model, reason):
+    with pytest.raises(UnsupportedOnnxOp, match=reason):
+        compile_onnx(model, tmp_path / "refused")
+
+
+def _sizes_divided(dividend: list, divisor: str, inits: dict):
+    """Range(0, dividend / divisor) of x's sizes: dividend, nodes ending in 'n' (a 0-d size)."""
+    return dynamic_model(
+        [helper.make_node("Shape", ["x"], ["s1"], start=1, end=2), helper.make_node("Squeeze", ["s1", "axis"], ["seq"]),
+         *dividend, helper.make_node("Div", ["n", divisor], ["q"]),
+         helper.make_node("Range", ["zero", "q", "one"], ["r"]), helper.make_node("Cast", ["r"], ["out"], to=F)],
+        {"x": ["batch", "seq"]}, {"out": [None]},
+        {"axis": np.array([0], np.int64), "zero": np.array(0, np.int64), "one": np.array(1, np.int64), **inits})
+
+
+@pytest.mark.parametrize("model, reason", [
+    # seq - 3 is negative at seq < 3: truncation and floor differ there (-1 / 2 is 0, -1 // 2 is -1)
+    (_sizes_divided([helper.make_node("Sub", ["seq", "three"], ["n"])], "two",
+                    {"three": np.array(3, np.int64), "two": np.array(2, np.int64)}), "Div of sizes"),
+    # a divisor that may be 0
+    (_sizes_divided([helper.make_node("Identity", ["seq"], ["n"])], "nought",
+                    {"nought": np.array(0, np.int64)}), "Div of sizes"),
+    # [batch, seq] to [batch, 2, -1]: seq / 2 is not a whole number at every size
+    (dynamic_model([helper.make_node("Shape", ["x"], ["b1"], start=0, end=1),
+                    helper.make_node("Concat", ["b1", "rest"], ["target"], axis=0),
+                    helper.make_node("Reshape", ["x", "target"], ["out"])],
+                   {"x": ["batch", "seq"]}, {"out": ["batch", 2, None]}, {"rest": np.array([2, -1], np.int64)}),
+     "the -1 is not provably"),
+])
+def test_size_arithmetic_that_is_not_exact_at_every_size_is_refused(tmp_path, model, reason):
     with pytest.raises(UnsupportedOnnxOp, match=reason):
         compile_onnx(model, tmp_path / "refused")
 
