@@ -193,30 +193,72 @@ __attribute__((always_inline)) inline void gather(const PatchConvShape& s, const
   }
 }
 
-// Output pixels [begin, end) x panels [panel_begin, panel_end).
+// An NCHW output's channels [j0, j0 + width) of pixels [begin, end) from `staged` (one row of kPanel
+// floats per pixel, bias added): + residual (NCHW too), then the clamp, the channels-last path's
+// order. Each channel's pixels are a contiguous run within an image.
+template <bool kSum, bool kClamp>
+__attribute__((always_inline)) inline void scatter_nchw(const PatchConvShape& s, const float* staged, const float* sum,
+                                                        Clamp clamp, float* output, int64_t begin, int64_t end,
+                                                        int64_t j0, int64_t width) {
+  const int64_t plane = s.out_h * s.out_w;
+  for (int64_t row = begin; row < end;) {
+    const int64_t n = row / plane, p0 = row % plane, run = std::min(end - row, plane - p0);
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t at = (n * s.out_channels + j0 + j) * plane + p0;
+      const float* from = staged + (row - begin) * kPanel + j;
+      for (int64_t r = 0; r < run; ++r) {
+        float v = from[r * kPanel];
+        if (kSum) v += sum[at + r];
+        if (kClamp) v = clamp_value(v, clamp.lo, clamp.hi);
+        output[at + r] = v;
+      }
+    }
+    row += run;
+  }
+}
+
+// Output pixels [begin, end) x panels [panel_begin, panel_end). An NCHW output goes through
+// `staged` (kBlockRows x kPanel floats): a tile stores whole pixel rows of channels.
 BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
                                   const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end,
-                                  int64_t panel_begin, int64_t panel_end, float* gathered, bool prefetch) {
-  const int64_t depth = s.depth(), ldc = s.out_channels;
+                                  int64_t panel_begin, int64_t panel_end, float* gathered, float* staged,
+                                  bool prefetch) {
+  const int64_t depth = s.depth(), channels = s.out_channels;
   const float* a = input + begin * depth;
   if (!s.direct()) {
     gather(s, input, begin, end, gathered);
     a = gathered;
   }
   for (int64_t p = panel_begin; p < panel_end; ++p) {
-    const int64_t j0 = p * kPanel, width = std::min(kPanel, ldc - j0);
+    const int64_t j0 = p * kPanel, width = std::min(kPanel, channels - j0);
     const float* panel = panels + p * depth * kPanel;
     const float* b = bias != nullptr ? bias + j0 : nullptr;
-    const float* residual = sum != nullptr ? sum + begin * ldc + j0 : nullptr;
-    float* out = output + begin * ldc + j0;
+    const float* residual = sum != nullptr && s.output_channels_last ? sum + begin * channels + j0 : nullptr;
+    float* out = s.output_channels_last ? output + begin * channels + j0 : staged;
+    const int64_t ldc = s.output_channels_last ? channels : kPanel;
+    const Clamp tile_clamp = s.output_channels_last ? clamp : Clamp{};
     // The next panel even past this item's (its neighbour's, or this thread's next item's).
-    const float* next = prefetch && j0 + kPanel < ldc ? panel + depth * kPanel : nullptr;
+    const float* next = prefetch && j0 + kPanel < channels ? panel + depth * kPanel : nullptr;
     if (width > 16) {
-      panel_rows<2>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin, next);
+      panel_rows<2>(a, depth, panel, depth, b, residual, tile_clamp, out, ldc, width, end - begin, next);
     } else {
-      panel_rows<1>(a, depth, panel, depth, b, residual, clamp, out, ldc, width, end - begin, next);
+      panel_rows<1>(a, depth, panel, depth, b, residual, tile_clamp, out, ldc, width, end - begin, next);
+    }
+    if (s.output_channels_last) continue;
+    if (sum != nullptr) {
+      if (clamp.on) scatter_nchw<true, true>(s, staged, sum, clamp, output, begin, end, j0, width);
+      else scatter_nchw<true, false>(s, staged, sum, clamp, output, begin, end, j0, width);
+    } else {
+      if (clamp.on) scatter_nchw<false, true>(s, staged, sum, clamp, output, begin, end, j0, width);
+      else scatter_nchw<false, false>(s, staged, sum, clamp, output, begin, end, j0, width);
     }
   }
+}
+
+// This thread's staging block for NCHW outputs (patch_block): at most kBlockRows pixels a block.
+float* staged_block() {
+  thread_local std::vector<float> staged(kBlockRows * kPanel);
+  return staged.data();
 }
 
 }  // namespace
@@ -224,10 +266,11 @@ BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, c
 std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
                                                const int64_t* strides, const int64_t* pads, const int64_t* dilations,
                                                int64_t groups, int32_t layout) {
-  if (spatial != 2 || groups != 1 || (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) == 0) return std::nullopt;
+  if (spatial != 2 || groups != 1 || layout == 0) return std::nullopt;
   PatchConvShape s{input_shape[0], input_shape[1], input_shape[2], input_shape[3], weight_shape[0],
                    weight_shape[2], weight_shape[3], strides[0], strides[1], dilations[0], dilations[1],
-                   pads[0], pads[1], 0, 0, (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0};
+                   pads[0], pads[1], 0, 0, (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0,
+                   (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0};
   s.out_h = (s.in_h + pads[0] + pads[2] - s.dilation_h * (s.kernel_h - 1) - 1) / s.stride_h + 1;
   s.out_w = (s.in_w + pads[1] + pads[3] - s.dilation_w * (s.kernel_w - 1) - 1) / s.stride_w + 1;
   if (s.depth() > kPatchMaxDepth) return std::nullopt;
@@ -298,7 +341,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
       for (int64_t item = item_begin; item < item_end; ++item) {
         const int64_t panel = item / row_blocks, block = item % row_blocks;
         patch_block(s, input, panels, bias, sum, clamp, output, rows * block / row_blocks,
-                    rows * (block + 1) / row_blocks, panel, panel + 1, nullptr, true);
+                    rows * (block + 1) / row_blocks, panel, panel + 1, nullptr, staged_block(), true);
       }
     });
     return;
@@ -316,7 +359,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
       const int64_t block = item / splits, split = item % splits;
       const int64_t begin = rows * block / blocks, end = rows * (block + 1) / blocks;
       patch_block(s, input, panels, bias, sum, clamp, output, begin, end, split * panel_count / splits,
-                  (split + 1) * panel_count / splits, gathered.data(), item == item_begin || large_weight);
+                  (split + 1) * panel_count / splits, gathered.data(), staged_block(), item == item_begin || large_weight);
     }
   });
 }

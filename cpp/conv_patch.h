@@ -1,5 +1,6 @@
 // Convolutions as one GEMM over the output pixels with the epilogue in registers: the runtime's
-// own register-blocked kernel for channels-last outputs of ungrouped 2-D convolutions.
+// own register-blocked kernel for ungrouped 2-D convolutions with a channels-last output, or an
+// NCHW output from a channels-last input (a model's last convolution, whose output is returned).
 //
 // A row of the GEMM is one output pixel's receptive field (kernel_h * kernel_w * in_channels
 // values, channels innermost); a 1x1 stride-1 unpadded convolution on a channels-last input reads
@@ -27,7 +28,8 @@ struct PatchConvShape {
   int64_t kernel_h, kernel_w, stride_h, stride_w, dilation_h, dilation_w;
   int64_t pad_top, pad_left;  // the bottom/right pads are implied by out_h/out_w
   int64_t out_h, out_w;
-  bool input_channels_last;  // the output is always channels-last
+  bool input_channels_last;
+  bool output_channels_last;  // else NCHW (only from a channels-last input)
 
   int64_t depth() const { return in_channels * kernel_h * kernel_w; }  // K of the GEMM
   // Rows read in place from the input (no gather).
@@ -37,8 +39,9 @@ struct PatchConvShape {
   }
 };
 
-// The shape for a 2-D ungrouped convolution with a channels-last output (`layout` holds the
-// BLADE_CONV_*_CHANNELS_LAST bits) and at most kPatchMaxDepth values per receptive field; nullopt
+// The shape for a 2-D ungrouped convolution with a channels-last output or a channels-last input
+// (`layout` holds the BLADE_CONV_*_CHANNELS_LAST bits; NCHW to NCHW stays oneDNN's, and the 1x1
+// ones conv_gemm.h's GEMM) and at most kPatchMaxDepth values per receptive field; nullopt
 // otherwise. Past that a weight panel (depth x 32 floats, 288 KB at the limit) no longer stays in
 // L2 across the tiles that reuse it, and oneDNN's blocked convolution wins (ResNet-18's 512-channel
 // 3x3 at 7x7, depth 4608: 2.09 ms here against oneDNN's 1.86; its 256-channel one, depth 2304,
@@ -51,7 +54,7 @@ std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* i
 // weight [out, in, kh, kw] -> panels [ceil(out / 32)][kh * kw * in][32], zero-padded.
 at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& shape);
 
-// output (channels-last) = clamp(conv(input) + bias + sum); bias and sum may be null.
+// output = clamp(conv(input) + bias + sum), sum in the output's layout; bias and sum may be null.
 void patch_conv(const PatchConvShape& shape, const float* input, const float* panels, const float* bias,
                 const float* sum, Clamp clamp, float* output);
 

@@ -290,11 +290,12 @@ def test_conv_pointwise_not_taken(strides, pads, groups, layout):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
-# The patch kernel (conv_patch.h): every ungrouped 2-D convolution with a channels-last output and
-# at most 2304 values per receptive field, as register tiles of 6 pixels x 32 channels with the
-# epilogue in registers. Edge cases of its tiling and gather against a float64 convolution: pixel
-# counts under, at and past a tile and a 48-pixel block, channel counts off the 16/32 vectors,
-# strides, dilation, asymmetric padding, NCHW inputs, batches, a weight packed once or per call.
+# The patch kernel (conv_patch.h): every ungrouped 2-D convolution with a channels-last output (or
+# an NCHW output from a channels-last input) and at most 2304 values per receptive field, as
+# register tiles of 6 pixels x 32 channels with the epilogue in registers. Edge cases of its tiling
+# and gather against a float64 convolution: pixel counts under, at and past a tile and a 48-pixel
+# block, channel counts off the 16/32 vectors, strides, dilation, asymmetric padding, NCHW inputs,
+# NCHW outputs (pixel runs crossing images), batches, a weight packed once or per call.
 PATCH_CASES = [  # x shape, out channels, kernel, stride, pads (top, left, bottom, right), dilation, input channels-last
     ((1, 24, 5, 5), 40, 1, 1, [0, 0, 0, 0], 1, True),
     ((2, 7, 3, 5), 7, 1, 1, [0, 0, 0, 0], 1, True),
@@ -319,23 +320,31 @@ def patch_reference(x, weight, bias, stride, pads, dilation, residual, activatio
     return {0: expected, 1: expected.clamp(min=0), 2: expected.clamp(-0.5, 0.75)}[activation]
 
 
+def patch_output(shape, channels_last):
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.full(shape, float("nan")).contiguous(memory_format=memory_format)
+
+
 @pytest.mark.parametrize("case", PATCH_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}d{c[5]}")
 @pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 2)])
 @pytest.mark.parametrize("pack", [True, False])
-def test_conv_patch(case, with_bias, with_sum, activation, pack):
+@pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
+def test_conv_patch(case, with_bias, with_sum, activation, pack, output_channels_last):
     torch.manual_seed(7)
     x_shape, c_out, k, stride, pads, dilation, input_channels_last = case
+    if not (input_channels_last or output_channels_last):
+        pytest.skip("NCHW to NCHW is not the patch kernel's (test_conv_patch_not_taken)")
     x = torch.randn(x_shape)
     weight = torch.randn(c_out, x_shape[1], k, k) / (x_shape[1] * k * k) ** 0.5
     bias = torch.randn(c_out) if with_bias else None
     shape = patch_reference(x, weight, None, stride, pads, dilation, None, 0).shape
-    residual = torch.randn(shape).contiguous(memory_format=torch.channels_last) if with_sum else None
+    residual = patch_output(shape, output_channels_last).normal_() if with_sum else None
     expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, activation)
-    out = torch.full(shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    out = patch_output(shape, output_channels_last)
     before = _testing.conv_kernel_calls("patch")
     _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
-                  [stride] * 2, pads, [dilation] * 2, 1, out, 2 | int(input_channels_last), pack, residual,
-                  activation, -0.5, 0.75)
+                  [stride] * 2, pads, [dilation] * 2, 1, out, 2 * int(output_channels_last) | int(input_channels_last),
+                  pack, residual, activation, -0.5, 0.75)
     assert _testing.conv_kernel_calls("patch") == before + 1
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -359,22 +368,26 @@ PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input chan
 
 @pytest.mark.parametrize("case", PATCH_SPLIT_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_conv_patch_threads_and_gather(case, threads):
+@pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
+def test_conv_patch_threads_and_gather(case, threads, output_channels_last):
     torch.manual_seed(9)
     x_shape, c_out, k, stride, pads, input_channels_last = case
+    if not (input_channels_last or output_channels_last):
+        pytest.skip("NCHW to NCHW is not the patch kernel's (test_conv_patch_not_taken)")
     x = torch.randn(x_shape)
     weight = torch.randn(c_out, x_shape[1], k, k) / (x_shape[1] * k * k) ** 0.5
     bias = torch.randn(c_out)
     shape = patch_reference(x, weight, None, stride, pads, 1, None, 0).shape
-    residual = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+    residual = patch_output(shape, output_channels_last).normal_()
     expected = patch_reference(x, weight, bias, stride, pads, 1, residual, 2)
-    out = torch.full(shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    out = patch_output(shape, output_channels_last)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         before = _testing.conv_kernel_calls("patch")
         _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
-                      [stride] * 2, pads, [1, 1], 1, out, 2 | int(input_channels_last), True, residual, 2, -0.5, 0.75)
+                      [stride] * 2, pads, [1, 1], 1, out, 2 * int(output_channels_last) | int(input_channels_last),
+                      True, residual, 2, -0.5, 0.75)
         assert _testing.conv_kernel_calls("patch") == before + 1
     finally:
         torch.set_num_threads(before_threads)
@@ -395,11 +408,11 @@ def test_conv_patch_nan_and_inf():
 
 
 @pytest.mark.parametrize("x_shape, w_shape, groups, layout", [((1, 8, 6, 6), (8, 4, 1, 1), 2, 3),
-                                                               ((1, 8, 6, 6), (8, 8, 1, 1), 1, 1),
+                                                               ((1, 8, 6, 6), (8, 8, 1, 1), 1, 0),
                                                                ((1, 8, 6, 6), (8, 8, 3, 3), 1, 0),
                                                                ((1, 288, 5, 5), (16, 288, 3, 3), 1, 3)])
 def test_conv_patch_not_taken(x_shape, w_shape, groups, layout):
-    """Grouped convolutions, NCHW outputs and receptive fields past 2304 values stay the others'."""
+    """Grouped convolutions, NCHW to NCHW and receptive fields past 2304 values stay the others'."""
     torch.manual_seed(8)
     x, weight = torch.randn(x_shape), torch.randn(w_shape)
     expected = torch.conv2d(x, weight, None, 1, padding=w_shape[2] // 2, groups=groups)
