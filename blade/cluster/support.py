@@ -1096,17 +1096,27 @@ def _index_select(ctx: LowerCtx, node):
 
 
 def _gather(ctx: LowerCtx, node):
-    """torch.gather(x, dim, index): out[..i..] = x[.. index[..i..] at dim ..], via a flat Gather."""
+    """torch.gather(x, dim, index): out[..i..] = x[.. index[..i..] at dim ..], via a flat Gather at
+    index * stride(dim) + the offset of each index position along the other dims (a constant,
+    broadcast over the dims where the index has one element). Run-time dims of x (BERT's
+    ``token_type_ids[:, :seq].gather(1, position_ids)``) are read from its shape; an offset over
+    a run-time dim or stride would be a size-dependent constant, which the symbolic lowering refuses."""
     x, _, index = _args(node)[:3]
-    shape, ishape = ctx.shape(x), ctx.shape(index)
-    dim = _dim_arg(ctx, node, 1, len(shape))
-    strides = [int(np.prod(shape[d + 1:])) for d in range(len(shape))]
-    position = np.zeros(ishape, np.int64)   # the linear offset of every index position, but at dim
-    for d, n in enumerate(ishape):
-        if d != dim:
-            position += (np.arange(n) * strides[d]).reshape([-1 if k == d else 1 for k in range(len(ishape))])
-    i = _index_in_range(ctx, _int64(ctx, index), shape[dim], wraps=False, past_end=int(np.prod(shape)))
-    linear = ctx.b.op("Add", [ctx.b.op("Mul", [i, ctx.scalar(strides[dim], np.int64)]), ctx.b.constant(position)])
+    ishape = ctx.shape(index)
+    rank = len(ctx.shape(x))
+    dim = _dim_arg(ctx, node, 1, rank)
+    size = [ctx.dim_size(x, d) for d in range(rank)]  # ints, or ONNX sizes for run-time dims
+    spread = [d for d, n in enumerate(ishape) if d != dim and n != 1]
+    position = np.zeros([n if d in spread else 1 for d, n in enumerate(ishape)], np.int64)
+    for d in spread:
+        stride = _size_product(ctx, size[d + 1:])
+        stride = stride if isinstance(stride, int) else int(np.prod(ctx.shape(x)[d + 1:]))  # baked: refused
+        position += (np.arange(ishape[d]) * stride).reshape([-1 if k == d else 1 for k in range(len(ishape))])
+    i = _index_in_range(ctx, _int64(ctx, index), size[dim], wraps=False, past_end=_size_product(ctx, size))
+    stride = _size_product(ctx, size[dim + 1:])
+    linear = i if isinstance(stride, int) and stride == 1 else ctx.b.op("Mul", [i, _int64_size(ctx, stride)])
+    if spread:
+        linear = ctx.b.op("Add", [linear, ctx.b.constant(position)])
     flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
     return [ctx.b.op("Gather", [flat, linear], axis=0)]
 
