@@ -404,17 +404,22 @@ def probe_types(front) -> list:
     return [measure_types(front.module, inputs) for inputs in front.probe_inputs]
 
 
-def exclusions(graph, symbols: SizeSymbols, types: list, partition_graph) -> dict:
-    """Node -> why it stays in TorchScript: the ops whose lowering computes from a run-time size.
-    ``partition_graph(excluded)`` partitions with those nodes left out; partition, lower every
-    cluster at every probe point, leave out the node each refusing cluster blames (or all of its
-    nodes when none is to blame), and again until every cluster lowers."""
+def exclusions(graph, symbols: SizeSymbols, types: list, partition_graph) -> tuple:
+    """(partition, lowered): the graph partitioned with the ops whose lowering computes from a
+    run-time size left out (their reasons in ``partition.reasons``), and the ONNX of each of its
+    clusters by name (``cluster_<index>``) where it lowered. ``partition_graph(excluded)``
+    partitions with those nodes left out; partition, lower every cluster at every probe point,
+    leave out the node each refusing cluster blames (or all of its nodes when none is to blame),
+    and again until every cluster lowers. The last round's lowerings are the compile's: the
+    pipeline does not lower those clusters again."""
     excluded: dict = {}
     while True:
-        refused = 0
-        for cluster in partition_graph(excluded).clusters:
+        refused, lowered = 0, {}
+        parts = partition_graph(excluded)
+        for cluster in parts.clusters:
+            name = f"cluster_{cluster.index}"
             try:
-                lower_symbolic(cluster, "probe", symbols, types)
+                lowered[name] = lower_symbolic(cluster, name, symbols, types)
             except SymbolicRefusal as err:
                 refused += 1
                 blamed = [err.node] if err.node is not None else cluster.nodes
@@ -422,4 +427,4 @@ def exclusions(graph, symbols: SizeSymbols, types: list, partition_graph) -> dic
             except LoweringError:
                 continue  # refused at the example's sizes too: the compile reports it
         if not refused:
-            return excluded
+            return parts, lowered

@@ -303,8 +303,9 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
         return partition(front.graph, min_cluster_size=config.min_cluster_size,
                          excluded_ops=config.excluded_ops, excluded_nodes=excluded_nodes)
 
-    excluded = exclusions(front.graph, symbols, types_at_probes, partition_graph) if symbols else None
-    parts = partition_graph(excluded)
+    # with symbols: the partition that leaves out what cannot take run-time sizes, and its clusters' ONNX
+    parts, symbolic_models = exclusions(front.graph, symbols, types_at_probes, partition_graph) if symbols \
+        else (partition_graph(), {})
     # read everything reports need before splicing destroys the clustered nodes
     locations = fx_locations(gm)
     report.aten_total = sum(1 for n in parts.ops if _is_aten(n))
@@ -328,7 +329,8 @@ def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: li
         fallback_module = saved_subgraph(graph) if config.fallback != "off" or config.dump_dir else b""
         dump.write_subgraph(cluster_dir, graph, fallback_module)
         try:
-            model = lower_symbolic(cluster, name, symbols, types_at_probes) if symbols else lower_cluster(cluster, name)
+            model = symbolic_models.get(name) or (
+                lower_symbolic(cluster, name, symbols, types_at_probes) if symbols else lower_cluster(cluster, name))
         except LoweringError as err:
             rep.status, rep.error = "lowering failed", str(err)
             warnings.warn(f"blade: {name} could not be lowered to ONNX and stays in TorchScript: {err}")

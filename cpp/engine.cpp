@@ -303,6 +303,7 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
 
   const ScratchLease scratch(static_cast<size_t>(def_.scratch_bytes));
   const PackingScope packing(&packed_weights_);
+  gemm_new_call();
   const SerialScope serial_while_oversubscribed;  // oversubscription.h
   int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), sizes.data(),
                       scratch.data());

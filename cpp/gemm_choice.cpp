@@ -33,6 +33,17 @@ namespace {
 enum Kernel { kMkl, kOnednnMatmul, kOnednnPacked, kPanels, kKernels };
 constexpr std::array<const char*, kKernels> kKernelNames = {"mkl", "onednn-matmul", "onednn-packed", "panels"};
 constexpr unsigned bit(Kernel k) { return 1u << k; }
+// Kernels whose first call at an exact shape JIT-compiles (oneDNN makes a primitive per shape, a
+// few hundred us to ms each): they run at a shape only from the second engine call that meets it,
+// so a call at a new shape never waits on a compiler. MKL and the panels kernel have no per-shape
+// setup (their weight packing is per weight, once).
+constexpr unsigned kJitKernels = bit(kOnednnMatmul) | bit(kOnednnPacked);
+constexpr bool jits(int k) { return (kJitKernels >> k) & 1u; }
+
+std::array<std::atomic<int64_t>, kKernels> kernel_calls{};  // per kernel, for tests (gemm_kernel_calls)
+
+// Engine calls so far (gemm_new_call): a shape met in an earlier call is one a JIT kernel may compile for.
+std::atomic<uint64_t> call_epoch{1};
 
 // BLADE_GEMM's values: the kernels each lets the runtime time against each other.
 struct Mode {
@@ -106,6 +117,7 @@ struct Choice {
   std::mutex mutex;
   unsigned kernels = 0;                     // the candidates (a oneDNN kernel that refused is dropped)
   int first = kMkl;                         // sampled first: a neighbouring bucket's choice
+  int neighbours_without_jit = -1;          // that bucket's best kernel without JIT (-1: no settled neighbour)
   std::array<int, kKernels> issued{};       // calls handed to each candidate to sample
   std::array<int, kKernels> samples{};      // of those, recorded (first calls at a shape are not)
   std::array<double, kKernels> ns_per_flop;  // per candidate: its best sample; NaN: none yet
@@ -114,7 +126,45 @@ struct Choice {
   const float* sampling_b = nullptr;        // B constant: the one weight whose calls sample
   std::set<std::array<int64_t, 4>> ran;     // (kernel, m, n, k) run so far: a repeat is warm
   std::array<int, kKernels> cold{};         // first calls (packing, JIT-compiling) left unrecorded
+  std::map<ShapeKey, uint64_t> met;         // exact shapes of the bucket -> the engine call that first met it
 };
+
+// At most this many exact shapes a bucket remembers (a bucket spans up to 2x per dim); when full it
+// forgets them all, which only makes the next calls at them run a kernel that needs no JIT once more.
+constexpr size_t kMaxShapesMet = 512;
+
+// Whether a JIT kernel may run at this exact shape: an earlier engine call met it (choice.mutex held).
+bool met_before_locked(Choice& choice, const ShapeKey& exact) {
+  const uint64_t now = call_epoch.load(std::memory_order_relaxed);
+  if (choice.met.size() >= kMaxShapesMet && choice.met.count(exact) == 0) choice.met.clear();
+  const auto [it, fresh] = choice.met.try_emplace(exact, now);
+  return !fresh && it->second < now;
+}
+
+// The fastest kernel without JIT by the bucket's samples, else by its nearest settled neighbour's;
+// -1 when neither sampled one.
+int measured_without_jit_locked(const Choice& choice) {
+  int best = -1;
+  for (int k = 0; k < kKernels; ++k) {
+    if (!(choice.kernels & bit(Kernel(k))) || jits(k) || std::isnan(choice.ns_per_flop[k])) continue;
+    if (best < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[best]) best = k;
+  }
+  if (best >= 0) return best;
+  const int neighbours = choice.neighbours_without_jit;
+  return neighbours >= 0 && (choice.kernels & bit(Kernel(neighbours))) ? neighbours : -1;
+}
+
+// The kernel that needs no JIT a call at a new exact shape runs: the measured one, else the one
+// sampled first, the panels kernel, MKL; -1 when every candidate JITs (BLADE_GEMM=onednn).
+int without_jit_locked(const Choice& choice) {
+  const int measured = measured_without_jit_locked(choice);
+  if (measured >= 0) return measured;
+  if (!jits(choice.first) && (choice.kernels & bit(Kernel(choice.first)))) return choice.first;
+  for (const Kernel k : {kPanels, kMkl}) {
+    if (choice.kernels & bit(k)) return k;
+  }
+  return -1;
+}
 
 struct Table {
   std::shared_mutex mutex;
@@ -179,6 +229,7 @@ PackedWeights* mkl_packing(const GemmArgs& g, PackedWeights* weights) {
 }
 
 void run(Kernel kernel, const GemmArgs& g, PackedWeights* weights) {
+  kernel_calls[kernel].fetch_add(1, std::memory_order_relaxed);
   switch (kernel) {
     case kOnednnMatmul:
       onednn_matmul(g);
@@ -216,21 +267,30 @@ double flops(const GemmArgs& g) { return 2.0 * g.batch * g.m * g.n * g.k; }
 
 // The kernel this call samples; -1: the bucket has settled meanwhile, -2: the call is not on the
 // weight that samples.
-int next_sample(Choice& choice, const GemmArgs& g, bool b_constant) {
+// -3: the call is not on that weight and its shape is new to the bucket: run `measured` (the
+// measured kernel without JIT, -1: none), which packs that weight only as the likely winner.
+int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, const ShapeKey& exact, int& measured) {
   std::lock_guard<std::mutex> lock(choice.mutex);
   if (choice.settled.load(std::memory_order_relaxed)) return -1;
+  const bool met = met_before_locked(choice, exact);
   if (b_constant) {
     if (choice.sampling_b == nullptr) choice.sampling_b = g.b;
-    if (choice.sampling_b != g.b) return -2;
+    if (choice.sampling_b != g.b) {
+      measured = measured_without_jit_locked(choice);
+      return met ? -2 : -3;
+    }
   }
   int pick = -1;
   const auto fewer = [&](int k, int than) {
     return choice.samples[k] != choice.samples[than] ? choice.samples[k] < choice.samples[than]
                                                      : choice.issued[k] < choice.issued[than];
   };
-  for (int i = 0; i < kKernels; ++i) {
-    const int k = (choice.first + i) % kKernels;  // ties: the likely winner first, the call's own result
-    if ((choice.kernels & bit(Kernel(k))) && (pick < 0 || fewer(k, pick))) pick = k;
+  for (const bool allow_jit : {met, true}) {  // at a new shape the kernels without JIT, if any
+    for (int i = 0; i < kKernels; ++i) {
+      const int k = (choice.first + i) % kKernels;  // ties: the likely winner first, the call's own result
+      if ((choice.kernels & bit(Kernel(k))) && (allow_jit || !jits(k)) && (pick < 0 || fewer(k, pick))) pick = k;
+    }
+    if (pick >= 0) break;
   }
   ++choice.issued[pick];
   return pick;
@@ -278,22 +338,35 @@ void drop(Choice& choice, int kernel) {
   settle_if_sampled(choice);
 }
 
-// The kernel a settled bucket of half or twice the rows chose (the nearest evidence of which
-// kernel wins at these sizes), else the first candidate.
-int neighbours_choice(const Table& t, ShapeKey key, unsigned kernels) {
+// The nearest settled bucket of the same GEMM but for the row count (half or twice the rows, then
+// a quarter or four times, ...): the nearest evidence of which kernel wins at these sizes. Sets
+// choice.first to its kernel (else the panels kernel, the one written for a constant B, else the
+// first candidate) and choice.neighbours_without_jit to its best kernel without JIT.
+constexpr int kNeighbourOctaves = 12;
+
+void take_neighbours_choice(const Table& t, ShapeKey key, Choice& choice) {
   const int64_t rows = key[1];
-  for (const int64_t neighbour : {rows / 2, rows * 2}) {
-    key[1] = neighbour;
-    const auto it = neighbour >= 1 ? t.choices.find(key) : t.choices.end();
-    if (it != t.choices.end() && it->second->settled.load(std::memory_order_acquire)) {
+  for (int octave = 1; octave <= kNeighbourOctaves; ++octave) {
+    for (const int64_t neighbour : {rows >> octave, rows << octave}) {
+      key[1] = neighbour;
+      const auto it = neighbour >= 1 ? t.choices.find(key) : t.choices.end();
+      if (it == t.choices.end() || !it->second->settled.load(std::memory_order_acquire)) continue;
       const int kernel = it->second->kernel.load(std::memory_order_relaxed);
-      if (kernels & bit(Kernel(kernel))) return kernel;
+      if (!(choice.kernels & bit(Kernel(kernel)))) continue;
+      std::lock_guard<std::mutex> lock(it->second->mutex);  // order: the table's lock, then a bucket's
+      choice.first = kernel;
+      choice.neighbours_without_jit = measured_without_jit_locked(*it->second);
+      return;
     }
   }
-  for (int k = 0; k < kKernels; ++k) {
-    if (kernels & bit(Kernel(k))) return k;
+  choice.first = kMkl;
+  if (choice.kernels & bit(kPanels)) {
+    choice.first = kPanels;
+    return;
   }
-  return kMkl;
+  for (int k = kKernels - 1; k >= 0; --k) {
+    if (choice.kernels & bit(Kernel(k))) choice.first = k;
+  }
 }
 
 // The bucket's entry, made on its first call; nullptr when set_gemm_backend changed the rules.
@@ -310,7 +383,7 @@ Choice* entry_for(const ShapeKey& key, unsigned kernels, unsigned allowed) {
   if (!slot) {
     slot = std::make_unique<Choice>();
     slot->kernels = kernels;
-    slot->first = neighbours_choice(t, key, kernels);
+    take_neighbours_choice(t, key, *slot);
     slot->ns_per_flop.fill(std::numeric_limits<double>::quiet_NaN());
     slot->us.fill(std::numeric_limits<double>::quiet_NaN());
   }
@@ -328,6 +401,17 @@ void run_or_mkl(Kernel kernel, const GemmArgs& g, PackedWeights* weights) {
   }
 }
 
+// A settled bucket's kernel for this call: at an exact shape no earlier engine call met, a JIT
+// winner gives way to the best kernel without JIT (the next call at the shape compiles).
+Kernel settled_kernel(Choice& choice, const ShapeKey& exact) {
+  const int kernel = choice.kernel.load(std::memory_order_relaxed);
+  if (!jits(kernel)) return Kernel(kernel);
+  std::lock_guard<std::mutex> lock(choice.mutex);
+  if (met_before_locked(choice, exact)) return Kernel(kernel);
+  const int instead = without_jit_locked(choice);
+  return Kernel(instead >= 0 ? instead : kernel);
+}
+
 // Runs g with the bucket's kernel, or as one of its samples while it is not settled.
 void run_chosen(const GemmArgs& g, bool b_constant, PackedWeights* weights) {
   const unsigned allowed = allowed_kernels();
@@ -339,12 +423,15 @@ void run_chosen(const GemmArgs& g, bool b_constant, PackedWeights* weights) {
   }
   Choice* choice = entry_for(bucket_key(g, b_constant), kernels, allowed);
   if (choice == nullptr) return run(kMkl, g, weights);  // the mode changed under this call
+  const ShapeKey exact = exact_key(g, b_constant);
   if (choice->settled.load(std::memory_order_acquire)) {
-    return run_or_mkl(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
+    return run_or_mkl(settled_kernel(*choice, exact), g, weights);
   }
-  const int kernel = next_sample(*choice, g, b_constant);
-  if (kernel == -1) return run_or_mkl(Kernel(choice->kernel.load(std::memory_order_relaxed)), g, weights);
+  int measured = -1;
+  const int kernel = next_sample(*choice, g, b_constant, exact, measured);
+  if (kernel == -1) return run_or_mkl(settled_kernel(*choice, exact), g, weights);
   if (kernel == -2) return run_or_mkl(kernels & bit(kOnednnMatmul) ? kOnednnMatmul : kMkl, g, nullptr);  // packs nothing
+  if (kernel == -3) return measured >= 0 ? run(Kernel(measured), g, weights) : run(kMkl, g, nullptr);  // compiles nothing
   const auto start = std::chrono::steady_clock::now();
   try {
     run(Kernel(kernel), g, weights);
@@ -404,6 +491,15 @@ void gemm(GemmArgs g, PackedWeights* weights) {
   }
   const bool b_constant = weights != nullptr && (g.batch == 1 || g.stride_b == 0) && weights->is_constant(g.b);
   run_chosen(g, b_constant, weights);
+}
+
+void gemm_new_call() { call_epoch.fetch_add(1, std::memory_order_relaxed); }
+
+int64_t gemm_kernel_calls(const std::string& kernel) {
+  for (int k = 0; k < kKernels; ++k) {
+    if (kernel == kKernelNames[k]) return kernel_calls[k].load(std::memory_order_relaxed);
+  }
+  TORCH_CHECK(false, "gemm_kernel_calls: unknown kernel ", kernel);
 }
 
 void set_gemm_backend(const std::string& mode) {

@@ -35,6 +35,7 @@ void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, double alpha, const a
   PackedWeights weights;  // with pack, b counts as an engine constant (packs live for one call)
   if (pack) weights.add_constant(b.const_data_ptr(), b.nbytes());
   const PackingScope scope(pack ? &weights : nullptr);
+  gemm_new_call();  // each call is one engine call's GEMM
   pybind11::gil_scoped_release no_gil;  // column blocks run on ATen's pool
   runtime()->sgemm(batch, m, n, k, static_cast<float>(alpha), a.const_data_ptr<float>(), lda, stride_a,
                    trans_a, b.const_data_ptr<float>(), ldb, stride_b, trans_b, static_cast<float>(beta),
@@ -117,6 +118,9 @@ void bind_testing(pybind11::module_& m) {
   m.def("set_gemm_backend", &set_gemm_backend,
         "The GEMM kernels the runtime may choose from (BLADE_GEMM's values; '' reads BLADE_GEMM again); "
         "forgets the choices made so far.", py::arg("mode"));
+  m.def("gemm_kernel_calls", &gemm_kernel_calls,
+        "How many GEMMs the kernel ('mkl', 'onednn-matmul', 'onednn-packed', 'panels') ran in this process.",
+        py::arg("kernel"));
   m.def("gemm_onednn_usable", &onednn_usable,
         "Whether libtorch's oneDNN matmul runs on this CPU (else the oneDNN GEMM modes fall back to MKL).");
   m.def("parallel_for_chunks", &parallel_for_chunks,

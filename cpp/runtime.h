@@ -33,6 +33,14 @@ struct GemmChoice {
 };
 std::vector<GemmChoice> gemm_choices();
 
+// A new engine call begins: GEMM shapes met from now on count as new (gemm_choice.cpp compiles a
+// oneDNN primitive for a shape only from the second call that meets it).
+void gemm_new_call();
+
+// How many GEMMs each kernel ("mkl", "onednn-matmul", "onednn-packed", "panels") ran in this
+// process: for tests of which kernel a call runs.
+int64_t gemm_kernel_calls(const std::string& kernel);
+
 // Whether the runtime's conv may use its own kernel "winograd" (winograd.h), "depthwise"
 // (depthwise.h) or "pointwise" (conv_gemm.h) where it applies (each on by default), and how often
 // it ran one. Process-wide: for tests and A/B measurements against oneDNN's convolution.

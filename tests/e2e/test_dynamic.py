@@ -152,6 +152,53 @@ def test_an_op_that_computes_from_a_size_stays_in_torchscript():
     assert report.left_out
 
 
+def test_gather_along_a_run_time_dim_joins_the_engine():
+    """BERT's token types: a buffer cut to the run-time length, gathered at the position ids
+    (``buffer[:, :seq].gather(1, positions)``). The gather reads the length from the shape, so it
+    compiles with its neighbours into one engine instead of splitting the graph."""
+    class TokenTypes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("types", torch.arange(64).remainder(3).unsqueeze(0))
+            self.embed = torch.nn.Embedding(3, 8)
+
+        def forward(self, x):
+            seq = x.shape[1]
+            positions = torch.arange(seq).flip(0).unsqueeze(0)
+            types = self.types[:, :seq].gather(1, positions).expand(x.shape[0], seq)
+            return (x + self.embed(types)).relu()
+
+    torch.manual_seed(0)
+    model, capture = TokenTypes().eval(), Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        for batch, seq in [(2, 6), (3, 9), (5, 40)]:
+            x = torch.randn(batch, seq, 8)
+            assert_close(compiled(x), model(x))
+    report = capture.report
+    assert report.size_symbols and not any("gather" in n.kind for n in report.left_out_nodes), report.left_out_nodes
+    assert any("aten::gather" in c.op_kinds for c in report.clusters if c.status == "compiled")
+
+
+def test_gather_whose_offsets_need_a_run_time_size_joins_the_engine():
+    """gather over rows of a run-time count: each row's offset is a multiple of the run-time row
+    length, computed at run time from a Range over the rows (not a constant); exact at every size."""
+    class RowGather(torch.nn.Module):
+        def forward(self, x):
+            index = (x > 0).long()  # 0 or 1: in range at every probe size
+            return (x.gather(1, index) * 2.0).relu()
+
+    model, capture = RowGather().eval(), Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        for rows, cols in [(3, 6), (4, 9), (6, 5)]:
+            x = torch.randn(rows, cols)
+            assert_close(compiled(x), model(x))
+    assert len(capture.compiled) == 1 and capture.report.size_symbols
+    assert not any(n.kind == "aten::gather" for n in capture.report.left_out_nodes), capture.report.left_out_nodes
+    assert any("aten::gather" in c.op_kinds for c in capture.report.clusters if c.status == "compiled")
+
+
 class Scaled(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -197,6 +197,61 @@ def test_auto_samples_on_one_weight_of_a_bucket():
     assert len(choices) == 1 and 5 * CANDIDATES <= choices[0]["timings"] <= 5 * CANDIDATES + CANDIDATES, choices
 
 
+KERNELS = ("mkl", "onednn-matmul", "onednn-packed", "panels")
+JIT_KERNELS = ("onednn-matmul", "onednn-packed")  # a primitive compiled per exact shape
+
+
+def kernel_calls():
+    return {k: _testing.gemm_kernel_calls(k) for k in KERNELS}
+
+
+def ran_since(before):
+    return {k: n - before[k] for k, n in kernel_calls().items() if n != before[k]}
+
+
+class HeadsGemm:
+    """Attention's scores: a batch of GEMMs on operands computed per call (no constant B)."""
+
+    def __init__(self, k=128, n=64):
+        generator = torch.Generator().manual_seed(5)
+        self.a, self.b = torch.randn(4, 128, k, generator=generator), torch.randn(4, k, n, generator=generator)
+
+    def __call__(self, m):
+        _, k, n = self.b.shape
+        a, c = self.a[:, :m].contiguous(), torch.full((4, m, n), float("nan"))
+        _testing.sgemm(4, m, n, k, 1.0, a, k, m * k, False, self.b, n, k * n, False, 0.0, c, n, m * n, pack=False)
+        torch.testing.assert_close(c.double(), a.double() @ self.b.double(), rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("gemm", [FixedGemm, HeadsGemm])
+def test_a_call_at_a_new_shape_runs_one_kernel_that_compiles_nothing(gemm):
+    """oneDNN compiles a primitive per exact shape (the stall of an engine's first call at a new
+    sequence length): a call meeting a shape for the first time runs one kernel without JIT, in a
+    new bucket and in a settled one alike; the oneDNN kernels are sampled and run from the second
+    call at a shape."""
+    gemm = gemm()
+    _testing.set_gemm_backend("auto")
+    try:
+        for m in (40, 100):  # a new bucket, its first call at each of two shapes
+            before = kernel_calls()
+            gemm(m)
+            ran = ran_since(before)
+            assert sum(ran.values()) == 1 and not set(ran) & set(JIT_KERNELS), ran
+        before = kernel_calls()
+        for _ in range(14 * CANDIDATES):  # repeats: every candidate samples, the bucket settles
+            gemm(40)
+        assert set(JIT_KERNELS) & set(ran_since(before)), ran_since(before)
+        assert choices_serving("rows 33-64"), blade._C.gemm_choices()
+        for m in (33, 47, 58):  # new shapes of the settled bucket
+            before = kernel_calls()
+            gemm(m)
+            ran = ran_since(before)
+            assert sum(ran.values()) == 1 and not set(ran) & set(JIT_KERNELS), ran
+    finally:
+        _testing.set_gemm_backend("")
+
+
 def test_auto_takes_mkl_for_tiny_gemms_untimed():
     """Under 2 MFLOP oneDNN's per-call overhead cannot win: MKL, no timing, the same bits as MKL's."""
     _testing.set_gemm_backend("auto")
