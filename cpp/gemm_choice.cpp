@@ -124,6 +124,7 @@ struct Choice {
   std::array<double, kKernels> us;          // that sample's call, us
   ShapeKey sampled{};                       // the exact shape of the latest sample
   const float* sampling_b = nullptr;        // B constant: the one weight whose calls sample
+  uint64_t sampling_b_call = 0;             // the engine call (call_epoch) that last ran it
   std::set<std::array<int64_t, 4>> ran;     // (kernel, m, n, k) run so far: a repeat is warm
   std::array<int, kKernels> cold{};         // first calls (packing, JIT-compiling) left unrecorded
   std::map<ShapeKey, uint64_t> met;         // exact shapes of the bucket -> the engine call that first met it
@@ -261,6 +262,9 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // looks like a stall (over 1 ms at under 20 GFLOP/s, as when other jobs hold every core): then
 // sampling goes on, up to kMaxSamples calls each.
 constexpr int kSamples = 5, kMaxSamples = 12;
+// Engine calls (of any engine, process-wide) after which a sampling weight that did not run is
+// replaced: far more than the engine calls one model call makes.
+constexpr uint64_t kSamplerIdleCalls = 64;
 constexpr double kSuspectUs = 1000, kSuspectGflops = 20;
 
 double flops(const GemmArgs& g) { return 2.0 * g.batch * g.m * g.n * g.k; }
@@ -274,7 +278,13 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, const ShapeK
   if (choice.settled.load(std::memory_order_relaxed)) return -1;
   const bool met = met_before_locked(choice, exact);
   if (b_constant) {
-    if (choice.sampling_b == nullptr) choice.sampling_b = g.b;
+    // The sampling weight's engine may never run again (its module was freed, or dynamo recompiled
+    // the graph into a new one with its own weights): after kSamplerIdleCalls engine calls without
+    // it, the weight at hand samples instead, or the bucket would never settle and every weight
+    // would run the unmeasured pack-free kernel for good.
+    const uint64_t now = call_epoch.load(std::memory_order_relaxed);
+    if (choice.sampling_b == nullptr || now - choice.sampling_b_call > kSamplerIdleCalls) choice.sampling_b = g.b;
+    if (choice.sampling_b == g.b) choice.sampling_b_call = now;
     if (choice.sampling_b != g.b) {
       measured = measured_without_jit_locked(choice);
       return met ? -2 : -3;

@@ -197,6 +197,25 @@ def test_auto_samples_on_one_weight_of_a_bucket():
     assert len(choices) == 1 and 5 * CANDIDATES <= choices[0]["timings"] <= 5 * CANDIDATES + CANDIDATES, choices
 
 
+@needs_onednn
+def test_a_bucket_settles_when_its_sampling_weight_stops_running():
+    """The weight that samples may never run again (its module freed, or dynamo recompiled the
+    graph into a new module with its own weights): another weight takes over its sampling after
+    64 engine calls without it, and the bucket settles; before, it never did, and every weight ran
+    the unmeasured pack-free kernel for good (a 2.5x slower MLP in bench/run.py)."""
+    gone, kept = FixedGemm(), FixedGemm()
+    kept.b = kept.b.flip(0).contiguous()
+    _testing.set_gemm_backend("auto")
+    try:
+        gone(40)  # samples first: the bucket's sampling weight
+        for _ in range(64 + 8 * CANDIDATES):
+            kept(40)
+        choices = choices_serving("rows 33-64")
+    finally:
+        _testing.set_gemm_backend("")
+    assert len(choices) == 1 and choices[0]["timings"] >= 5 * CANDIDATES, choices
+
+
 KERNELS = ("mkl", "onednn-matmul", "onednn-packed", "panels")
 JIT_KERNELS = ("onednn-matmul", "onednn-packed")  # a primitive compiled per exact shape
 
