@@ -98,6 +98,14 @@ def is_size_value(value: torch.Value) -> bool:
         all(is_constant(v) or is_size_value(v) for v in node.inputs()) and not is_constant(value)
 
 
+def run_time_size_list(value) -> list | None:
+    """The items of an int list of run-time sizes and constants built in the graph
+    (``prim::ListConstruct``, e.g. ``expand(batch, seq)``), or None for any other value."""
+    if value is None or not is_size_value(value) or value.node().kind() != "prim::ListConstruct":
+        return None
+    return list(value.node().inputs())
+
+
 # Python int arithmetic on run-time sizes (``mask.size(0) * mask.size(1) // ids.size(0)``): kind ->
 # the ONNX op on 0-d int64 sizes. floordiv is ONNX Div, which truncates: equal to Python's floor
 # only for a non-negative dividend and a positive divisor, so its rule checks both (and the engine
@@ -349,9 +357,9 @@ def reshape_to_output(ctx: LowerCtx, node):
         shape, allowzero = ctx.target_shape(node.output(), source)
     except LoweringError:
         sizes = _args(node)[1] if len(_args(node)) > 1 else None
-        if sizes is None or not is_size_value(sizes) or sizes.node().kind() != "prim::ListConstruct":
+        items = run_time_size_list(sizes)
+        if items is None:
             raise
-        items = list(sizes.node().inputs())
         if any(is_constant(v) and ctx.const(v) < 0 for v in items):
             raise LoweringError("a view to run-time sizes with a -1 (inferred from a product of sizes)")
         return [ctx.b.op("Reshape", [ctx.tensor(source), ctx.sizes(items)], allowzero=0)]
@@ -582,11 +590,11 @@ def _expand(ctx: LowerCtx, node):
     try:
         shape = ctx.b.ints(ctx.expand_shape(node.output(), source))
     except LoweringError:
-        sizes = _args(node)[1]
-        if node.kind() != "aten::expand" or not is_size_value(sizes) or sizes.node().kind() != "prim::ListConstruct":
+        sizes = run_time_size_list(_args(node)[1])
+        if node.kind() != "aten::expand" or sizes is None:
             raise
         # the run-time sizes expanded to; -1 (keep the source's dim) is 1 to ONNX's broadcast
-        items = [1 if is_constant(v) and ctx.const(v) == -1 else v for v in sizes.node().inputs()]
+        items = [1 if is_constant(v) and ctx.const(v) == -1 else v for v in sizes]
         shape = ctx.sizes(items)
     return [ctx.b.op("Expand", [ctx.tensor(source), shape])]
 
@@ -1126,9 +1134,10 @@ def _fill_shape(ctx: LowerCtx, node) -> str:
     if node.kind().endswith("_like"):
         return ctx.b.op("Shape", [ctx.tensor(_args(node)[0])])
     sizes = _named(node)["size"]
-    if not is_size_value(sizes) or sizes.node().kind() != "prim::ListConstruct":
+    items = run_time_size_list(sizes)
+    if items is None:
         raise LoweringError(f"{node.kind()} to run-time dims not given as a list of sizes")
-    return ctx.sizes(list(sizes.node().inputs()))
+    return ctx.sizes(items)
 
 
 FILL_VALUES = {"aten::zeros_like": 0, "aten::new_zeros": 0, "aten::ones_like": 1, "aten::new_ones": 1}
@@ -1141,14 +1150,14 @@ def _create(ctx: LowerCtx, node):
     args = _named(node)
     value = CREATE_VALUES[node.kind()] if node.kind() in CREATE_VALUES else ctx.const(args["fill_value"])
     sizes = args["size"]
-    shape = ctx.b.ints(ctx.const(sizes)) if is_constant(sizes) else ctx.sizes(list(sizes.node().inputs()))
+    shape = ctx.b.ints(ctx.const(sizes)) if is_constant(sizes) else ctx.sizes(run_time_size_list(sizes))
     return [ctx.b.op("Expand", [ctx.scalar(value, _out_dtype(node)), shape])]
 
 
 def _create_check(node):
     args = _named(node)
     sizes = args.get("size")
-    if sizes is None or not (is_constant(sizes) or (is_size_value(sizes) and sizes.node().kind() == "prim::ListConstruct")):
+    if sizes is None or not (is_constant(sizes) or run_time_size_list(sizes) is not None):
         return f"{node.kind()} of sizes that are neither constants nor a list of run-time sizes"
     if "fill_value" in args and not is_constant(args["fill_value"]):
         return f"{node.kind()} with a computed fill value"
