@@ -1,6 +1,6 @@
 // The runtime's SGEMM (BladeRuntime::sgemm): one call's arguments, the kernels that can run it
 // (MKL's BLAS in gemm_mkl.cpp, oneDNN through libtorch in gemm_onednn.cpp, the runtime's own
-// kernel on packed panels of a constant B in gemm_panels.cpp) and the per-shape choice
+// kernel on B in 32-column panels in gemm_panels.cpp) and the per-shape choice
 // between them (gemm_choice.cpp), made by timing the candidates on this machine.
 #pragma once
 
@@ -60,13 +60,15 @@ void onednn_matmul(const GemmArgs& g);
 bool onednn_packed_applies(const GemmArgs& g, PackedWeights* weights);
 void onednn_packed(const GemmArgs& g, PackedWeights* weights);
 
-// ---- the runtime's own kernel on a constant B packed in panels (gemm_panels.cpp) ----
+// ---- the runtime's own kernel on B in 32-column panels (gemm_panels.cpp) ----
 
-// Whether panels_gemm can run g when its B is one of the engine's constants: a single GEMM, on a
-// CPU with AVX-512.
-bool panels_applies(const GemmArgs& g);
+// Whether panels_gemm can run g (on a CPU with AVX-512): a single GEMM when its B is one of the
+// engine's constants (b_constant), any batch when B is computed.
+bool panels_applies(const GemmArgs& g, bool b_constant);
 
-// C = op(A) (alpha op(B)) + beta C with B packed once per engine in 32-column panels, straight into C.
+// C = op(A) (alpha op(B)) + beta C straight into C, 8-row blocks of C's 32-column panels in
+// registers: a constant B packed once per engine in 32-column panels; a computed B read in place
+// (untransposed) or packed per call, panel by panel (transposed).
 void panels_gemm(const GemmArgs& g, PackedWeights* weights);
 
 // ---- the choice (gemm_choice.cpp) ----

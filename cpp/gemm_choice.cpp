@@ -210,7 +210,7 @@ unsigned candidates(const GemmArgs& g, bool b_constant, unsigned allowed) {
     applicable |= bit(kOnednnMatmul);
     if (g.batch == 1 && b_constant) applicable |= bit(kOnednnPacked);
   }
-  if (b_constant && panels_applies(g)) applicable |= bit(kPanels);
+  if (panels_applies(g, b_constant)) applicable |= bit(kPanels);
   unsigned chosen = applicable & allowed;
   if (chosen == 0) chosen = applicable & (allowed & kOnednnKernels ? bit(kOnednnMatmul) : bit(kMkl));
   return chosen != 0 ? chosen : bit(kMkl);

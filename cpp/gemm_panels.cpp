@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "gemm.h"
 
@@ -26,15 +28,24 @@ constexpr int64_t kPackTag = -3;  // PackedWeights key slot 1 (MKL: trans_b, one
 #define BLADE_AVX512 __attribute__((target("avx512f,fma")))
 
 // One register block: rows [0, R) of A (element (r, kk) at a[r * row_step + kk * k_step]) times one
-// packed panel, into C's columns [0, width) of those rows (beta as BLAS reads it: 0 ignores C).
-template <int R>
+// panel (row kk's 32 floats at panel + kk * panel_step), into C's columns [0, width) of those rows
+// (beta as BLAS reads it: 0 ignores C). kInPlace: the panel is B itself (a computed, untransposed
+// operand: rows ldb apart, possibly unaligned, the columns past `width` outside B, so loads are
+// masked) and alpha, not folded into a pack, scales the sums; else a packed, zero-padded panel.
+template <int R, bool kInPlace>
 BLADE_AVX512 inline void block(int64_t k, const float* a, int64_t row_step, int64_t k_step, const float* panel,
-                               float beta, float* c, int64_t ldc, int64_t width) {
+                               int64_t panel_step, float alpha, float beta, float* c, int64_t ldc, int64_t width) {
+  // The panel's padding columns (past n) are computed and not stored.
+  const __mmask16 low_mask = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+  const __mmask16 high_mask =
+      width >= kPanel ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
   __m512 low[R], high[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) low[r] = high[r] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
-    const __m512 b_low = _mm512_load_ps(panel + kk * kPanel), b_high = _mm512_load_ps(panel + kk * kPanel + 16);
+    const float* row = panel + kk * panel_step;
+    const __m512 b_low = kInPlace ? _mm512_maskz_loadu_ps(low_mask, row) : _mm512_load_ps(row);
+    const __m512 b_high = kInPlace ? _mm512_maskz_loadu_ps(high_mask, row + 16) : _mm512_load_ps(row + 16);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_set1_ps(a[r * row_step + kk * k_step]);
@@ -42,13 +53,14 @@ BLADE_AVX512 inline void block(int64_t k, const float* a, int64_t row_step, int6
       high[r] = _mm512_fmadd_ps(x, b_high, high[r]);
     }
   }
-  // The panel's padding columns (past n) are computed and not stored.
-  const __mmask16 low_mask = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-  const __mmask16 high_mask =
-      width >= kPanel ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     float* row = c + r * ldc;
+    if (kInPlace && alpha != 1.0f) {
+      const __m512 scale = _mm512_set1_ps(alpha);
+      low[r] = _mm512_mul_ps(scale, low[r]);
+      high[r] = _mm512_mul_ps(scale, high[r]);
+    }
     if (beta != 0.0f) {  // BLAS: beta == 0 leaves C's old contents (NaN included) unread
       const __m512 scale = _mm512_set1_ps(beta);
       low[r] = _mm512_fmadd_ps(scale, _mm512_maskz_loadu_ps(low_mask, row), low[r]);
@@ -59,22 +71,29 @@ BLADE_AVX512 inline void block(int64_t k, const float* a, int64_t row_step, int6
   }
 }
 
-// Rows [begin, end) of C's columns [column, column + width) from one panel, in register blocks of 8.
-BLADE_AVX512 void panel_rows(const GemmArgs& g, const float* panel, int64_t column, int64_t width, int64_t begin,
+// Rows [begin, end) of C's columns [column, column + width) from one panel, in register blocks of 8
+// (a, c: the GEMM's A and C, of one batch entry).
+template <bool kInPlace>
+BLADE_AVX512 void panel_rows(const GemmArgs& g, const float* a_base, float* c_base, const float* panel,
+                             int64_t panel_step, float alpha, int64_t column, int64_t width, int64_t begin,
                              int64_t end) {
   const int64_t row_step = g.trans_a ? 1 : g.lda, k_step = g.trans_a ? g.lda : 1;
   for (int64_t r0 = begin; r0 < end; r0 += kBlockRows) {
-    const float* a = g.a + r0 * row_step;
-    float* c = g.c + r0 * g.ldc + column;
+    const float* a = a_base + r0 * row_step;
+    float* c = c_base + r0 * g.ldc + column;
+    const auto run = [&](auto rows) {
+      block<decltype(rows)::value, kInPlace>(g.k, a, row_step, k_step, panel, panel_step, alpha, g.beta, c, g.ldc,
+                                             width);
+    };
     switch (std::min<int64_t>(kBlockRows, end - r0)) {
-      case 1: block<1>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width); break;
-      case 2: block<2>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width); break;
-      case 3: block<3>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width); break;
-      case 4: block<4>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width); break;
-      case 5: block<5>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width); break;
-      case 6: block<6>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width); break;
-      case 7: block<7>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width); break;
-      default: block<8>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width); break;
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+      case 6: run(std::integral_constant<int, 6>{}); break;
+      case 7: run(std::integral_constant<int, 7>{}); break;
+      default: run(std::integral_constant<int, 8>{}); break;
     }
   }
 }
@@ -98,38 +117,97 @@ bool avx512_usable() {
   return usable;
 }
 
-}  // namespace
+// How (item, chunk of rows) tasks split `items` panel-wide items (a panel of one batch entry), item
+// major: rows are chunked only as far as needed to give every thread two tasks (a wide B: whole
+// panels; a narrow one, ViT's 192 columns on many threads: row chunks too). A task does at least
+// kMinTaskFmas multiply-adds: a thread's wake-up costs a few microseconds, more than a smaller
+// share saves. In a parallel region (an engine's own loop) at::parallel_for runs inline.
+struct Tasks {
+  int64_t chunks, chunk_rows, grain;
+};
 
-bool panels_applies(const GemmArgs& g) {
-  return g.batch == 1 && g.k > 0 && avx512_usable();
+Tasks split_tasks(const GemmArgs& g, int64_t items) {
+  constexpr int64_t kMinTaskFmas = 1 << 16;
+  const int64_t blocks = (g.m + kBlockRows - 1) / kBlockRows;
+  const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t chunks = std::clamp<int64_t>((wanted + items - 1) / items, 1, blocks);
+  const int64_t chunk_rows = (blocks + chunks - 1) / chunks * kBlockRows;
+  return {chunks, chunk_rows, std::max<int64_t>(1, kMinTaskFmas / (std::min(chunk_rows, g.m) * g.k * kPanel))};
 }
 
-void panels_gemm(const GemmArgs& g, PackedWeights* weights) {
+// A constant B: packed once per engine (PackedWeights), alpha folded in.
+void packed_gemm(const GemmArgs& g, PackedWeights* weights) {
   int32_t alpha_bits;
   std::memcpy(&alpha_bits, &g.alpha, sizeof alpha_bits);
   const PackedWeights::Key key = {reinterpret_cast<int64_t>(g.b), kPackTag, g.trans_b, g.n, g.k, g.ldb, alpha_bits};
   const at::Tensor packed = weights->get(key, [&] { return pack_panels(g); });
   const float* panels = packed.const_data_ptr<float>();
   const int64_t count = (g.n + kPanel - 1) / kPanel;
-  // Tasks are (panel, chunk of rows), panel-major; rows are chunked only as far as needed to give
-  // every thread two tasks (a wide B: whole panels; a narrow one, ViT's 192 columns on many
-  // threads: row chunks too). A task does at least kMinTaskFmas multiply-adds: a thread's wake-up
-  // costs a few microseconds, more than a smaller share saves. In a parallel region (an engine's
-  // own loop) at::parallel_for runs inline.
-  constexpr int64_t kMinTaskFmas = 1 << 16;
-  const int64_t blocks = (g.m + kBlockRows - 1) / kBlockRows;
-  const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t chunks = std::clamp<int64_t>((wanted + count - 1) / count, 1, blocks);
-  const int64_t chunk_rows = (blocks + chunks - 1) / chunks * kBlockRows;
-  const int64_t grain = std::max<int64_t>(1, kMinTaskFmas / (std::min(chunk_rows, g.m) * g.k * kPanel));
-  at::parallel_for(0, count * chunks, grain, [&](int64_t begin, int64_t end) {
+  const Tasks t = split_tasks(g, count);
+  at::parallel_for(0, count * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task / chunks, first = task % chunks * chunk_rows;
+      const int64_t p = task / t.chunks, first = task % t.chunks * t.chunk_rows;
       if (first >= g.m) continue;
-      panel_rows(g, panels + p * g.k * kPanel, p * kPanel, std::min(kPanel, g.n - p * kPanel), first,
-                 std::min(g.m, first + chunk_rows));
+      panel_rows<false>(g, g.a, g.c, panels + p * g.k * kPanel, kPanel, 1.0f, p * kPanel,
+                        std::min(kPanel, g.n - p * kPanel), first, std::min(g.m, first + t.chunk_rows));
     }
   });
+}
+
+// alpha * B's columns [column, column + width) of a transposed B (its columns are rows of the
+// operand in memory) as one zero-padded [k][32] panel in `dest`: read along memory, written 32
+// floats apart (the panel, k * 128 bytes, stays in L1 for the usual head dims).
+void pack_transposed_panel(const float* b, int64_t ldb, int64_t k, float alpha, int64_t column, int64_t width,
+                           float* dest) {
+  for (int64_t j = 0; j < kPanel; ++j) {
+    const float* col = b + (column + j) * ldb;
+    if (j < width) {
+      for (int64_t kk = 0; kk < k; ++kk) dest[kk * kPanel + j] = alpha * col[kk];
+    } else {
+      for (int64_t kk = 0; kk < k; ++kk) dest[kk * kPanel + j] = 0.0f;
+    }
+  }
+}
+
+// A B the engine computes (attention's K^T and V, per head: a batch), which no pack outlives:
+// untransposed, each panel is read where it is (row kk of a panel: 32 floats of B's row kk);
+// transposed, each task first packs its panel into a buffer of its thread (4 x 8 KB per head of
+// 64 dims at 128 keys), which its row blocks then share. oneDNN's matmul ran attention's
+// [128, 64] @ [64, 128] and [128, 128] @ [128, 64] at ~170 GFLOP/s on one core here.
+void per_call_gemm(const GemmArgs& g) {
+  const int64_t count = (g.n + kPanel - 1) / kPanel, items = g.batch * count;
+  const Tasks t = split_tasks(g, items);
+  at::parallel_for(0, items * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffer;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t item = task / t.chunks, first = task % t.chunks * t.chunk_rows;
+      if (first >= g.m) continue;
+      const int64_t batch = item / count, column = item % count * kPanel;
+      const int64_t width = std::min(kPanel, g.n - column), last = std::min(g.m, first + t.chunk_rows);
+      const float* a = g.a + batch * g.stride_a;
+      const float* b = g.b + batch * g.stride_b;
+      float* c = g.c + batch * g.stride_c;
+      if (!g.trans_b) {
+        panel_rows<true>(g, a, c, b + column, g.ldb, g.alpha, column, width, first, last);
+        continue;
+      }
+      buffer.resize(g.k * kPanel + 16);  // + 16: room to align the panel to 64 bytes (aligned loads)
+      float* panel = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
+      pack_transposed_panel(b, g.ldb, g.k, g.alpha, column, width, panel);
+      panel_rows<false>(g, a, c, panel, kPanel, 1.0f, column, width, first, last);
+    }
+  });
+}
+
+}  // namespace
+
+bool panels_applies(const GemmArgs& g, bool b_constant) {
+  return (g.batch == 1 || !b_constant) && g.k > 0 && avx512_usable();
+}
+
+void panels_gemm(const GemmArgs& g, PackedWeights* weights) {
+  if (g.batch == 1 && weights != nullptr && weights->is_constant(g.b)) return packed_gemm(g, weights);
+  per_call_gemm(g);
 }
 
 }  // namespace blade

@@ -1,4 +1,5 @@
-"""The runtime's own GEMM on a constant B packed in 32-column panels (cpp/gemm_panels.cpp). Against
+"""The runtime's own GEMM on B in 32-column panels (cpp/gemm_panels.cpp): a constant B packed once, a
+computed one (any batch) read in place or packed per call. Against
 float64 numpy over the sgemm contract where it applies: row counts around its register blocks of 8
 (and their remainders) and its row chunks, column counts around the panel width (the last panel's
 padding is computed and must not be stored), K down to 1, transposed and padded operands, alpha
@@ -37,10 +38,53 @@ def test_transposes_and_scales(panels, trans_a, trans_b, alpha, beta, k):
     run_sgemm(1, 8, 40, k, alpha, beta, trans_a, trans_b, pack=True)
 
 
-def test_without_a_constant_b_runs_mkl(panels):
-    """B not an engine constant, or a batch of GEMMs: the mode falls back to MKL."""
-    run_sgemm(1, 8, 40, 64, 1.0, 0.0, False, True, pack=False)
+def _panels_calls():
+    return _testing.gemm_kernel_calls("panels")
+
+
+@needs_avx512
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("m, n", [(1, 1), (7, 15), (9, 33), (128, 64), (61, 100)])
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False), (True, True)])
+def test_computed_b_per_call(panels, batch, m, n, trans_a, trans_b):
+    """B not an engine constant (attention's K^T and V, a batch of heads): read in place
+    (untransposed; the last panel's loads masked to B's columns) or packed per call (transposed),
+    with padded rows, alpha not folded into any pack, beta, and the kernel really running."""
+    before = _panels_calls()
+    run_sgemm(batch, m, n, 37, 1.0, 0.0, trans_a, trans_b, pack=False, pad=0)
+    run_sgemm(batch, m, n, 64, 0.125, 0.0, trans_a, trans_b, pack=False, pad=3, seed=1)
+    run_sgemm(batch, m, n, 5, -1.5, 0.5, trans_a, trans_b, pack=False, pad=2, seed=2)
+    assert _panels_calls() == before + 3
+
+
+@needs_avx512
+def test_computed_b_shared_operands(panels):
+    """A batch sharing A, or sharing B without folding (A transposed), both computed."""
+    run_sgemm(3, 8, 40, 64, 1.0, 0.0, False, True, shared_a=True, pad=1)
     run_sgemm(3, 8, 40, 64, 1.0, 1.0, True, True, pack=True, shared_b=True, pad=2)  # A transposed: no fold
+    run_sgemm(3, 8, 40, 64, 0.5, 0.0, True, False, shared_b=True, pad=0, seed=3)
+
+
+@needs_avx512
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_computed_b_nan_and_infinities(panels, trans_b):
+    """NaN and infinities in a computed B propagate as IEEE sums give them, in both paths."""
+    rng = np.random.default_rng(6)
+    m, n, k = 9, 35, 20
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    a[1, 3], b[2, n - 1], b[4, 0] = np.nan, np.inf, -np.inf
+    stored = np.ascontiguousarray(b.T) if trans_b else b
+    c = torch.full((m, n), float("nan"))
+    _testing.sgemm(1, m, n, k, 1.0, torch.from_numpy(a), k, 0, False, torch.from_numpy(stored),
+                   k if trans_b else n, 0, trans_b, 0.0, c, n, 0, pack=False)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = a.astype(np.float64) @ b.astype(np.float64)
+    got = c.double().numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got) & (got > 0), np.isinf(want) & (want > 0))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
 
 
 def _nonfinite_gemm(m, n, k):
@@ -109,13 +153,15 @@ def test_auto_times_it():
 @pytest.mark.parametrize("m, n", [(8, 2048), (197, 40), (61, 33)])
 def test_threads_split_the_tasks(m, n):
     """Two threads: many panels (whole panels per task), or two panels or fewer (row chunks too,
-    the last one short): the same result."""
+    the last one short): the same result, for a constant B and a computed batch."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         _testing.set_gemm_backend("panels")
         run_sgemm(1, m, n, 1024, 1.0, 0.0, False, True, pack=True, pad=1)
         run_sgemm(1, m, n, 64, 0.5, 1.0, True, False, pack=True, pad=2, seed=1)
+        run_sgemm(3, m, n, 64, 1.0, 0.0, False, True, pad=1, seed=2)
+        run_sgemm(3, m, n, 64, 0.5, 1.0, False, False, pad=0, seed=3)
     finally:
         _testing.set_gemm_backend("")
         torch.set_num_threads(threads)
