@@ -59,52 +59,38 @@ def test_computed_b_per_call(panels, batch, m, n, trans_a, trans_b):
 
 @needs_avx512
 def test_computed_b_shared_operands(panels):
-    """A batch sharing A, or sharing B without folding (A transposed), both computed."""
+    """A batch sharing a computed A or B (B shared without folding: A transposed) runs per call; a
+    constant B shared by a batch that does not fold is MKL's (the packed path is for one GEMM)."""
+    before = _panels_calls()
     run_sgemm(3, 8, 40, 64, 1.0, 0.0, False, True, shared_a=True, pad=1)
-    run_sgemm(3, 8, 40, 64, 1.0, 1.0, True, True, pack=True, shared_b=True, pad=2)  # A transposed: no fold
     run_sgemm(3, 8, 40, 64, 0.5, 0.0, True, False, shared_b=True, pad=0, seed=3)
+    assert _panels_calls() == before + 2
+    run_sgemm(3, 8, 40, 64, 1.0, 1.0, True, True, pack=True, shared_b=True, pad=2)  # A transposed: no fold
+    assert _panels_calls() == before + 2
 
 
-@needs_avx512
-@pytest.mark.parametrize("trans_b", [False, True])
-def test_computed_b_nan_and_infinities(panels, trans_b):
-    """NaN and infinities in a computed B propagate as IEEE sums give them, in both paths."""
-    rng = np.random.default_rng(6)
-    m, n, k = 9, 35, 20
-    a = rng.standard_normal((m, k)).astype(np.float32)
-    b = rng.standard_normal((k, n)).astype(np.float32)
-    a[1, 3], b[2, n - 1], b[4, 0] = np.nan, np.inf, -np.inf
-    stored = np.ascontiguousarray(b.T) if trans_b else b
-    c = torch.full((m, n), float("nan"))
-    _testing.sgemm(1, m, n, k, 1.0, torch.from_numpy(a), k, 0, False, torch.from_numpy(stored),
-                   k if trans_b else n, 0, trans_b, 0.0, c, n, 0, pack=False)
-    with np.errstate(invalid="ignore", over="ignore"):
-        want = a.astype(np.float64) @ b.astype(np.float64)
-    got = c.double().numpy()
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_array_equal(np.isinf(got) & (got > 0), np.isinf(want) & (want > 0))
-    finite = np.isfinite(want)
-    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
-
-
-def _nonfinite_gemm(m, n, k):
-    """A with a NaN, +inf and -inf in separate rows, B with an inf column: C as IEEE sums give it."""
+def _nonfinite_gemm(m, n, k, trans_b=False, pack=True):
+    """A with a NaN, +inf and -inf in separate rows, B with an inf column: C as IEEE sums give it.
+    B stored transposed when trans_b; an engine constant (packed once) when pack, else computed."""
     rng = np.random.default_rng(5)
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
     a[1, 3], a[2, 0], a[3, k - 1] = np.nan, np.inf, -np.inf
     b[2, n - 1] = np.inf
+    stored = np.ascontiguousarray(b.T) if trans_b else b
     c = torch.full((m, n), float("nan"))
-    _testing.sgemm(1, m, n, k, 1.0, torch.from_numpy(a), k, 0, False, torch.from_numpy(b), n, 0, False, 0.0, c, n,
-                   0, pack=True)
+    _testing.sgemm(1, m, n, k, 1.0, torch.from_numpy(a), k, 0, False, torch.from_numpy(stored), k if trans_b else n,
+                   0, trans_b, 0.0, c, n, 0, pack=pack)
     with np.errstate(invalid="ignore", over="ignore"):
         want = a.astype(np.float64) @ b.astype(np.float64)
     return c.double().numpy(), want
 
 
 @needs_avx512
-def test_nan_and_infinities(panels):
-    got, want = _nonfinite_gemm(9, 35, 20)
+@pytest.mark.parametrize("trans_b, pack", [(False, True), (False, False), (True, False)])
+def test_nan_and_infinities(panels, trans_b, pack):
+    """A constant B, and a computed one read in place or packed per call."""
+    got, want = _nonfinite_gemm(9, 35, 20, trans_b, pack)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(np.isinf(got) & (got > 0), np.isinf(want) & (want > 0))
     finite = np.isfinite(want)
