@@ -44,16 +44,17 @@ class BoundCall {
     if (!is_tuple && !PyList_CheckExact(seq)) return other(inputs, "a tuple or list");
     PyObject* const* items = is_tuple ? &PyTuple_GET_ITEM(seq, 0) : &PyList_GET_ITEM(seq, 0);
     if (static_cast<size_t>(Py_SIZE(seq)) != arity_) return other(inputs, std::to_string(arity_) + " tensors");
-    std::vector<at::Tensor> engine_inputs;
-    engine_inputs.reserve(order_.size());
-    for (const size_t i : order_) {
-      // torch.Tensor itself (or Parameter); a subclass, which could mean something else than its
-      // data, only without a fallback (as TorchScript's forward, which takes any tensor's data)
+    // every argument (the engine's or not) torch.Tensor itself (or Parameter); a subclass, which
+    // could mean something else than its data, only without a fallback (as TorchScript's forward,
+    // which takes any tensor's data)
+    for (size_t i = 0; i < arity_; ++i) {
       if (!THPVariable_CheckExact(items[i]) && (!fallback_.is_none() || !THPVariable_Check(items[i]))) {
         return other(inputs, std::to_string(arity_) + " tensors");
       }
-      engine_inputs.push_back(THPVariable_Unpack(items[i]));
     }
+    std::vector<at::Tensor> engine_inputs;
+    engine_inputs.reserve(order_.size());
+    for (const size_t i : order_) engine_inputs.push_back(THPVariable_Unpack(items[i]));
     std::vector<at::Tensor> outputs;
     {
       py::gil_scoped_release no_gil;

@@ -139,6 +139,8 @@ def test_positional_call_picks_its_inputs_in_cpp_and_leaves_other_calls_to_the_s
         loaded(x)
     with pytest.raises(TypeError, match="exported for inputs structured as"):
         loaded(x, y, y)
+    with pytest.raises(TypeError, match="expected 2 tensors"):
+        loaded._direct([1.0, y])   # an argument the engine does not read is checked too
     two = _load(tmp_path, _TwoInputs(), (x, y))
     got = two(x, y)
     assert two._fast is not None and isinstance(got, tuple) and len(got) == 1
