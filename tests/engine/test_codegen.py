@@ -41,8 +41,8 @@ def test_elementwise_chain_is_one_loop_nest_with_shared_subexpressions():
 def test_an_output_reshaping_a_stored_node_is_written_directly():
     (case,) = [c for c in CASES if c.name == "outputs-reshape-a-stored-node"]
     program = source_of(case)
-    assert [k for k in kernels(program) if "copy of" in k] == ["output 1 = copy of view:v9[4, 12, 1]float32",
-                                                                "output 2 = copy of view:v10[4, 12, 1]float32"]
+    copies = re.findall(r"output (\d+) = copy of", "; ".join(kernels(program)))
+    assert copies == ["1", "2"]
     assert program.scratch_bytes == 0, "the stored node is output 0's memory"
 
 
