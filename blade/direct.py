@@ -14,22 +14,46 @@ Calling that forward from Python costs ~1.7 us per call beyond the engine (pybin
 the interpreter, the custom class's boxed call): as much as eager's whole call of a small op.
 ``direct_call`` recognizes exactly this graph and returns a function of the forward's flat inputs
 that calls the Engine's ``execute`` through ``blade._C.engine_call``: the same inputs, checks,
-fallback modes and outputs, without the interpreter. Any other graph: None (the forward is used).
+fallback modes and outputs, without the interpreter; the inputs' reordering and the results'
+container are done in C++ too (cpp/python_engine_call.cpp). Any other graph: None (the forward is
+used).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 import blade._C as _C
 
 _KINDS = ["prim::GetAttr", "prim::ListConstruct", "prim::CallMethod", "prim::ListUnpack"]
-# the forward's result: a list (blade.export's graphs) or a tuple (torch.compile's)
-_RESULTS = {"prim::ListConstruct": None, "prim::TupleConstruct": tuple}
+# the forward's result: a list (blade.export's graphs) or a tuple (torch.compile's); the names are
+# blade._C.engine_call's
+_RESULTS = {"prim::ListConstruct": "list", "prim::TupleConstruct": "tuple"}
 
 
-def direct_call(script: torch.jit.ScriptModule):
-    """A function of the forward's inputs (a sequence of tensors) returning its output list, or
-    None when the forward is anything but one engine call on its tensor inputs."""
+@dataclass(frozen=True)
+class DirectPlan:
+    """A forward that is one engine call: engine (the torch.classes.blade.Engine), arity (the
+    forward's tensor inputs), order (the forward input of each engine input), picks (the engine
+    output of each forward result), result ("list" or "tuple")."""
+    engine: object
+    arity: int
+    order: list
+    picks: list
+    result: str
+
+    def call(self, order=None, arity=None, result=None, fallback=None):
+        """blade._C.engine_call of this engine: a function of a tuple or list of inputs (by
+        default the forward's; order/arity re-map them) returning the forward's results (or one
+        tensor for result="single"); inputs that are not `arity` tensors go to fallback(inputs)."""
+        return _C.engine_call(self.engine, self.arity if arity is None else arity,
+                              self.order if order is None else order, self.picks,
+                              result or self.result, fallback)
+
+
+def direct_plan(script: torch.jit.ScriptModule) -> DirectPlan | None:
+    """The DirectPlan of a forward that is exactly one engine call on its tensor inputs, else None."""
     graph = script.forward.graph
     nodes = list(graph.nodes())
     if [n.kind() for n in nodes[:-1]] != _KINDS or len(nodes) != 5 or nodes[-1].kind() not in _RESULTS:
@@ -48,20 +72,14 @@ def direct_call(script: torch.jit.ScriptModule):
     inputs, results = params[1:], ids(unpack.outputs())
     if not set(ids(pack.inputs())) <= set(inputs) or not set(ids(repack.inputs())) <= set(results):
         return None  # an engine input that is not a forward input, or a result from elsewhere
-    order = [inputs.index(v) for v in ids(pack.inputs())]
-    picks = [results.index(v) for v in ids(repack.inputs())]
-    engine = _C.engine_call(getattr(script, get_engine.s("name")))
-    n, container = len(inputs), _RESULTS[repack.kind()]
-    if order == list(range(n)) and picks == list(range(len(results))):
-        # the forward's inputs are the engine's: Engine::execute checks their count
-        return engine if container is None else (lambda flat: container(engine(flat)))
-    return _reordered(engine, n, order, picks, container or list)
+    return DirectPlan(getattr(script, get_engine.s("name")), len(inputs),
+                      [inputs.index(v) for v in ids(pack.inputs())],
+                      [results.index(v) for v in ids(repack.inputs())], _RESULTS[repack.kind()])
 
 
-def _reordered(engine, n: int, order: list, picks: list, container):
-    def call(inputs):
-        if len(inputs) != n or not all(isinstance(t, torch.Tensor) for t in inputs):
-            raise RuntimeError(f"forward() expected {n} tensors, got {[type(t).__name__ for t in inputs]}")
-        results = engine([inputs[i] for i in order])
-        return container([results[i] for i in picks])
-    return call
+def direct_call(script: torch.jit.ScriptModule):
+    """A function of the forward's inputs (a tuple or list of tensors) returning its results (a
+    list, or a tuple for torch.compile's graphs), or None when the forward is anything but one
+    engine call on its tensor inputs."""
+    plan = direct_plan(script)
+    return plan.call() if plan is not None else None

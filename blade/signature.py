@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils._pytree as pytree
 
-from blade.direct import direct_call
+from blade.direct import DirectPlan, direct_plan
 from blade.pipeline import picker
 
 SIGNATURE_FILE = "blade_signature.json"
@@ -119,6 +119,30 @@ class Signature:
             return unflatten(forward(flat_inputs(args, kwargs, what)))
         return call
 
+    def direct(self, plan: DirectPlan, slow):
+        """The model's positional call straight into the one engine of plan (blade/direct.py): a
+        function of the args tuple that picks the inputs, runs the engine and builds a single
+        tensor or a tuple of tensors all in C++; any other call (or non-tensor args) goes through
+        slow (bind's call). None when the structures need pytree (keywords, constants, nested outputs)."""
+        if self._positional is None:
+            return None
+        result = _direct_result(self.out_spec, plan)
+        if result is None:
+            return None
+        return plan.call(order=[self.graph_inputs[i] for i in plan.order], arity=self._positional,
+                         result=result, fallback=lambda args: slow(args, {}))
+
+
+def _direct_result(spec: pytree.TreeSpec | None, plan: DirectPlan) -> str | None:
+    """engine_call's result form that equals _unflattener(spec) of the plan's results, or None."""
+    if spec is None:
+        return plan.result
+    if spec.is_leaf():
+        return "single" if len(plan.picks) == 1 else None
+    if spec.type is tuple and all(child.is_leaf() for child in spec.children()):
+        return "tuple"
+    return None
+
 
 def _unflattener(spec: pytree.TreeSpec | None):
     """flat outputs (a list or tuple; a bare tensor for one) -> the structure of spec."""
@@ -191,12 +215,17 @@ class ExportedModule:
         self._forward = script.forward
         # A forward that is one engine call: the engine called without TorchScript (blade/direct.py),
         # taking the flat inputs as one sequence
-        self._direct = direct_call(script) if signature is not None else None
+        plan = direct_plan(script) if signature is not None else None
+        self._direct = plan.call() if plan is not None else None
+        self._fast = None  # the positional call of plain tensors (Signature.direct)
         if signature is not None:
             scripted = script.forward   # (not self._forward: the closure would hold self)
             self._call = signature.bind(self._direct or (lambda flat: scripted(*flat)), what)
+            self._fast = signature.direct(plan, self._call) if plan is not None else None
 
     def __call__(self, *args, **kwargs):
+        if self._fast is not None and not kwargs:
+            return self._fast(args)
         if self.signature is None:  # an archive without a signature: the flat module as saved
             return self._forward(*args, **kwargs)
         return self._call(args, kwargs)

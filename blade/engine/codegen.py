@@ -22,7 +22,7 @@ from .expressions import Values
 from .lines import Names
 from .loops import Kernels, emit_concat, emit_elementwise, emit_pad, emit_reduce, emit_scan
 from .manifest import SizeSymbol, TensorSpec
-from .plan import Plan
+from .plan import Plan, reshaped_source
 from .render import keep_rows_on_stack, render_source
 
 
@@ -79,7 +79,8 @@ class Emitter:
             stored = epilogue.target if epilogue is not None else node   # what the kernel writes
             MATERIALIZE[node.op](self, node, memory.destination(stored, plan.orders.get(stored)))
         for k, (_, node) in enumerate(plan.graph.outputs):
-            buf = memory.buffers.get(node)
+            # (an output reshaping a node written into it: make_plan)
+            buf = memory.buffers.get(node) or memory.buffers.get(reshaped_source(node))
             if buf is None or (buf.kind, buf.index) != ("output", k):
                 out = Strided.dense(Buffer("output", k, node.dtype, node.numel), node.shape)
                 self.kernels.emit_loop(f"output {k} = copy of {node!r}", out,

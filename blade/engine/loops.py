@@ -20,6 +20,7 @@ from .lines import Access, Names, Scope, declare, for_loop
 from .manifest import DTYPES
 from .optable import REDUCE, CType, literal
 from .plan import stored_pad
+from .versioning import versioned
 from .symbolic import Const, Expr, Var, add, as_expr, constant, proves_less, proves_nonnegative
 from .views import Layout
 
@@ -138,7 +139,10 @@ class Kernels:
         body = chain[-1].lines
         for level in range(len(inner), 0, -1):
             body = chain[level - 1].lines + for_loop(idx[inner[level - 1]], 0, shape[inner[level - 1]], body)
-        kernel.prologue, kernel.body = prologue.lines, body
+        # a row may be computed twice (versioning.py) when the kernel reads nothing it writes, and
+        # is worth it when the row is a loop (a row of one element would branch per element)
+        rereadable = not any(s.buf is dest.buf for s, _, written in kernel.accesses if not written)
+        kernel.prologue, kernel.body = prologue.lines, versioned(body, bool(inner) and rereadable)
         kernel.work = math.prod(shape[k:]) * work_per_element
         return kernel
 

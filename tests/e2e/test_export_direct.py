@@ -60,8 +60,10 @@ def test_direct_call_keeps_the_engines_input_checks(tmp_path):
         loaded(torch.randn(4, 9))
     with pytest.raises(RuntimeError, match=r"expected float32\[4, 8\] on cpu, got float64\[4, 8\]"):
         loaded(x.double())
-    with pytest.raises(RuntimeError, match="expected 1 inputs, got 2"):
+    with pytest.raises(TypeError, match="expected 1 tensors"):
         loaded._direct([x, x])
+    with pytest.raises(TypeError, match="expected 1 tensors"):
+        loaded._direct([x.tolist()])
     # a non-contiguous input is copied, as through the forward
     wide = torch.randn(8, 4).t()
     assert torch.equal(loaded(wide), torch.relu(wide) * 2.0)
@@ -110,3 +112,36 @@ def test_torch_compile_graph_of_one_engine_is_called_directly():
     flat = direct((x, y))
     assert isinstance(flat, tuple) and torch.equal(flat[0], compiled[0].module.forward(x, y)[0])
     torch.testing.assert_close(got, torch.sigmoid(x) * y + 1.0, rtol=1e-5, atol=1e-6)
+
+
+class _SecondOnly(torch.nn.Module):
+    """The engine takes the second argument only: the direct call picks it out of the call's args."""
+
+    def forward(self, x, y):
+        return torch.relu(y) - 1.0
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_positional_call_picks_its_inputs_in_cpp_and_leaves_other_calls_to_the_signature(tmp_path):
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    loaded = _load(tmp_path, _SecondOnly(), (x, y))
+    assert loaded._fast is not None
+    expected = torch.relu(y) - 1.0
+    assert torch.equal(loaded(x, y), expected)
+    with pytest.raises(TypeError, match="exported for inputs structured as"):
+        loaded(x, y=y)  # keywords: the signature's pytree path, which checks the structure
+    sub = y.as_subclass(_Subclass)  # not a plain tensor: the signature's path too
+    assert torch.equal(torch.Tensor(loaded(x, sub)), expected)
+    with pytest.raises(TypeError, match="exported for inputs structured as"):
+        loaded(x)
+    with pytest.raises(TypeError, match="exported for inputs structured as"):
+        loaded(x, y, y)
+    with pytest.raises(TypeError, match="expected 2 tensors"):
+        loaded._direct([1.0, y])   # an argument the engine does not read is checked too
+    two = _load(tmp_path, _TwoInputs(), (x, y))
+    got = two(x, y)
+    assert two._fast is not None and isinstance(got, tuple) and len(got) == 1
+    assert torch.equal(got[0], two.script.forward(x, y)[0])

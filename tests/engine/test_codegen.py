@@ -38,6 +38,14 @@ def test_elementwise_chain_is_one_loop_nest_with_shared_subexpressions():
     assert program.scratch_bytes == 0
 
 
+def test_an_output_reshaping_a_stored_node_is_written_directly():
+    (case,) = [c for c in CASES if c.name == "outputs-reshape-a-stored-node"]
+    program = source_of(case)
+    copies = re.findall(r"output (\d+) = copy of", "; ".join(kernels(program)))
+    assert copies == ["1", "2"]
+    assert program.scratch_bytes == 0, "the stored node is output 0's memory"
+
+
 def test_softmax_and_layernorm_are_one_row_loop_with_rows_on_the_stack():
     softmax = source_of(op_case("Softmax", [(4, 33)], axis=-1))
     norm = source_of(op_case("LayerNormalization", [(2, 5, 16), (16,), (16,)], axis=-1))

@@ -374,6 +374,14 @@ CASES = [
     graph_case("cross-row-read", [node("ReduceMax", ["x", "ax"], ["m"], keepdims=1),
                                   node("Transpose", ["m"], ["mt"], perm=[1, 0]), node("Add", ["x", "mt"], ["y"])],
                {"x": ((9, 9), "float32")}, ["y"], {"ax": arr([1], i64)}),
+    # outputs reshaping a stored node (group_norm's last step): the first is written into output 0
+    # directly (plan.reshaped_source); the second reshape of it and a third of an input are copies
+    graph_case("outputs-reshape-a-stored-node",
+               [node("Reshape", ["x", "groups"], ["g"]), node("ReduceMean", ["g", "ax"], ["m"], keepdims=1),
+                node("Sub", ["g", "m"], ["d"]), node("Reshape", ["d", "flat"], ["y"]),
+                node("Reshape", ["d", "flat"], ["y2"]), node("Reshape", ["x", "flat"], ["y3"])],
+               {"x": ((4, 12), "float32")}, ["y", "y2", "y3"],
+               {"groups": arr([4, 3, 4], i64), "ax": arr([2], i64), "flat": arr([4, 12, 1], i64)}),
     # Shape and Range on static shapes (run-time sizes: test_run_time_sizes.py): constants
     graph_case("shape-range", [node("Shape", ["x"], ["sh"], start=1, end=2), node("Squeeze", ["sh", "ax"], ["n"]),
                                node("Range", ["zero", "n", "one"], ["r"]), node("Cast", ["r"], ["rf"], to=1),

@@ -94,3 +94,29 @@ def test_pow_within_contract(results):
     err = ulps(outputs["Pow"], ref)
     worst = int(np.argmax(err))
     assert err[worst] <= POW_ULP, f"pow({b[worst]!r}, {e[worst]!r}) = {outputs['Pow'][worst]!r}: {err[worst]:.2f} ulp"
+
+
+def test_sin_cos_rows_take_the_cheap_form_or_the_full_one_within_contract(tmp_path):
+    """In rows (2-D) sin and cos run Cody-Waite only and redo a row holding any |x| >= 2^24, inf or
+    NaN with the full reduction (engine/versioning.py): the dense sample as rows of 1024, with rows
+    of either kind, one row whose only wide element is its last, and inf/NaN among small values."""
+    x = dense_sample()
+    x = np.concatenate([x, np.zeros(-len(x) % 1024, np.float32)]).reshape(-1, 1024)
+    one_wide, special = np.linspace(-7, 7, 1024, dtype=np.float32), np.linspace(-3, 3, 1024, dtype=np.float32)
+    one_wide[-1] = np.float32(3e7)
+    special[[5, 600]] = np.inf, np.nan
+    x = np.concatenate([x, one_wide[None], special[None]])
+    wide = (np.abs(x) >= 2.0 ** 24) | ~np.isfinite(x)
+    assert wide.any(axis=1).sum() > 10 and (~wide.any(axis=1)).sum() > 10
+    case = graph_case("ulp-rows", [helper.make_node(op, ["x"], [op]) for op in ("Sin", "Cos")],
+                      {"x": (x.shape, "float32")}, ["Sin", "Cos"], values={"x": x})
+    manifest = compile_onnx(case.model, tmp_path)
+    assert "blade_sinf_fast(" in (tmp_path / "engine.cpp").read_text()
+    for op, got in zip(("Sin", "Cos"), run_case(case, tmp_path / "engine.so", manifest)):
+        bound, reference = CONTRACT[op]
+        with np.errstate(all="ignore"):
+            ref = np.asarray(reference(x.astype(np.float64)), dtype=np.float64)
+        assert np.isnan(got[~np.isfinite(x)]).all()
+        err = ulps(got, ref)
+        worst = np.unravel_index(int(np.argmax(err)), err.shape)
+        assert err[worst] <= bound, f"{op}({x[worst]!r}) = {got[worst]!r}, float64 {ref[worst]!r}: {err[worst]:.2f} ulp"
