@@ -323,6 +323,7 @@ PATCH_CASES = [  # x shape, out channels, kernel, stride, pads (top, left, botto
     ((1, 3, 17, 16), 32, 3, 2, [0, 0, 1, 1], 1, False),
     ((2, 3, 15, 15), 16, 7, 2, [3, 3, 3, 3], 1, False),
     ((1, 3, 16, 16), 48, 4, 4, [0, 0, 0, 0], 1, False),
+    ((2, 5, 9, 8), 16, 3, 2, [1, 1, 1, 1], 1, False),   # an NCHW input of other than 3 channels
     ((2, 48, 8, 6), 96, 2, 2, [0, 0, 0, 0], 1, True),
     ((1, 8, 11, 9), 20, 3, 1, [1, 2, 0, 1], 1, True),
     ((1, 8, 11, 9), 17, 3, 2, [2, 2, 2, 2], 2, True),
