@@ -255,6 +255,32 @@ BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, c
   }
 }
 
+// Image rows [begin, end) (over the batch) of an NCHW input as channels-last pixels. Three
+// channels (an RGB image, every stem) get their own loop: with the count fixed g++ interleaves
+// the planes with vector shuffles where the general loop copies float by float (MobileNetV2's b8
+// stem: 140 of its 860 us, one core).
+BLADE_ISA_CLONES void rows_to_channels_last(const float* input, int64_t channels, int64_t height, int64_t width,
+                                            int64_t begin, int64_t end, float* output) {
+  const int64_t plane = height * width;
+  for (int64_t image_row = begin; image_row < end; ++image_row) {
+    const int64_t n = image_row / height, first = image_row % height * width;
+    const float* image = input + n * channels * plane + first;
+    float* dest = output + (n * plane + first) * channels;
+    if (channels == 3) {
+      const float *r = image, *g = image + plane, *b = image + 2 * plane;
+      for (int64_t p = 0; p < width; ++p) {
+        dest[3 * p] = r[p];
+        dest[3 * p + 1] = g[p];
+        dest[3 * p + 2] = b[p];
+      }
+      continue;
+    }
+    for (int64_t p = 0; p < width; ++p) {
+      for (int64_t c = 0; c < channels; ++c) dest[p * channels + c] = image[c * plane + p];
+    }
+  }
+}
+
 // This thread's staging block for NCHW outputs (patch_block): at most kBlockRows pixels a block.
 float* staged_block() {
   thread_local std::vector<float> staged(kBlockRows * kPanel);
@@ -304,14 +330,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
     float* to = transposed.data();
     const float* from = input;
     at::parallel_for(0, s.batch * s.in_h, std::max<int64_t>(1, 16384 / (s.in_w * s.in_channels)), [&](int64_t b, int64_t e) {
-      for (int64_t image_row = b; image_row < e; ++image_row) {
-        const int64_t n = image_row / s.in_h, first = image_row % s.in_h * s.in_w;
-        const float* image = from + n * s.in_channels * plane;
-        float* dest = to + (n * plane + first) * s.in_channels;
-        for (int64_t p = 0; p < s.in_w; ++p) {
-          for (int64_t c = 0; c < s.in_channels; ++c) dest[p * s.in_channels + c] = image[c * plane + first + p];
-        }
-      }
+      rows_to_channels_last(from, s.in_channels, s.in_h, s.in_w, b, e, to);
     });
     input = transposed.data();
   }

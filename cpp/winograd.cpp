@@ -130,7 +130,11 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
   float* m = v + kPoints * tiles * c_in;         // [16, tiles, c_out]
   float* zeros = m + kPoints * tiles * c_out;    // pixels outside the image, a missing bias or sum
   std::fill(zeros, zeros + std::max(c_in, c_out), 0.0f);
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max(c_in, c_out));  // tiles per task
+  // Tiles per task: about 16K channel values, but no more than an equal share per thread (the 14x14
+  // stage's 49 tiles x 256 channels were one task: both transforms ran on one thread while the
+  // other waited).
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>(1, std::min(16384 / std::max(c_in, c_out), ceil_div(tiles, threads)));
 
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -145,13 +149,18 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
       input_transform(pixel, c_in, v + t * c_in, tiles * c_in);
     }
   });
-  // One GEMM per point, threaded by MKL, each on its own slice of the transformed weight, which
-  // the runtime packs into MKL's layout once (the slices lie in the engine's constants).
-  const PackingScope scope(weights);
-  for (int64_t e = 0; e < kPoints; ++e) {
-    runtime()->sgemm(1, tiles, c_out, c_in, 1.0f, v + e * tiles * c_in, c_in, 0, 0,
-                     transformed_weight + e * c_in * c_out, c_out, 0, 0, 0.0f, m + e * tiles * c_out, c_out, 0);
-  }
+  // One GEMM per point, each on its own slice of the transformed weight, which the runtime packs
+  // once (the slices lie in the engine's constants). The points are split across the threads, each
+  // GEMM serial in its task: one fork-join for all 16 instead of one per GEMM, and equal shares
+  // on 2 or 4 threads (each threaded GEMM split [tiles x c_out] in blocks of its own and waited
+  // for the slowest: ResNet-18's 14x14 stage has 49 tiles).
+  at::parallel_for(0, kPoints, 1, [&](int64_t begin, int64_t end) {
+    const PackingScope scope(weights);  // per thread: the scope is thread-local
+    for (int64_t e = begin; e < end; ++e) {
+      runtime()->sgemm(1, tiles, c_out, c_in, 1.0f, v + e * tiles * c_in, c_in, 0, 0,
+                       transformed_weight + e * c_in * c_out, c_out, 0, 0, 0.0f, m + e * tiles * c_out, c_out, 0);
+    }
+  });
   const OutputTransform transform = kOutputTransforms[sum != nullptr][clamp.on];
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> discard(c_out);  // outputs of edge tiles that fall outside the image

@@ -173,6 +173,7 @@ def emit_conv(em, node, dest):
                                    f"dilation {node.attrs['dilations']} groups {node.attrs['groups']}{described}"
                                    + (" (channels-last)" if out_nhwc else ""))
     ptrs = [f"{kernel.use(o.buf)} + {o.layout.offset}" for o in (x, *params)]
+    # the plan checked the addend (a stored node or a view of one) starts at its buffer's offset 0
     addend_ptr = f"{kernel.use(em.memory.strided_of(addend).buf)} + 0" if addend is not None else "nullptr"
     bias = ptrs[2] if len(ptrs) > 2 else "nullptr"
     arrays = {"xs": node.args[0].shape, "ws": node.args[1].shape, "st": node.attrs["strides"],

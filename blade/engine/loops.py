@@ -245,8 +245,20 @@ def emit_pad(em, node, dest):
         return
     (src,) = node.args
     fill = literal(node.attrs["value"], node.dtype)
-    em.kernels.emit_loop(f"{node!r} = pad fill", dest, lambda scope, idx: fill)
-    offset = dest.layout.offset + sum(b * st for b, st in zip(node.attrs["begins"], dest.layout.strides))
+    begins, strides = node.attrs["begins"], dest.layout.strides
+    # Only the border is filled, the interior copy writes the rest (ResNet's max-pool pad, 64 x
+    # 114 x 114, was filled whole and then overwritten but for its edges): per padded dim d, the
+    # slabs before and after the interior, over the interior of the dims before d and all of the
+    # dims after it, so no element is written twice.
+    for d, (before, inside, size) in enumerate(zip(begins, src.shape, node.shape)):
+        for start, extent in ((0, before), (before + inside, size - before - inside)):
+            if isinstance(extent, int) and extent == 0:
+                continue
+            shape = (*src.shape[:d], extent, *node.shape[d + 1:])
+            offset = dest.layout.offset + start * strides[d] + sum(b * st for b, st in zip(begins[:d], strides))
+            slab = Strided(dest.buf, shape, Layout(offset, strides))
+            em.kernels.emit_loop(f"{node!r} = pad fill (dim {d})", slab, lambda scope, idx: fill)
+    offset = dest.layout.offset + sum(b * st for b, st in zip(begins, strides))
     interior = Strided(dest.buf, src.shape, Layout(offset, dest.layout.strides))
     em.kernels.emit_loop(f"{node!r} = pad interior", interior, lambda scope, idx: em.values.value(src, idx, scope))
 

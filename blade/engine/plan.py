@@ -411,15 +411,24 @@ def _conv_epilogue(p: Plan, conv: Node, written: set, channels_last: set) -> Epi
     if target not in p.materialized or target in written:
         return None
     if addend is not None:
-        if addend not in written:   # not stored yet (computed later, e.g. a downsample)
-            return None
         planned = (strides_in_order(conv.shape, CHANNELS_LAST) if target in channels_last
                    else contiguous_strides(conv.shape))
-        order = p.orders.get(addend)
-        stored = contiguous_strides(addend.shape) if order is None else strides_in_order(addend.shape, order)
-        if not same_strides(conv.shape, stored, planned):
+        if not _stored_as(p, addend, written, planned):
             return None
     return Epilogue(target, addend, activation)
+
+
+def _stored_as(p: Plan, value: Node, written: set, strides) -> bool:
+    """Whether value lies in memory written already, with `strides` from offset 0: a stored node,
+    or views of one (ResNet's first residual is the max pool's [N, C, H, W, 1, 1] window
+    reduction reshaped). Not yet written: computed later (e.g. a downsample)."""
+    chain, source = views.view_chain(value)
+    if source not in written:
+        return False
+    order = p.orders.get(source)
+    stored = contiguous_strides(source.shape) if order is None else strides_in_order(source.shape, order)
+    layout = views.layout_through(chain, views.Layout(0, tuple(stored)))
+    return layout is not None and layout.offset == 0 and same_strides(value.shape, layout.strides, strides)
 
 
 def _activation(p: Plan, value: Node, only_user, is_ew) -> tuple:

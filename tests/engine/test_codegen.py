@@ -216,6 +216,23 @@ def test_a_conv_epilogue_never_reads_an_addend_written_later():
     assert "then relu" not in source_of(case).source
 
 
+def test_a_conv_epilogue_adds_a_residual_read_through_a_view():
+    """ResNet's first residual: the max pool's window reduction, reshaped (a view of memory written
+    before the convolution, in its layout), is the epilogue's addend; no loop of its own."""
+    (case,) = [c for c in CASES if c.name == "conv-maxpool-residual-epilogue"]
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    (epilogue,) = [e for e in planned.epilogues.values() if e.addend is not None]
+    assert epilogue.addend.op == "view" and epilogue.activation == plan.Activation("relu")
+    assert not any(k.startswith("ew") for k in kernels(source_of(case)))
+
+
+def test_a_stored_pad_fills_only_its_border():
+    """One fill per padded side (none for an unpadded one), each over the slab outside the interior."""
+    (case,) = [c for c in CASES if c.name == "Pad-2x3x4-float32"]   # [2, 3, 4] padded [0, 1, 2] before, [0, 2, 1] after
+    fills = re.findall(r"pad fill[^;]*", ";".join(kernels(source_of(case))))   # a fused kernel lists its parts with ;
+    assert fills == ["pad fill (dim 1)"] * 2 + ["pad fill (dim 2)"] * 2
+
+
 def test_clamps_after_convolutions_are_their_epilogues():
     (block,) = [c for c in CASES if c.name == "conv-clip-mobilenet-block"]
     planned = plan.make_plan(ir.lower_onnx(block.model))

@@ -230,6 +230,20 @@ CASES = [
         {"x": ((1, 3, 21, 19), "float32")}, ["y"],
         {"w1": np.random.default_rng(9).standard_normal((16, 3, 7, 7)).astype(f32),
          "w2": np.random.default_rng(10).standard_normal((16, 16, 3, 3)).astype(f32)}, rtol=1e-4, atol=1e-4),
+    # ResNet's first block: the residual is the max pool's output, a reshaped view of its window
+    # reduction, which the second convolution's epilogue adds (asymmetric pool pads: the pad's
+    # border fill is one slab per side).
+    graph_case("conv-maxpool-residual-epilogue", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[3, 3, 3, 3], strides=[2, 2]), node("Relu", ["c1"], ["r1"]),
+        node("MaxPool", ["r1"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[0, 1, 2, 1]),
+        node("Conv", ["p", "w2"], ["c2"], pads=[1, 1, 1, 1]), node("Relu", ["c2"], ["r2"]),
+        node("Conv", ["r2", "w3"], ["c3"], pads=[1, 1, 1, 1]), node("Add", ["c3", "p"], ["s"]),
+        node("Relu", ["s"], ["r3"]), node("Conv", ["r3", "w4"], ["y"], strides=[2, 2])],
+        {"x": ((2, 3, 21, 19), "float32")}, ["y"],
+        {"w1": np.random.default_rng(31).standard_normal((16, 3, 7, 7)).astype(f32),
+         "w2": np.random.default_rng(32).standard_normal((16, 16, 3, 3)).astype(f32),
+         "w3": np.random.default_rng(33).standard_normal((16, 16, 3, 3)).astype(f32),
+         "w4": np.random.default_rng(34).standard_normal((8, 16, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4),
     # A sum epilogue's addend that is a graph output computed after the convolution (ONNX node
     # order): the convolution must not read it before its kernel ran, so the sum stays a loop.
     graph_case("conv-epilogue-addend-computed-later", [

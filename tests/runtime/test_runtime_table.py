@@ -156,6 +156,25 @@ def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activati
     assert not torch.equal(with_winograd, without)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n, c_in, c_out, h, w", [(1, 256, 128, 14, 14), (3, 64, 80, 9, 11)])
+def test_conv_winograd_threads(threads, n, c_in, c_out, h, w):
+    """The 16 point GEMMs split across the threads (3 threads: 6, 6 and 4 points) and transforms
+    in equal shares of few tiles (49 for 14x14)."""
+    torch.manual_seed(4)
+    x, weight, bias = torch.randn(n, c_in, h, w), torch.randn(c_out, c_in, 3, 3) / (9 * c_in) ** 0.5, torch.randn(c_out)
+    expected = torch.conv2d(x.double(), weight.double(), bias.double(), padding=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        calls = _testing.conv_kernel_calls("winograd")
+        with_winograd, _ = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True)
+        assert _testing.conv_kernel_calls("winograd") == calls + 1
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(with_winograd.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("n, c_in, h, w, pack", [(1, 64, 7, 7, True), (1, 32, 12, 12, True), (1, 64, 12, 12, False)])
 def test_conv_winograd_not_taken(n, c_in, h, w, pack):
     """Few tiles (16 for 7x7), few channels or a weight that is no engine constant: oneDNN's conv."""
@@ -304,6 +323,7 @@ PATCH_CASES = [  # x shape, out channels, kernel, stride, pads (top, left, botto
     ((1, 3, 17, 16), 32, 3, 2, [0, 0, 1, 1], 1, False),
     ((2, 3, 15, 15), 16, 7, 2, [3, 3, 3, 3], 1, False),
     ((1, 3, 16, 16), 48, 4, 4, [0, 0, 0, 0], 1, False),
+    ((2, 5, 9, 8), 16, 3, 2, [1, 1, 1, 1], 1, False),   # an NCHW input of other than 3 channels
     ((2, 48, 8, 6), 96, 2, 2, [0, 0, 0, 0], 1, True),
     ((1, 8, 11, 9), 20, 3, 1, [1, 2, 0, 1], 1, True),
     ((1, 8, 11, 9), 17, 3, 2, [2, 2, 2, 2], 2, True),
