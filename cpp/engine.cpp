@@ -115,6 +115,7 @@ Engine::Engine(EngineDefinition definition) : def_(std::move(definition)) {
       throw_engine_error(def_.name, "size symbol '" + def_.symbols[k].name + "' is no input's dim, so no call could bind it");
     }
   }
+  packed_weights_.set_shapes_vary(!def_.symbols.empty());
   for (size_t i = 0; i < def_.constants.size(); ++i) {
     at::Tensor& constant = def_.constants[i];
     if (!constant.defined() || !constant.device().is_cpu() || constant.layout() != c10::kStrided) {

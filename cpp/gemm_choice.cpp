@@ -75,12 +75,12 @@ unsigned mode_from_env() {
 // Everything about a call that can change which kernel is fastest; not its pointers, alpha or
 // beta. Whether B is an engine constant decides whether it can be packed; the thread count and
 // whether the call comes from inside a parallel region (kernels then run serially) decide how the
-// kernels thread.
-using ShapeKey = std::array<int64_t, 15>;
+// kernels thread; the candidates (last) differ between engines with and without run-time sizes.
+using ShapeKey = std::array<int64_t, 16>;
 
-ShapeKey exact_key(const GemmArgs& g, bool b_constant) {
+ShapeKey exact_key(const GemmArgs& g, bool b_constant, unsigned kernels) {
   return {g.batch, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.stride_a, g.stride_b, g.stride_c,
-          g.trans_a != 0, g.trans_b != 0, b_constant, at::get_num_threads(), at::in_parallel_region()};
+          g.trans_a != 0, g.trans_b != 0, b_constant, at::get_num_threads(), at::in_parallel_region(), kernels};
 }
 
 // The smallest power of two >= x (x >= 1).
@@ -96,7 +96,7 @@ int64_t bucket(int64_t x) {
 // changes with the sizes in an engine with run-time dims) or else rounded up too. The shapes of a
 // bucket share its calls' samples and its choice (a static engine's shape is the only one of its
 // buckets, so its choice is its own).
-ShapeKey bucket_key(const GemmArgs& g, bool b_constant) {
+ShapeKey bucket_key(const GemmArgs& g, bool b_constant, unsigned kernels) {
   const auto ld_class = [](int64_t ld, int64_t natural) { return ld == natural ? -1 : bucket(ld); };
   const auto stride_class = [](int64_t stride, int64_t dense) {
     return stride == 0 ? 0 : stride == dense ? -1 : bucket(stride);
@@ -106,7 +106,7 @@ ShapeKey bucket_key(const GemmArgs& g, bool b_constant) {
           ld_class(g.lda, g.trans_a ? g.m : g.k), ld_class(g.ldb, g.trans_b ? g.k : g.n), ld_class(g.ldc, g.n),
           stride_class(g.stride_a, a_rows * g.lda), stride_class(g.stride_b, b_rows * g.ldb),
           stride_class(g.stride_c, g.m * g.ldc), g.trans_a != 0, g.trans_b != 0, b_constant,
-          at::get_num_threads(), at::in_parallel_region()};
+          at::get_num_threads(), at::in_parallel_region(), kernels};
 }
 
 // What the calls of one bucket of shapes measured, and the kernel they chose. The kernel is read
@@ -174,12 +174,15 @@ struct Table {
   // set_gemm_backend's forgotten entries: a call may still be sampling into one (calls hold an
   // entry without the table's lock), so they are kept, not freed. Tests and A/B runs only.
   std::vector<std::unique_ptr<Choice>> forgotten;
+  std::atomic<bool> jit_at_run_time_sizes{false};  // set_gemm_jit_at_run_time_sizes
 };
 
 Table& table() {
   static Table t;
   return t;
 }
+
+bool table_jit_at_run_time_sizes() { return table().jit_at_run_time_sizes.load(std::memory_order_relaxed); }
 
 unsigned allowed_kernels() {
   Table& t = table();
@@ -202,7 +205,7 @@ constexpr double kTinyFlops = 2e6;
 // The kernels that can run g (k > 0 and alpha != 0 here), narrowed to `allowed`. A oneDNN mode
 // falls back to oneDNN's matmul where its kernel does not apply, and to MKL where oneDNN does not
 // run on this CPU.
-unsigned candidates(const GemmArgs& g, bool b_constant, unsigned allowed) {
+unsigned candidates(const GemmArgs& g, bool b_constant, bool shapes_vary, unsigned allowed) {
   unsigned applicable = bit(kMkl);
   const bool tiny = 2.0 * g.batch * g.m * g.n * g.k < kTinyFlops;
   if (tiny && (allowed & bit(kMkl))) return bit(kMkl);
@@ -211,6 +214,16 @@ unsigned candidates(const GemmArgs& g, bool b_constant, unsigned allowed) {
     if (g.batch == 1 && b_constant) applicable |= bit(kOnednnPacked);
   }
   if (panels_applies(g, b_constant)) applicable |= bit(kPanels);
+  // An engine with run-time sizes meets a new exact shape on almost every call, and oneDNN's
+  // caches keep a primitive (1-5 MiB with its JIT code) for each: a server's memory grew with every
+  // new shape. Where the panels kernel (no per-shape state) can run the GEMM and the mode allows it,
+  // oneDNN is no candidate there. Measured on BERT/GPT-2's GEMMs with run-time rows (1 thread), the
+  // panels kernel matched or beat oneDNN on the constant weights; on attention's computed operands a
+  // per-call-packing panels kernel was within 0-15% (QK^T) and 0-35% slower (P @ V) at the largest
+  // shapes; the whole models within noise.
+  if (shapes_vary && (applicable & allowed & bit(kPanels)) && !table_jit_at_run_time_sizes()) {
+    applicable &= ~kJitKernels;
+  }
   unsigned chosen = applicable & allowed;
   if (chosen == 0) chosen = applicable & (allowed & kOnednnKernels ? bit(kOnednnMatmul) : bit(kMkl));
   return chosen != 0 ? chosen : bit(kMkl);
@@ -323,7 +336,7 @@ void settle_if_sampled(Choice& choice) {
   }
 }
 
-void record(Choice& choice, int kernel, const GemmArgs& g, bool b_constant, double seconds) {
+void record(Choice& choice, int kernel, const GemmArgs& g, const ShapeKey& exact, double seconds) {
   std::lock_guard<std::mutex> lock(choice.mutex);
   if (choice.ran.insert({kernel, g.m, g.n, g.k}).second && choice.cold[kernel] < kMaxSamples) {
     ++choice.cold[kernel];
@@ -335,7 +348,7 @@ void record(Choice& choice, int kernel, const GemmArgs& g, bool b_constant, doub
     choice.ns_per_flop[kernel] = ns_per_flop;
     choice.us[kernel] = seconds * 1e6;
   }
-  choice.sampled = exact_key(g, b_constant);
+  choice.sampled = exact;
   settle_if_sampled(choice);
 }
 
@@ -423,17 +436,17 @@ Kernel settled_kernel(Choice& choice, const ShapeKey& exact) {
 }
 
 // Runs g with the bucket's kernel, or as one of its samples while it is not settled.
-void run_chosen(const GemmArgs& g, bool b_constant, PackedWeights* weights) {
+void run_chosen(const GemmArgs& g, bool b_constant, bool shapes_vary, PackedWeights* weights) {
   const unsigned allowed = allowed_kernels();
-  const unsigned kernels = candidates(g, b_constant, allowed);
+  const unsigned kernels = candidates(g, b_constant, shapes_vary, allowed);
   if ((kernels & (kernels - 1)) == 0) {  // one candidate: nothing to choose
     for (int k = 0; k < kKernels; ++k) {
       if (kernels & bit(Kernel(k))) return run(Kernel(k), g, weights);
     }
   }
-  Choice* choice = entry_for(bucket_key(g, b_constant), kernels, allowed);
+  Choice* choice = entry_for(bucket_key(g, b_constant, kernels), kernels, allowed);
   if (choice == nullptr) return run(kMkl, g, weights);  // the mode changed under this call
-  const ShapeKey exact = exact_key(g, b_constant);
+  const ShapeKey exact = exact_key(g, b_constant, kernels);
   if (choice->settled.load(std::memory_order_acquire)) {
     return run_or_mkl(settled_kernel(*choice, exact), g, weights);
   }
@@ -450,12 +463,12 @@ void run_chosen(const GemmArgs& g, bool b_constant, PackedWeights* weights) {
     drop(*choice, kernel);
     return run(kMkl, g, weights);
   }
-  record(*choice, kernel, g, b_constant, seconds_since(start));
+  record(*choice, kernel, g, exact, seconds_since(start));
 }
 
 std::string describe(const ShapeKey& key, const ShapeKey& bucketed) {
-  const auto [batch, m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, trans_a, trans_b, b_constant, threads,
-              nested] = key;
+  [[maybe_unused]] const auto [batch, m, n, k, lda, ldb, ldc, stride_a, stride_b, stride_c, trans_a, trans_b,
+                               b_constant, threads, nested, kernels] = key;
   std::string text = batch > 1 ? std::to_string(batch) + " x " : "";
   text += "[" + std::to_string(m) + ", " + std::to_string(k) + "]" + (trans_a ? "^T" : "") + " @ [" +
           std::to_string(k) + ", " + std::to_string(n) + "]" + (trans_b ? "^T" : "");
@@ -500,7 +513,7 @@ void gemm(GemmArgs g, PackedWeights* weights) {
     return;
   }
   const bool b_constant = weights != nullptr && (g.batch == 1 || g.stride_b == 0) && weights->is_constant(g.b);
-  run_chosen(g, b_constant, weights);
+  run_chosen(g, b_constant, weights != nullptr && weights->shapes_vary(), weights);
 }
 
 void gemm_new_call() { call_epoch.fetch_add(1, std::memory_order_relaxed); }
@@ -517,6 +530,14 @@ void set_gemm_backend(const std::string& mode) {
   Table& t = table();
   std::unique_lock<std::shared_mutex> lock(t.mutex);
   t.mode = kernels;
+  for (auto& [key, choice] : t.choices) t.forgotten.push_back(std::move(choice));
+  t.choices.clear();
+}
+
+void set_gemm_jit_at_run_time_sizes(bool allowed) {
+  Table& t = table();
+  std::unique_lock<std::shared_mutex> lock(t.mutex);
+  t.jit_at_run_time_sizes.store(allowed, std::memory_order_relaxed);
   for (auto& [key, choice] : t.choices) t.forgotten.push_back(std::move(choice));
   t.choices.clear();
 }

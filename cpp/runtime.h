@@ -41,6 +41,13 @@ void gemm_new_call();
 // process: for tests of which kernel a call runs.
 int64_t gemm_kernel_calls(const std::string& kernel);
 
+// Whether oneDNN's kernels (a primitive JIT-compiled and cached per exact shape) may run the GEMMs
+// of engines with run-time sizes where the panels kernel can. Off by default: such an engine meets
+// a new shape on almost every call and oneDNN's caches kept 1-5 MiB for each, so a server's memory
+// grew with every new shape. Process-wide; forgets the choices made so far. For tests and A/B
+// measurements.
+void set_gemm_jit_at_run_time_sizes(bool allowed);
+
 // Whether the runtime's conv may use its own kernel "winograd" (winograd.h), "depthwise"
 // (depthwise.h) or "pointwise" (conv_gemm.h) where it applies (each on by default), and how often
 // it ran one. Process-wide: for tests and A/B measurements against oneDNN's convolution.
@@ -64,6 +71,9 @@ class PackedWeights {
   // weight) while other threads look up.
   void add_constant(const void* data, size_t bytes);
   bool is_constant(const void* data) const;
+  // Whether the owning engine has run-time sizes: its GEMMs' shapes change from call to call.
+  void set_shapes_vary(bool vary) { shapes_vary_ = vary; }
+  bool shapes_vary() const { return shapes_vary_; }
   // The packed form under `key`, made by `pack` on first use.
   at::Tensor get(const Key& key, const std::function<at::Tensor()>& pack);
 
@@ -72,6 +82,7 @@ class PackedWeights {
   mutable std::shared_mutex ranges_mutex_;
   std::mutex mutex_;
   std::map<Key, at::Tensor> packed_;
+  bool shapes_vary_ = false;
 };
 
 // While alive, runtime callbacks made on this thread may pack weights into `weights` (nullptr: no
