@@ -333,9 +333,8 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
                 raise SymbolicRefusal(f"it does not lower at {_point_text(point)}: {err}", blamed) from err
     finally:
         stamp(probe_types[0])
-    first = _skeleton(models[0])
     for point, model in zip(symbols.points[1:], models[1:]):
-        if _skeleton(model) != first:
+        if not _same_skeleton(models[0], model):
             what, node_index, init_index = _first_difference(models[0], model)
             blamed = next((n for n, nodes, inits in origins if node_index < nodes or init_index < inits), None)
             raise SymbolicRefusal(f"its ONNX depends on the sizes (at {_point_text(point)}: {what})", blamed)
@@ -360,13 +359,18 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
     return model
 
 
-def _skeleton(model: onnx.ModelProto) -> tuple:
-    """The model without its inputs' and outputs' sizes: what must not depend on the sizes."""
+def _same_skeleton(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
+    """Whether two lowerings agree but for their inputs' and outputs' sizes (what must not depend
+    on the sizes). Messages compare field by field in C, bit for bit like their serializations;
+    serializing every weight to compare them cost more than the lowering itself."""
+    return (_io(a) == _io(b) and list(a.graph.node) == list(b.graph.node)
+            and list(a.graph.initializer) == list(b.graph.initializer))
+
+
+def _io(model: onnx.ModelProto) -> tuple:
     graph = model.graph
-    io = tuple((v.name, v.type.tensor_type.elem_type, len(v.type.tensor_type.shape.dim))
-               for v in list(graph.input) + list(graph.output))
-    return (io, tuple(n.SerializeToString() for n in graph.node),
-            tuple(t.SerializeToString() for t in graph.initializer))
+    return tuple((v.name, v.type.tensor_type.elem_type, len(v.type.tensor_type.shape.dim))
+                 for v in list(graph.input) + list(graph.output))
 
 
 def _first_difference(a: onnx.ModelProto, b: onnx.ModelProto) -> tuple:

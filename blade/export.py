@@ -40,6 +40,7 @@ import blade._C as _C
 from blade.aot import CorruptArtifact, check_stamps, make_stamps
 from blade.config import Config, current
 from blade.dynamic import NotSymbolic, SizeSymbols, arguments_at
+from blade.heap import frozen_heap
 from blade.pipeline import CompiledModule, compile_fx
 from blade.signature import SIGNATURE_FILE, ExportedModule, Signature
 
@@ -60,7 +61,9 @@ def capture_graph(model, example_inputs: tuple, example_kwargs: dict | None = No
     flattened from are kept as ``gm.meta["pytree_info"]`` (in_spec of (args, kwargs), out_spec).
     dynamic_shapes: torch.export's (``torch.export.Dim`` per input and dim); None: all static."""
     try:
-        with torch.no_grad(), warnings.catch_warnings(), _tensor_attributes_kept(model):
+        # frozen_heap: dynamo's symbolic capture allocates enough for full collections to cost
+        # a quarter of its time walking the process's older objects (blade/heap.py)
+        with torch.no_grad(), warnings.catch_warnings(), _tensor_attributes_kept(model), frozen_heap():
             warnings.simplefilter("ignore", FutureWarning)  # torch._dynamo.export's notice
             # Static shapes unless dynamic_shapes says otherwise. Without dynamic dims dynamo's
             # dim-constraint solver has nothing to do, and on some models (transformers' ResNet)

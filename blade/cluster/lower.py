@@ -46,11 +46,21 @@ def lower_cluster(cluster: Cluster, name: str, run_time: dict | None = None,
     return model
 
 
+# check_contract checks a model whose floating-point initializers of more than this many elements
+# are graph inputs of the same type and shape. ONNX's shape inference reads initializer values only
+# as shape data (int32/int64 tensors, kept whole) or as small float operands (Resize scales, Range
+# bounds), so the weights decide nothing there but their type and shape; serializing them for the
+# checker and again for shape inference was most of a lowering's time.
+SHAPE_ONLY_ELEMENTS = 64
+_FLOATING = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
 def check_contract(model: onnx.ModelProto) -> None:
     """onnx.checker plus strict shape inference; the declared outputs must be what ONNX infers."""
     try:
-        onnx.checker.check_model(model)
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        checked = _without_weight_values(model)
+        onnx.checker.check_model(checked)
+        inferred = onnx.shape_inference.infer_shapes(checked, strict_mode=True, data_prop=True)
     except Exception as err:  # noqa: BLE001 - onnx raises several types
         raise LoweringError(f"ONNX contract check failed: {err}") from err
     known = {v.name: v for v in inferred.graph.value_info}
@@ -66,6 +76,25 @@ def check_contract(model: onnx.ModelProto) -> None:
         if got[0] != want[0] or len(got[1]) != len(want[1]) or any(
                 g is not None and g != w for g, w in zip(got[1], want[1])):
             raise LoweringError(f"ONNX infers {got} for {output.name}, torch has {want}")
+
+
+def _without_weight_values(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its large floating-point initializers as typed graph inputs (see
+    SHAPE_ONLY_ELEMENTS); the model itself when it has none."""
+    graph = model.graph
+    weights = [t for t in graph.initializer
+               if t.data_type in _FLOATING and int(np.prod(t.dims, dtype=np.int64)) > SHAPE_ONLY_ELEMENTS]
+    if not weights:
+        return model
+    names = {t.name for t in weights}
+    inputs = list(graph.input) + [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                  for t in weights]
+    kept = [t for t in graph.initializer if t.name not in names]
+    checked = onnx.helper.make_model(
+        onnx.helper.make_graph(graph.node, graph.name, inputs, graph.output, kept, value_info=graph.value_info),
+        opset_imports=model.opset_import, producer_name=model.producer_name)
+    checked.ir_version = model.ir_version
+    return checked
 
 
 def _signature(value_info) -> tuple:

@@ -52,8 +52,13 @@ class OnnxBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, NP_TO_ONNX[np.dtype(dtype)], list(shape)))
 
     def model(self) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                  producer_name="blade")
-        model.ir_version = 10
+        # filled in place: helper.make_model copies a whole graph (weights included) once more
+        model = onnx.ModelProto(ir_version=10, producer_name="blade",
+                                opset_import=[helper.make_opsetid("", OPSET)])
+        graph = model.graph
+        graph.name = self.name
+        graph.node.extend(self.nodes)
+        graph.input.extend(self.inputs)
+        graph.output.extend(self.outputs)
+        graph.initializer.extend(self.initializers)
         return model

@@ -1,0 +1,83 @@
+"""check_contract checks weights by type and shape only; shape data and small operands keep their values."""
+import gc
+
+import numpy as np
+import onnx
+import pytest
+
+from blade.cluster.lower import _without_weight_values, check_contract
+from blade.cluster.onnx_builder import OnnxBuilder
+from blade.cluster.support import LoweringError
+from blade.heap import frozen_heap
+
+
+def _matmul_then_reshape(out_shape, weight_rows=64, target=(4, 32)):
+    """x[2, rows] @ W[rows, 64] reshaped to ``target``, declared as ``out_shape``."""
+    b = OnnxBuilder("c")
+    b.add_input("x", np.float32, [2, weight_rows])
+    w = b.constant(np.ones((weight_rows, 64), np.float32), "w")
+    y = b.op("MatMul", ["x", w])
+    z = b.op("Reshape", [y, b.ints(target)])
+    b.nodes.append(onnx.helper.make_node("Identity", [z], ["out"]))
+    b.add_output("out", np.float32, out_shape)
+    return b.model()
+
+
+def test_weights_become_typed_inputs_and_shape_data_stays():
+    model = _matmul_then_reshape([4, 32])
+    checked = _without_weight_values(model)
+    assert [t.name for t in checked.graph.initializer] == ["ints_3"]  # the reshape target, by value
+    assert [i.name for i in checked.graph.input] == ["x", "w_1"]
+    assert len(model.graph.initializer) == 2  # the model itself is untouched
+    check_contract(model)
+
+
+def test_a_wrong_declared_shape_still_fails_with_weights_stripped():
+    # the reshape target's value (shape data, kept) decides [4, 32]
+    with pytest.raises(LoweringError, match=r"\(4\) vs \(8\)"):
+        check_contract(_matmul_then_reshape([8, 16]))
+
+
+
+def test_a_weight_of_the_wrong_shape_still_fails():
+    with pytest.raises(LoweringError, match="contract check failed"):
+        check_contract(_bad_matmul())
+
+
+def _bad_matmul():
+    """x[2, 3] @ W[5, 64]: the weight's shape (kept as its input's type) does not fit."""
+    b = OnnxBuilder("c")
+    b.add_input("x", np.float32, [2, 3])
+    w = b.constant(np.ones((5, 64), np.float32), "w")
+    y = b.op("MatMul", ["x", w])
+    b.nodes.append(onnx.helper.make_node("Identity", [y], ["out"]))
+    b.add_output("out", np.float32, [2, 64])
+    return b.model()
+
+
+def test_a_model_without_weights_is_checked_as_it_is():
+    b = OnnxBuilder("c")
+    b.add_input("x", np.float32, [2, 3])
+    y = b.op("Mul", ["x", b.constant(np.float32(2.0))])
+    b.nodes.append(onnx.helper.make_node("Identity", [y], ["out"]))
+    b.add_output("out", np.float32, [2, 3])
+    model = b.model()
+    assert _without_weight_values(model) is model
+
+
+def test_frozen_heap_unfreezes_and_leaves_a_process_freeze_alone():
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() > 0   # the inner one leaves the outer's freeze
+    assert gc.get_freeze_count() == 0
+    gc.freeze()   # a process that froze its own objects (a pre-fork server)
+    try:
+        before = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
