@@ -279,6 +279,11 @@ constexpr int kSamples = 5, kMaxSamples = 12;
 // replaced: far more than the engine calls one model call makes.
 constexpr uint64_t kSamplerIdleCalls = 64;
 constexpr double kSuspectUs = 1000, kSuspectGflops = 20;
+// A candidate whose best of kRejectSamples calls is over kRejectRatio times the leader's best cannot
+// win: it is sampled no more. Sampled to kSamples, such a candidate (MKL on attention's batched
+// GEMMs trails the panels kernel 2-5x) made a new bucket's first calls 2-2.5x the settled call.
+constexpr int kRejectSamples = 2;
+constexpr double kRejectRatio = 1.5;
 
 double flops(const GemmArgs& g) { return 2.0 * g.batch * g.m * g.n * g.k; }
 
@@ -322,11 +327,20 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, const ShapeK
 void settle_if_sampled(Choice& choice) {
   int winner = -1, fewest = kMaxSamples;
   for (int k = 0; k < kKernels; ++k) {
-    if (!(choice.kernels & bit(Kernel(k)))) continue;
-    fewest = std::min(fewest, choice.samples[k]);
-    if (choice.samples[k] > 0 && (winner < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[winner])) winner = k;
+    if (choice.kernels & bit(Kernel(k)) && choice.samples[k] > 0 &&
+        (winner < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[winner])) {
+      winner = k;
+    }
   }
   if (winner < 0) return;
+  for (int k = 0; k < kKernels; ++k) {
+    if (!(choice.kernels & bit(Kernel(k)))) continue;
+    if (choice.samples[k] >= kRejectSamples && choice.ns_per_flop[k] > kRejectRatio * choice.ns_per_flop[winner]) {
+      choice.kernels &= ~bit(Kernel(k));
+      continue;
+    }
+    fewest = std::min(fewest, choice.samples[k]);
+  }
   choice.kernel.store(winner, std::memory_order_relaxed);  // the leader so far serves other threads meanwhile
   const double gflops = 1.0 / choice.ns_per_flop[winner];
   const bool suspect = choice.us[winner] > kSuspectUs && gflops < kSuspectGflops;
