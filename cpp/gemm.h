@@ -71,6 +71,9 @@ bool panels_applies(const GemmArgs& g, bool b_constant);
 // (untransposed) or packed per call, panel by panel (transposed).
 void panels_gemm(const GemmArgs& g, PackedWeights* weights);
 
+// Whether g's constant B is packed for panels_gemm already (so running it packs nothing).
+bool panels_packed(const GemmArgs& g, PackedWeights* weights);
+
 // ---- the choice (gemm_choice.cpp) ----
 
 // The runtime's sgemm: folds a weight shared by a batch of row-stacked GEMMs into one GEMM, then

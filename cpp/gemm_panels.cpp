@@ -139,11 +139,16 @@ Tasks split_tasks(const GemmArgs& g, int64_t items) {
   return {chunks, chunk_rows, std::max<int64_t>(1, kMinTaskFmas / (std::min(chunk_rows, g.m) * g.k * kPanel))};
 }
 
-// A constant B: packed once per engine (PackedWeights), alpha folded in.
-void packed_gemm(const GemmArgs& g, PackedWeights* weights) {
+// A constant B's key in PackedWeights.
+PackedWeights::Key pack_key(const GemmArgs& g) {
   int32_t alpha_bits;
   std::memcpy(&alpha_bits, &g.alpha, sizeof alpha_bits);
-  const PackedWeights::Key key = {reinterpret_cast<int64_t>(g.b), kPackTag, g.trans_b, g.n, g.k, g.ldb, alpha_bits};
+  return {reinterpret_cast<int64_t>(g.b), kPackTag, g.trans_b, g.n, g.k, g.ldb, alpha_bits};
+}
+
+// A constant B: packed once per engine (PackedWeights), alpha folded in.
+void packed_gemm(const GemmArgs& g, PackedWeights* weights) {
+  const PackedWeights::Key key = pack_key(g);
   const at::Tensor packed = weights->get(key, [&] { return pack_panels(g); });
   const float* panels = packed.const_data_ptr<float>();
   const int64_t count = (g.n + kPanel - 1) / kPanel;
@@ -217,6 +222,10 @@ void per_call_gemm(const GemmArgs& g) {
 }
 
 }  // namespace
+
+bool panels_packed(const GemmArgs& g, PackedWeights* weights) {
+  return weights != nullptr && weights->has(pack_key(g));
+}
 
 bool panels_applies(const GemmArgs& g, bool b_constant) {
   return (g.batch == 1 || !b_constant) && g.k > 0 && avx512_usable();

@@ -370,6 +370,11 @@ at::Tensor PackedWeights::get(const Key& key, const std::function<at::Tensor()>&
   return it->second;
 }
 
+bool PackedWeights::has(const Key& key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return packed_.count(key) != 0;
+}
+
 PackingScope::PackingScope(PackedWeights* weights) : previous_(current_weights) { current_weights = weights; }
 PackingScope::~PackingScope() { current_weights = previous_; }
 

@@ -76,6 +76,8 @@ class PackedWeights {
   bool shapes_vary() const { return shapes_vary_; }
   // The packed form under `key`, made by `pack` on first use.
   at::Tensor get(const Key& key, const std::function<at::Tensor()>& pack);
+  // Whether a packed form under `key` exists already.
+  bool has(const Key& key);
 
  private:
   std::vector<std::pair<uintptr_t, uintptr_t>> constant_ranges_;  // [begin, end) byte addresses
