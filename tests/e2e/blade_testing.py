@@ -75,6 +75,18 @@ def compile_and_check(model, inputs, *, min_engines=1, rtol=1e-4, atol=1e-5, **o
     return capture
 
 
+def compile_dynamic_and_check(model, shapes, rtol=1e-4, atol=1e-5):
+    """torch.compile(model, backend=tt_infer, dynamic=True) vs eager on torch.randn(*shape) for each
+    of shapes (one compile is meant to serve them all); returns the Capture for more checks."""
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        for shape in shapes:
+            x = torch.randn(*shape)
+            assert_close(compiled(x), model(x), rtol, atol)
+    return capture
+
+
 # The runtime picks each GEMM shape's kernel (MKL or oneDNN) by timing them once per process, so
 # two processes can round a GEMM differently. Tests that compare outputs bitwise across processes
 # pin one kernel on both sides: this in the test process, PINNED_GEMM_ENV in the other's environment.

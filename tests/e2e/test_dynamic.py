@@ -10,7 +10,7 @@ import blade.pipeline
 from blade.config import Config
 from blade.pipeline import CompiledModule
 from blade.specialize import ShapeSpecialized
-from blade_testing import Capture, assert_close
+from blade_testing import Capture, assert_close, compile_dynamic_and_check
 
 
 class Attention(torch.nn.Module):
@@ -141,12 +141,7 @@ def test_an_op_that_computes_from_a_size_stays_in_torchscript():
         def forward(self, x):
             return torch.softmax(torch.roll(x, 1, 1) * 2.0, -1).relu()
 
-    model, capture = Rolled().eval(), Capture()
-    compiled = torch.compile(model, backend=capture, dynamic=True)
-    with torch.no_grad():
-        for batch, seq in [(2, 6), (3, 9), (5, 4)]:
-            x = torch.randn(batch, seq, seq)
-            assert_close(compiled(x), model(x))
+    capture = compile_dynamic_and_check(Rolled().eval(), [(2, 6, 6), (3, 9, 9), (5, 4, 4)])
     report = capture.report
     assert report.size_symbols and 0 < report.aten_in_engines < report.aten_total
     assert report.left_out
@@ -169,12 +164,7 @@ def test_gather_along_a_run_time_dim_joins_the_engine():
             return (x + self.embed(types)).relu()
 
     torch.manual_seed(0)
-    model, capture = TokenTypes().eval(), Capture()
-    compiled = torch.compile(model, backend=capture, dynamic=True)
-    with torch.no_grad():
-        for batch, seq in [(2, 6), (3, 9), (5, 40)]:
-            x = torch.randn(batch, seq, 8)
-            assert_close(compiled(x), model(x))
+    capture = compile_dynamic_and_check(TokenTypes().eval(), [(2, 6, 8), (3, 9, 8), (5, 40, 8)])
     report = capture.report
     assert report.size_symbols and not any("gather" in n.kind for n in report.left_out_nodes), report.left_out_nodes
     assert any("aten::gather" in c.op_kinds for c in report.clusters if c.status == "compiled")
@@ -188,12 +178,7 @@ def test_gather_whose_offsets_need_a_run_time_size_joins_the_engine():
             index = (x > 0).long()  # 0 or 1: in range at every probe size
             return (x.gather(1, index) * 2.0).relu()
 
-    model, capture = RowGather().eval(), Capture()
-    compiled = torch.compile(model, backend=capture, dynamic=True)
-    with torch.no_grad():
-        for rows, cols in [(3, 6), (4, 9), (6, 5)]:
-            x = torch.randn(rows, cols)
-            assert_close(compiled(x), model(x))
+    capture = compile_dynamic_and_check(RowGather().eval(), [(3, 6), (4, 9), (6, 5)])
     assert len(capture.compiled) == 1 and capture.report.size_symbols
     assert not any(n.kind == "aten::gather" for n in capture.report.left_out_nodes), capture.report.left_out_nodes
     assert any("aten::gather" in c.op_kinds for c in capture.report.clusters if c.status == "compiled")

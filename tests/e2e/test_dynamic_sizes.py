@@ -7,7 +7,7 @@ graph); a pattern the rules do not take stays in TorchScript with its reason."""
 import pytest
 import torch
 
-from blade_testing import Capture, assert_close
+from blade_testing import Capture, assert_close, compile_dynamic_and_check
 
 SEQ_MAX, BATCH_MAX = 24, 6
 
@@ -120,12 +120,7 @@ class Stepped(torch.nn.Module):
 
 
 def test_a_size_pattern_not_taken_stays_in_torchscript_with_its_reason():
-    model, capture = Stepped().eval(), Capture()
-    compiled = torch.compile(model, backend=capture, dynamic=True)
-    with torch.no_grad():
-        for batch, seq in [(2, 6), (3, 9), (5, 4)]:
-            x = torch.randn(batch, seq)
-            assert_close(compiled(x), model(x))
+    capture = compile_dynamic_and_check(Stepped().eval(), [(2, 6), (3, 9), (5, 4)])
     reasons = [reason for kind, reason in capture.report.left_out if kind == "aten::arange"]
     assert reasons and "other than from 0 by 1" in reasons[0], capture.report.left_out
 
@@ -212,12 +207,7 @@ class DividedDifference(torch.nn.Module):
 
 
 def test_a_floordiv_not_provably_non_negative_stays_in_torchscript_with_its_reason():
-    model, capture = DividedDifference().eval(), Capture()
-    compiled = torch.compile(model, backend=capture, dynamic=True)
-    with torch.no_grad():
-        for batch, seq in [(2, 6), (3, 9), (5, 4), (2, 2)]:
-            x = torch.randn(batch, seq)
-            assert_close(compiled(x), model(x))
+    capture = compile_dynamic_and_check(DividedDifference().eval(), [(2, 6), (3, 9), (5, 4), (2, 2)])
     # (dynamo may guard on the difference's sign and hand over a second graph: each keeps it out)
     left_out = [item for compiled in capture.compiled for item in compiled.report.left_out]
     reasons = [reason for kind, reason in left_out if kind == "aten::floordiv"]
