@@ -31,7 +31,7 @@ NAME = os.environ.get("MODEL", "mobilenet_v2")
 INNER, ROUNDS = int(os.environ.get("INNER", 10)), int(os.environ.get("ROUNDS", 30))
 clock = time.thread_time_ns
 torch.set_num_threads(1)
-model, inputs = getattr(models, NAME)(*([1] if NAME == "mobilenet_v2" else []))
+model, inputs = getattr(models, NAME)(*([1] if NAME in ("mobilenet_v2", "vit", "distilbert", "convnext", "t5_encoder", "llama", "bert_padded") else []))
 inside_ns = [0]
 
 
