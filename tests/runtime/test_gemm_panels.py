@@ -58,6 +58,19 @@ def test_computed_b_per_call(panels, batch, m, n, trans_a, trans_b):
 
 
 @needs_avx512
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 33, 64, 65])
+@pytest.mark.parametrize("n", [1, 16, 17, 31, 32, 47, 70])
+def test_computed_transposed_b_packing(panels, k, n):
+    """A computed B^T (attention's K) is packed per panel in 16 x 16 blocks transposed in registers:
+    depths and panel widths around the block (partial blocks masked; B's NaN row padding and the
+    memory past its last row must never reach C), batches apart by a stride, alpha applied."""
+    before = _panels_calls()
+    run_sgemm(2, 9, n, k, 0.5, 0.0, False, True, pack=False, pad=1, seed=k + n)
+    run_sgemm(1, 3, n, k, 1.0, 1.0, True, True, pack=False, pad=0, seed=k * n)
+    assert _panels_calls() == before + 2
+
+
+@needs_avx512
 def test_computed_b_shared_operands(panels):
     """A batch sharing a computed A or B (B shared without folding: A transposed) runs per call; a
     constant B shared by a batch that does not fold is MKL's (the packed path is for one GEMM)."""
