@@ -13,6 +13,10 @@ dynamo's per-call state (guards over every parameter) read from cold caches, not
 
     PYTHONPATH=$PWD python bench/dynamo_split.py                  # MobileNetV2 batch 1
     MODEL=mlp INNER=100 PYTHONPATH=$PWD python bench/dynamo_split.py
+    GUARDS=skip_guard_on_all_nn_modules_unsafe PYTHONPATH=$PWD python bench/dynamo_split.py
+
+GUARDS names one of torch.compiler's guard filters (an opt-in that drops guards, see README.md):
+every dynamo layer is compiled with options={"guard_filter_fn": it}.
 """
 import os
 import statistics
@@ -30,6 +34,8 @@ from bench import models  # noqa: E402
 NAME = os.environ.get("MODEL", "mobilenet_v2")
 INNER, ROUNDS = int(os.environ.get("INNER", 10)), int(os.environ.get("ROUNDS", 30))
 clock = time.thread_time_ns
+GUARDS = os.environ.get("GUARDS")
+OPTIONS = {"guard_filter_fn": getattr(torch.compiler, GUARDS)} if GUARDS else None
 torch.set_num_threads(1)
 model, inputs = getattr(models, NAME)(*([1] if NAME in ("mobilenet_v2", "vit", "distilbert", "convnext", "t5_encoder", "llama", "bert_padded") else []))
 inside_ns = [0]
@@ -47,7 +53,8 @@ def timed(fn):
 
 def compiled(callable_):
     """torch.compile of the model (a fresh code object each, so dynamo caches stay apart)."""
-    fn = torch.compile(lambda *x: model(*x), backend=lambda gm, ex: callable_, dynamic=False)
+    fn = torch.compile(lambda *x: model(*x), backend=lambda gm, ex, **_: callable_, dynamic=False,
+                       options=dict(OPTIONS) if OPTIONS else None)
     fn(*inputs)
     return fn
 
@@ -83,7 +90,8 @@ with torch.no_grad():
                 fn()
             total[name].append((clock() - start) / INNER / 1e3)
             inside[name].append(inside_ns[0] / INNER / 1e3)
-print(f"{NAME}, 1 thread, CPU us per call (median of {ROUNDS} rounds of {INNER})")
+print(f"{NAME}, 1 thread, CPU us per call (median of {ROUNDS} rounds of {INNER})"
+      + (f", guard_filter_fn={GUARDS}" if GUARDS else ""))
 for name in layers:
     outside = statistics.median([t - i for t, i in zip(total[name], inside[name])])
     print(f"{name:16s} total {statistics.median(total[name]):8.1f}  inside {statistics.median(inside[name]):8.1f}  "

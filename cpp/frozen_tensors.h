@@ -36,6 +36,9 @@ class __attribute__((visibility("hidden"))) FrozenTensors {
     const void* data;
   };
   std::vector<Entry> entries_;
+
+  // Whether args passes e's very tensor object at its position (always, for a module attribute).
+  static bool passed_at(const pybind11::tuple& args, const Entry& e);
 };
 
 void bind_frozen_tensors(pybind11::module_& m);
