@@ -538,6 +538,9 @@ void gemm(GemmArgs g, PackedWeights* weights) {
 
 void pack_weight_gemms(const BladeWeightGemm* gemms, int32_t count, const void* const* constants,
                        PackedWeights* weights) {
+  // The one-time probe whether oneDNN runs here (a oneDNN matmul and inner product, ~2 ms of setup)
+  // happens at load too, not inside the process's first engine call (its first non-tiny GEMM).
+  if (count > 0) onednn_usable();
   if (!weights->shapes_vary() || !(allowed_kernels() & bit(kPanels))) return;
   for (int32_t i = 0; i < count; ++i) {
     const BladeWeightGemm& w = gemms[i];

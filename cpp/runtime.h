@@ -108,7 +108,7 @@ class PackingScope {
 // kernel where BLADE_GEMM lets it run them: such an engine's GEMMs run that kernel (a settled
 // choice, or while a new bucket of shapes samples its candidates), and packing at first use made
 // a first call at a new shape up to 3x a settled one. A static engine packs on first use, for the
-// kernel its timing chose.
+// kernel its timing chose. Either way the GEMM runtime's one-time setup runs here, not in a call.
 void pack_weight_gemms(const BladeWeightGemm* gemms, int32_t count, const void* const* constants,
                        PackedWeights* weights);
 
