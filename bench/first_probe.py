@@ -1,3 +1,9 @@
+"""First call at a new shape over the steady call, tt_infer dynamic (issue 12): `python bench/first_probe.py
+bert|gpt2` with REPO=<checkout> (default /work/main) on PYTHONPATH. One compile (at 2x32, called once),
+then per point: the first call, calls 2-4, the steady call (best of the last 10 of 30), the slow calls
+(> 1.3x steady) and the excess of the 30 calls over 30 steady ones, in steady calls. Thread CPU time
+(NT threads, default 1), so other processes' load counts less than in wall time; 1x16 still varies
+1.2-1.4x from call to call under load (likely its weights evicted from the shared L3; not profiled)."""
 import sys, time, os
 import torch
 R = os.environ.get("REPO", "/work/main"); sys.path.insert(0, R + "/bench"); sys.path.insert(0, R)
