@@ -74,6 +74,19 @@ int32_t blade_engine_abi_version(void);
 int32_t blade_engine_run(const BladeRuntime* rt, const void* const* inputs, void* const* outputs,
                          const void* const* constants, const int64_t* sizes, void* scratch);
 
+// A GEMM of the engine whose B is (part of) one of its constants, with sizes that are the same on
+// every call (only m may be a run-time size): sgemm's B = constants[constant] + offset elements,
+// read as op(B) [k, n] with ldb and trans_b, scaled by alpha.
+struct BladeWeightGemm {
+  int64_t constant, offset, n, k, ldb;
+  int32_t trans_b;
+  float alpha;
+};
+// Optionally exported (engines of run-time sizes list their weight GEMMs here; absent: none listed):
+//   blade_engine_weight_gemms(&gemms) points gemms at that many BladeWeightGemm, the count returned.
+//   The runtime may re-lay those weights out when it loads the engine, so no call has to.
+int32_t blade_engine_weight_gemms(const BladeWeightGemm** gemms);
+
 }  // extern "C"
 
 #define BLADE_CONV_INPUT_CHANNELS_LAST 1   // BladeRuntime::conv layout bits

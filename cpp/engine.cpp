@@ -194,6 +194,26 @@ void Engine::load() {
                                       std::to_string(abi_version()) + ", this runtime speaks version " +
                                       std::to_string(BLADE_ABI_VERSION));
   }
+  const auto weight_gemms = reinterpret_cast<WeightGemmsFn>(library_->find("blade_engine_weight_gemms"));
+  if (weight_gemms) pack_weights(weight_gemms);
+}
+
+void Engine::pack_weights(WeightGemmsFn weight_gemms) {
+  const BladeWeightGemm* gemms = nullptr;
+  const int32_t count = weight_gemms(&gemms);
+  for (int32_t i = 0; i < count; ++i) {
+    // The runtime reads op(B) [k, n] from the constant: the .so's table must keep it inside.
+    const BladeWeightGemm& w = gemms[i];
+    const bool listed = w.constant >= 0 && w.constant < static_cast<int64_t>(def_.constants.size());
+    const at::Tensor* constant = listed ? &def_.constants[static_cast<size_t>(w.constant)] : nullptr;
+    const int64_t last = w.trans_b ? (w.n - 1) * w.ldb + w.k - 1 : (w.k - 1) * w.ldb + w.n - 1;
+    if (constant == nullptr || constant->scalar_type() != at::kFloat || w.offset < 0 || w.n < 1 || w.k < 1 ||
+        w.ldb < (w.trans_b ? w.k : w.n) || w.offset + last >= constant->numel()) {
+      throw_engine_error(def_.name, "weight GEMM " + std::to_string(i) + " of the .so reads outside its constant " +
+                                        std::to_string(w.constant));
+    }
+  }
+  pack_weight_gemms(gemms, count, constant_data_.data(), &packed_weights_);
 }
 
 std::vector<at::Tensor> Engine::execute(const std::vector<at::Tensor>& inputs) const {

@@ -84,8 +84,12 @@ class Engine : public torch::CustomClassHolder {
   using RunFn = decltype(&blade_engine_run);
   // Exported only by engines compiled with -DBLADE_PROFILE (blade/engine/codegen.py).
   using ProfileFn = int32_t (*)(const char* const** names, int64_t* ns, int32_t capacity, int64_t* runs);
+  // Exported by engines with GEMMs on constant weights (blade/engine/render.py).
+  using WeightGemmsFn = decltype(&blade_engine_weight_gemms);
 
   void load();
+  // Checks the .so's weight GEMMs against the constants and lets the runtime pack them (pack_weight_gemms).
+  void pack_weights(WeightGemmsFn weight_gemms);
   std::vector<at::Tensor> execute_checked(const std::vector<at::Tensor>& inputs) const;
   std::vector<at::Tensor> fall_back(const std::vector<at::Tensor>& inputs, const std::string& reason) const;
   [[noreturn]] void throw_input_count(size_t got) const;

@@ -71,6 +71,10 @@ bool panels_applies(const GemmArgs& g, bool b_constant);
 // (untransposed) or packed per call, panel by panel (transposed).
 void panels_gemm(const GemmArgs& g, PackedWeights* weights);
 
+// Packs g's constant B for panels_gemm now (the pack a first call would make; reads b, n, k, ldb,
+// trans_b and alpha only).
+void panels_pack(const GemmArgs& g, PackedWeights* weights);
+
 // Whether g's constant B is packed for panels_gemm already (so running it packs nothing).
 bool panels_packed(const GemmArgs& g, PackedWeights* weights);
 

@@ -536,6 +536,26 @@ void gemm(GemmArgs g, PackedWeights* weights) {
   run_chosen(g, b_constant, weights != nullptr && weights->shapes_vary(), weights);
 }
 
+void pack_weight_gemms(const BladeWeightGemm* gemms, int32_t count, const void* const* constants,
+                       PackedWeights* weights) {
+  // The one-time probe whether oneDNN runs here (a oneDNN matmul and inner product, ~2 ms of setup)
+  // happens at load too, not inside the process's first engine call (its first non-tiny GEMM).
+  if (count > 0) onednn_usable();
+  if (!weights->shapes_vary() || !(allowed_kernels() & bit(kPanels))) return;
+  for (int32_t i = 0; i < count; ++i) {
+    const BladeWeightGemm& w = gemms[i];
+    GemmArgs g{};
+    g.batch = g.m = 1;  // the pack is the same for any row count
+    g.n = w.n;
+    g.k = w.k;
+    g.alpha = w.alpha;
+    g.b = static_cast<const float*>(constants[w.constant]) + w.offset;
+    g.ldb = w.ldb;
+    g.trans_b = w.trans_b;
+    if (panels_applies(g, true)) panels_pack(g, weights);
+  }
+}
+
 void gemm_new_call() { call_epoch.fetch_add(1, std::memory_order_relaxed); }
 
 int64_t gemm_kernel_calls(const std::string& kernel) {

@@ -252,6 +252,10 @@ void per_call_gemm(const GemmArgs& g) {
 
 }  // namespace
 
+void panels_pack(const GemmArgs& g, PackedWeights* weights) {
+  weights->get(pack_key(g), [&] { return pack_panels(g); });
+}
+
 bool panels_packed(const GemmArgs& g, PackedWeights* weights) {
   return weights != nullptr && weights->has(pack_key(g));
 }

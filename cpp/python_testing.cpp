@@ -124,6 +124,8 @@ void bind_testing(pybind11::module_& m) {
   m.def("set_gemm_jit_at_run_time_sizes", &set_gemm_jit_at_run_time_sizes,
         "Lets oneDNN's kernels (a primitive per exact shape) run the GEMMs of engines with run-time sizes "
         "(off by default); forgets the choices made so far.", py::arg("allowed"));
+  m.def("packed_weight_count", &packed_weight_count,
+        "How many weights engines packed (GEMM, convolution) in this process so far.");
   m.def("gemm_onednn_usable", &onednn_usable,
         "Whether libtorch's oneDNN matmul runs on this CPU (else the oneDNN GEMM modes fall back to MKL).");
   m.def("parallel_for_chunks", &parallel_for_chunks,

@@ -44,6 +44,7 @@ namespace blade {
 namespace {
 
 thread_local PackedWeights* current_weights = nullptr;  // set by PackingScope
+std::atomic<int64_t> packs_made{0};                       // PackedWeights::get's packs, process-wide
 
 // ---- GEMM ----
 
@@ -366,7 +367,10 @@ bool PackedWeights::is_constant(const void* data) const {
 at::Tensor PackedWeights::get(const Key& key, const std::function<at::Tensor()>& pack) {
   std::lock_guard<std::mutex> lock(mutex_);  // packing under the lock: concurrent first calls pack once
   auto it = packed_.find(key);
-  if (it == packed_.end()) it = packed_.emplace(key, pack()).first;
+  if (it == packed_.end()) {
+    it = packed_.emplace(key, pack()).first;
+    packs_made.fetch_add(1, std::memory_order_relaxed);
+  }
   return it->second;
 }
 
@@ -374,6 +378,8 @@ bool PackedWeights::has(const Key& key) {
   std::lock_guard<std::mutex> lock(mutex_);
   return packed_.count(key) != 0;
 }
+
+int64_t packed_weight_count() { return packs_made.load(std::memory_order_relaxed); }
 
 PackingScope::PackingScope(PackedWeights* weights) : previous_(current_weights) { current_weights = weights; }
 PackingScope::~PackingScope() { current_weights = previous_; }

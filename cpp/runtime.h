@@ -41,6 +41,9 @@ void gemm_new_call();
 // process: for tests of which kernel a call runs.
 int64_t gemm_kernel_calls(const std::string& kernel);
 
+// Weights packed into any engine's PackedWeights in this process so far: for tests of when packing happens.
+int64_t packed_weight_count();
+
 // Whether oneDNN's kernels (a primitive JIT-compiled and cached per exact shape) may run the GEMMs
 // of engines with run-time sizes where the panels kernel can. Off by default: such an engine meets
 // a new shape on almost every call and oneDNN's caches kept 1-5 MiB for each, so a server's memory
@@ -99,5 +102,14 @@ class PackingScope {
  private:
   PackedWeights* previous_;
 };
+
+// Packs, as an engine with run-time sizes (weights->shapes_vary()) loads, its weight GEMMs' B
+// (blade_engine_weight_gemms; each B lies inside the engine's constants) for the runtime's panels
+// kernel where BLADE_GEMM lets it run them: such an engine's GEMMs run that kernel (a settled
+// choice, or while a new bucket of shapes samples its candidates), and packing at first use made
+// a first call at a new shape up to 3x a settled one. A static engine packs on first use, for the
+// kernel its timing chose. Either way the GEMM runtime's one-time setup runs here, not in a call.
+void pack_weight_gemms(const BladeWeightGemm* gemms, int32_t count, const void* const* constants,
+                       PackedWeights* weights);
 
 }  // namespace blade

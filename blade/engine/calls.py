@@ -11,7 +11,7 @@ from .buffers import CHANNELS_LAST, Strided, memory_order, permuted, same_stride
 from .ir import Node
 from .lines import DECLS, for_loop, indent
 from .optable import literal
-from .symbolic import Expr, Var, add, proves_at_least
+from .symbolic import Expr, Var, add, constant, mul, proves_at_least
 from . import views
 from .views import Layout, contiguous_strides, packed_matrix
 
@@ -128,6 +128,27 @@ def emit_matmul(em, node, dest):
     for var, (size, _) in reversed(list(zip(loop_vars, merged))):
         call = for_loop(var, 0, size, call)
     em.kernels.end_call(kernel, ["{", *indent([DECLS] + call), "}"])
+    weight = _weight_gemm(b, n, k, ldb, tb, node.attrs["alpha"], m, (a, ta, lda), ldc, sgemm_batch, sgemm_strides,
+                          merged)
+    if weight is not None:
+        em.weight_gemms.append(weight)
+
+
+def _weight_gemm(b: Strided, n, k, ldb, tb, alpha, m, a_operand, ldc, batch, strides, loops):
+    """The GEMM's BladeWeightGemm fields (constant, offset, n, k, ldb, trans_b, alpha) when its B is a
+    run-time constant the runtime's sgemm sees as one GEMM's constant B on every call (cpp/gemm_choice.cpp
+    gemm: one batch, or a weight shared by row-stacked batches, which it folds into one), with sizes that
+    never change; else None. Listed by blade_engine_weight_gemms, so the runtime can pack it at load."""
+    if b.buf.kind != "const" or any(st[1] != 0 for _, st in loops):
+        return None
+    fields = [constant(v) for v in (b.layout.offset, n, k, ldb)]
+    if None in fields:
+        return None
+    _, ta, lda = a_operand
+    folds = strides[1] == 0 and ta == 0 and strides[0] == mul(m, lda) and strides[2] == mul(m, ldc)
+    if batch != 1 and not folds:
+        return None
+    return (b.buf.index, *fields, tb, float(alpha))
 
 
 def _dense_operand(em, node: Node) -> Strided:

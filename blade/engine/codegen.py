@@ -66,6 +66,7 @@ class Emitter:
         self.memory = Memory(plan.graph)
         self.values = Values(self.memory, self.names)
         self.kernels = Kernels(self.names)
+        self.weight_gemms = []   # calls._weight_gemm's tuples, in call order
 
     def run(self) -> Program:
         plan, memory = self.plan, self.memory
@@ -91,7 +92,7 @@ class Emitter:
         graph = plan.graph
         names = {var: name for name, var in graph.symbols}
         return Program(render_source(self.kernels.blocks, memory.inline_consts, rows_on_stack,
-                                     [var for _, var in graph.symbols]),
+                                     [var for _, var in graph.symbols], self.weight_gemms),
                        [_spec(n.name, n, names) for n in graph.inputs],
                        [_spec(name, n, names) for name, n in graph.outputs],
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in memory.runtime_consts],

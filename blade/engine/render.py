@@ -82,9 +82,10 @@ def keep_rows_on_stack(blocks: list) -> dict:
     return rows
 
 
-def render_source(blocks: list, inline_consts: list, rows_on_stack: dict, symbols=()) -> str:
+def render_source(blocks: list, inline_consts: list, rows_on_stack: dict, symbols=(), weight_gemms=()) -> str:
     """The engine's C++: blocks are (comment, lines) of call kernels and RowGroups; symbols: the
-    size symbols (Vars) whose values sizes[] holds, in order."""
+    size symbols (Vars) whose values sizes[] holds, in order; weight_gemms: the GEMMs on constant
+    weights blade_engine_weight_gemms lists (calls._weight_gemm)."""
     rendered = [render_group(b, {buf: rows_on_stack[buf] for buf in b.written if buf in rows_on_stack})
                 if isinstance(b, RowGroup) else b for b in blocks]
     lines = [HEADER, *_profile_table([comment for comment, _ in rendered]), "namespace {"]
@@ -93,7 +94,7 @@ def render_source(blocks: list, inline_consts: list, rows_on_stack: dict, symbol
             continue
         values = ", ".join(literal(v, buf.dtype) for v in np.asarray(buf.values).reshape(-1))
         lines.append(f"constexpr {buf.element_ctype} {buf.ident}[{max(buf.numel, 1)}] = {{{values}}};")
-    lines += ["}  // namespace", "", ENTRY_BEGIN]
+    lines += ["}  // namespace", *_weight_gemm_table(weight_gemms), "", ENTRY_BEGIN]
     lines += [f"  const int64_t {var.render()} = sizes[{k}];  // in [{var.lo}, {var.hi}]"
               for k, var in enumerate(symbols)]
     for number, (comment, body) in enumerate(rendered):
@@ -120,3 +121,17 @@ def _profile_table(comments) -> list:
             "  *runs = blade_profile_runs.load();",
             "  return count;",
             "}", "#endif", ""]
+
+
+def _weight_gemm_table(weight_gemms) -> list:
+    """blade_engine_weight_gemms() (blade_abi.h) over the distinct weight GEMMs, when there are any: the
+    runtime packs those weights when it loads an engine with run-time sizes, so no call packs them
+    (a packing first call at a new shape cost up to 3x a settled call). Alpha is the call's literal."""
+    distinct = list(dict.fromkeys(weight_gemms))
+    if not distinct:
+        return []
+    rows = [f"{{{c}, {offset}, {n}, {k}, {ldb}, {tb}, {literal(alpha, 'float32')}}}"
+            for c, offset, n, k, ldb, tb, alpha in distinct]
+    return ["", "namespace {", "const BladeWeightGemm blade_weight_gemms[] = {", *indent([r + "," for r in rows]),
+            "};", "}  // namespace", "extern \"C\" int32_t blade_engine_weight_gemms(const BladeWeightGemm** gemms) {",
+            "  *gemms = blade_weight_gemms;", f"  return {len(distinct)};", "}"]

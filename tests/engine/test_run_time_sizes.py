@@ -270,3 +270,34 @@ def test_a_slice_the_same_at_every_size_is_an_expression_of_it(tmp_path):
     for batch, seq in [(2, 1), (5, 7), (16, 32)]:
         x = rng.standard_normal((batch, seq, 16)).astype(np.float32)
         np.testing.assert_allclose(engine(x)[0], x[1:, 0].sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_gemms_are_listed_for_packing_at_load(compiled):
+    """blade_engine_weight_gemms lists a GEMM on a constant weight (shared by the batch's rows, which
+    the runtime folds into one GEMM), with its fixed n, k, ldb, trans_b and alpha; a B computed at
+    run time (attention's keys) is no weight, so that engine exports no table."""
+    source = (compiled["matmul-batched-rows"][0].parent / "engine.cpp").read_text()
+    assert re.search(r"const BladeWeightGemm blade_weight_gemms\[\] = \{\n  \{0, 0, 24, 16, 24, 0, 1\.0f\},\n\};",
+                     source)
+    assert "return 1;" in source
+    assert "blade_engine_weight_gemms" not in (compiled["attention-heads"][0].parent / "engine.cpp").read_text()
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the panels kernel needs AVX-512")
+def test_an_engine_with_run_time_sizes_packs_its_weights_at_load_and_no_call_packs(compiled):
+    from blade._C import _testing
+    from blade.runtime import make_engine
+    so_path, manifest = compiled["matmul-batched-rows"]
+    _testing.set_gemm_backend("panels")
+    try:
+        before = _testing.packed_weight_count()
+        engine = make_engine("cluster_dyn", so_path.read_bytes(), manifest, CASES["matmul-batched-rows"], {})
+        assert _testing.packed_weight_count() == before + 1
+        panels_before = _testing.gemm_kernel_calls("panels")
+        for batch, seq in [(1, 1), (2, 5), (16, 32), (3, 7)]:
+            x = torch.randn(batch, seq, 16)
+            torch.testing.assert_close(engine.execute([x])[0], x @ torch.from_numpy(W), rtol=1e-5, atol=1e-5)
+        assert _testing.gemm_kernel_calls("panels") == panels_before + 4
+        assert _testing.packed_weight_count() == before + 1
+    finally:
+        _testing.set_gemm_backend("")
