@@ -95,8 +95,8 @@ inline float blade_tanhf(float x) {
 
 // erf: x * S(x^2) for |x| < 0.875; 1 - e^P(|x|) up to |x| = 4, with P a fit of log(erfc) (beyond
 // 4, erf rounds to +-1 in float32). Weighted least-squares fits, made here; <= 2.3 ulp, abs error
-// <= 1.1e-7 over [-7, 7] (tests/engine/test_ops.py: Erf-dense). No reciprocal and one exp, so
-// exact-GELU loops vectorize and cost ~40 vector instructions per 16 elements.
+// <= 1.1e-7 over [-7, 7] (tests/engine/test_ops.py: Erf-dense). No reciprocal and one exp: ~40
+// vector instructions per 16 elements (the exact GELU has its own cheaper function, blade_geluf).
 inline float blade_erff(float x) {
   const float ax = std::fabs(x);
   const float z = x * x;
@@ -122,6 +122,49 @@ inline float blade_erff(float x) {
   const float p = std::fma(std::fma(1.998941006604582e-4f, t2, p45), t2 * t2, std::fma(p23, t2, p01));
   const float large = 1.0f - blade_exp_inrange(p);  // p in [-16.8, -0.25]
   return ax >= 0.875f ? std::copysign(large, x) : small;
+}
+
+// Exact GELU x Phi(x) as one function (ir._gelu), ~26 vector instructions per 16 elements where
+// 0.5 x (1 + erf(x / sqrt 2)) through blade_erff took ~45 (two branches of erf, both computed):
+// [64, 4096] one thread 80 us against eager's 54. Q = Phi(-|x|) = t R(t) e^(-x^2 / 2) with
+// t = 1 / (1 + 0.39 |x|) (a divide, as ATen's erf has: its unit runs beside the FMAs) and R a
+// degree-4 fit made here (least squares, reweighted to minimax the absolute error of Q); Phi(x) is
+// 1 - Q for x > 0, else Q. Error of Phi <= 1.1e-7 absolute, so GELU's <= 1.1e-7 |x| + its rounding
+// (eager's A&S erf in float32: 2.4e-7 |x|); far below 0 it is x Q without eager's cancellation in
+// 1 + erf. The exponent is clamped at -80 so no product is subnormal for |x| below 1e10 (Q there
+// is < 2e-35 either way); t = 0 at x = -inf gives Q = 0 and -inf * 0 = NaN, as eager's GELU;
+// +inf gives inf, -0 gives -0. 2^n is made from the bits of the sum that rounds n (magic-number
+// rounding, no round/convert instructions).
+inline float blade_geluf(float x) {
+  const float ax = std::fabs(x);
+  const float t = 1.0f / std::fma(0.39f, ax, 1.0f);
+  float r = 0.053849443793296814f;
+  r = std::fma(r, t, -0.25825339555740356f);
+  r = std::fma(r, t, 0.3751836121082306f);
+  r = std::fma(r, t, -0.01664738729596138f);
+  r = std::fma(r, t, 0.19444139301776886f);
+  r = std::fma(r, t, 0.15142634510993958f);
+  // -x^2 / 2 (-0 or below, or NaN) clamped at -80 as the integer min of its bits (one instruction;
+  // a negative float's bits grow with its magnitude); a NaN clamps too, but x * ... is NaN then
+  const int32_t square_bits = __builtin_bit_cast(int32_t, (x * -0.5f) * x);
+  const float z = __builtin_bit_cast(float, square_bits < int32_t(0xc2a00000) ? square_bits : int32_t(0xc2a00000));
+  // e^z = 2^n e^c, n = round(z / ln2) from the bits of a sum that rounds it (no round or convert
+  // instructions), c = z - n ln2 with ln2 in one float (error <= 116 * 1.9e-9 at the clamp)
+  const float shifted = std::fma(z, 1.44269504088896341f, 12582912.0f);   // 1.5 2^23: n in the low bits
+  const float n = shifted - 12582912.0f;
+  const float c = std::fma(n, -0.693147182464599609375f, z);
+  float e = 0.001383659546263516f;   // e^c for |c| <= ln2 / 2: a degree-6 fit made here, 1e-7 absolute
+  e = std::fma(e, c, 0.008374864235520363f);
+  e = std::fma(e, c, 0.041668232530355453f);
+  e = std::fma(e, c, 0.16666419804096222f);
+  e = std::fma(e, c, 0.49999991059303284f);
+  e = std::fma(e, c, 1.0f);
+  e = std::fma(e, c, 1.0f);
+  // times 2^n as an integer add of n to the exponent (the result is >= 2^-116, normal): the
+  // multiplies and FMAs share two ports, the integer add does not
+  const float scaled = __builtin_bit_cast(float, __builtin_bit_cast(int32_t, e) + (__builtin_bit_cast(int32_t, shifted) << 23));
+  const float q = scaled * (r * t);
+  return x * (x > 0.0f ? 1.0f - q : q);
 }
 
 // log: x = 2^e * m with m in [sqrt(1/2), sqrt(2)) (bit arithmetic relative to sqrt(1/2)'s bits),
@@ -282,21 +325,27 @@ inline float blade_cosf_fast(int32_t& wide, float x) {
   return blade_quadrant_value(blade_reduce_small(ax), 1);
 }
 
-// pow in double: log|x| to ~2^-45 (x = 2^e m, m in [sqrt(1/2), sqrt(2)) split in float32 bits as
-// blade_logf does, so no int64 <-> double conversion (AVX-512 only) is needed; log m = 2 atanh(s),
-// s = (m - 1) / (m + 1), |s| <= 0.172, Taylor to s^15) times y, then e^t to ~2^-45 (t = n ln2 + r,
-// Taylor to r^11), rounded to float once (overflow to inf and underflow through the subnormals as
-// the conversion rounds them). The special cases of C's pow (and torch's) are selects at the end.
+// pow in double: log|x| (x = 2^e m, m in [sqrt(1/2), sqrt(2)) split in float32 bits as blade_logf
+// does, so no int64 <-> double conversion (AVX-512 only) is needed; log m = 2 atanh(s),
+// s = (m - 1) / (m + 1), |s| <= 0.172, Taylor to s^13: relative truncation 2^-39.5) times y, then
+// e^t (t = n ln2 + r, Taylor to r^9: 2^-36.5), rounded to float once (overflow to inf and underflow
+// through the subnormals as the conversion rounds them): t's error (<= 88 * 2^-39.5) and e^r's
+// leave <= 0.5 + 2^-8 ulp (bench/ulp_table.py measures 0.50). The terms to s^15 and r^11 (~2^-45)
+// cost 7% more time ([64,4096] x^1.7, one thread: 417 -> 391 us; eager, Sleef's 1-ulp powf, 410).
+// The special cases of C's pow (and torch's) are selects at the end.
 inline double blade_log_d(float x) {   // x > 0, finite
   const bool subnormal = x < 1.17549435e-38f;
-  const float scaled = subnormal ? x * 8388608.0f : x;
+  // x times 2^(23 subnormal) made from integer bits, not `subnormal ? x * 2^23 : x`: g++ if-converts
+  // that select (and a select of the factor) by computing the whole logarithm, its two divides
+  // included, for both operands (pow [64,4096]: 4 vdivpd per 16 elements instead of 2).
+  const int32_t subnormal_mask = -static_cast<int32_t>(subnormal);
+  const float scaled = x * __builtin_bit_cast(float, 0x3f800000 + (subnormal_mask & (23 << 23)));
   const int32_t from_sqrt_half = __builtin_bit_cast(int32_t, scaled) - 0x3f3504f3;
   const double e = static_cast<double>((from_sqrt_half >> 23) - (subnormal ? 23 : 0));
   const double m = __builtin_bit_cast(float, (from_sqrt_half & 0x007fffff) + 0x3f3504f3);
   const double s = (m - 1.0) / (m + 1.0);
   const double z = s * s;
-  double p = 1.0 / 15;
-  p = std::fma(p, z, 1.0 / 13);
+  double p = 1.0 / 13;
   p = std::fma(p, z, 1.0 / 11);
   p = std::fma(p, z, 1.0 / 9);
   p = std::fma(p, z, 1.0 / 7);
@@ -308,9 +357,7 @@ inline double blade_log_d(float x) {   // x > 0, finite
 inline double blade_exp_d(double t) {   // t in [-300, 300]
   const double n = std::nearbyint(t * 1.4426950408889634);
   const double r = std::fma(-n, 2.319046813846299558e-17, std::fma(-n, 0.69314718055994529, t));
-  double p = 1.0 / 39916800;   // 1/11!
-  p = std::fma(p, r, 1.0 / 3628800);
-  p = std::fma(p, r, 1.0 / 362880);
+  double p = 1.0 / 362880;   // 1/9!
   p = std::fma(p, r, 1.0 / 40320);
   p = std::fma(p, r, 1.0 / 5040);
   p = std::fma(p, r, 1.0 / 720);

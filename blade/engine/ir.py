@@ -87,7 +87,7 @@ class Graph:
 ELEMENTWISE = {
     **{op: "same" for op in (
         "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Log",
-        "Sqrt", "Reciprocal", "Erf", "Floor", "Ceil", "Sin", "Cos", "Max", "Min", "Not", "And", "Or", "Xor", "Mod",
+        "Sqrt", "Reciprocal", "Erf", "Gelu", "Floor", "Ceil", "Sin", "Cos", "Max", "Min", "Not", "And", "Or", "Xor", "Mod",
         "BitwiseNot", "BitwiseAnd", "BitwiseOr", "BitwiseXor")},
     **{op: "bool" for op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
     "Where": "second",
@@ -386,14 +386,14 @@ def _clip(b, attrs, x, low=None, high=None):
 
 
 def _gelu(b, attrs, x):
-    half, one = b.scalar(0.5, x.dtype), b.scalar(1.0, x.dtype)
-    if attrs.get("approximate", "none") == "tanh":
-        cube = b.ew("Mul", b.ew("Mul", x, x), x)
-        inner = b.ew("Add", x, b.ew("Mul", cube, b.scalar(0.044715, x.dtype)))
-        gate = b.ew("Tanh", b.ew("Mul", inner, b.scalar(math.sqrt(2.0 / math.pi), x.dtype)))
-    else:
-        gate = b.ew("Erf", b.ew("Mul", x, b.scalar(math.sqrt(0.5), x.dtype)))
-    return [b.ew("Mul", b.ew("Mul", x, half), b.ew("Add", gate, one))]
+    if attrs.get("approximate", "none") != "tanh":
+        # one op, not x / 2 (1 + erf(x / sqrt 2)) of primitives: the prelude's blade_geluf is a
+        # cheaper form of the same function (optable)
+        return [b.ew("Gelu", x)]
+    cube = b.ew("Mul", b.ew("Mul", x, x), x)
+    inner = b.ew("Add", x, b.ew("Mul", cube, b.scalar(0.044715, x.dtype)))
+    gate = b.ew("Tanh", b.ew("Mul", inner, b.scalar(math.sqrt(2.0 / math.pi), x.dtype)))
+    return [b.ew("Mul", b.ew("Mul", x, b.scalar(0.5, x.dtype)), b.ew("Add", gate, b.scalar(1.0, x.dtype)))]
 
 
 def _reduce_axes(b, attrs, x, axes_node):

@@ -105,6 +105,9 @@ CODE_FOR_OP = {
     "Sqrt": _call("std::sqrt"),
     "Reciprocal": lambda t, a: f"{t}(1) / {a}",
     "Erf": lambda t, a: f"{'blade_erff' if t.dtype == 'float32' else 'std::erf'}({a})",
+    # exact GELU (ir._gelu); float64 as torch writes it
+    "Gelu": lambda t, a: (f"blade_geluf({a})" if t.dtype == "float32"
+                          else f"{a} * 0.5 * (1.0 + std::erf({a} * 0.70710678118654752440))"),
     "Floor": _call("std::floor"),
     "Ceil": _call("std::ceil"),
     "Sin": _float32_or_std("sin"),
@@ -143,7 +146,7 @@ assert CODE_FOR_OP.keys() == ELEMENTWISE.keys(), "ir.ELEMENTWISE and CODE_FOR_OP
 
 # Rough cost of one element of an op, to decide between recomputing a shared value and storing it.
 EXPENSIVE_OPS = {"Div": 4, "Sqrt": 4, "Reciprocal": 4, "Pow": 20, "Sigmoid": 20, "Tanh": 20,
-                 "Exp": 20, "Log": 20, "Erf": 20, "Sin": 20, "Cos": 20}
+                 "Exp": 20, "Log": 20, "Erf": 20, "Gelu": 20, "Sin": 20, "Cos": 20}
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,32 @@ def test_sin_cos_rows_take_the_cheap_form_or_the_full_one_within_contract(tmp_pa
         err = ulps(got, ref)
         worst = np.unravel_index(int(np.argmax(err)), err.shape)
         assert err[worst] <= bound, f"{op}({x[worst]!r}) = {got[worst]!r}, float64 {ref[worst]!r}: {err[worst]:.2f} ulp"
+
+
+GELU_ABS = 2e-7   # |error| / |x| of the exact GELU (measured 1.72e-7; eager's float32 A&S erf: 3.3e-7)
+
+
+def test_exact_gelu_within_contract(tmp_path):
+    """blade_geluf (one op: x Phi(x) with Phi(-|x|) = t R(t) e^(-x^2/2)): error <= GELU_ABS |x| on
+    the dense sample and densely over [-14, 14] (every region of the formula: x near 0, the clamp of
+    -x^2/2 at -80 beyond |x| = 12.6), and the special values as eager's scalar GELU gives them."""
+    specials = np.float32([np.nan, np.inf, -np.inf, 0.0, -0.0, 3.4028235e38, -3.4028235e38, -20.0, 1e-40, -1e-40])
+    x = np.concatenate([dense_sample(), np.linspace(-14, 14, 280001).astype(np.float32), specials])
+    case = graph_case("gelu", [helper.make_node("Gelu", ["x"], ["y"])], {"x": (x.shape, "float32")}, ["y"],
+                      values={"x": x})
+    manifest = compile_onnx(case.model, tmp_path)
+    assert "blade_geluf(" in (tmp_path / "engine.cpp").read_text()
+    (got,) = run_case(case, tmp_path / "engine.so", manifest)
+    xd = x.astype(np.float64)
+    finite = np.isfinite(xd)
+    ref = xd[finite] * 0.5 * np.frompyfunc(lambda v: math.erfc(-v / math.sqrt(2.0)), 1, 1)(xd[finite]).astype(np.float64)
+    # (plus the spacing of subnormal results, which the rounding of a subnormal x / 2 can cost)
+    err = (np.abs(got[finite].astype(np.float64) - ref) - 2.0 ** -149) / np.maximum(np.abs(xd[finite]), 1e-45)
+    worst = int(np.argmax(err))
+    assert err[worst] <= GELU_ABS, f"gelu({xd[finite][worst]!r}) = {got[finite][worst]!r}, float64 {ref[worst]!r}"
+    tail = got[-len(specials):]
+    assert np.isnan(tail[0]) and tail[1] == np.inf and np.isnan(tail[2])   # eager: gelu(-inf) = -inf * 0 = NaN
+    assert tail[3] == 0 and not np.signbit(tail[3]) and tail[4] == 0 and np.signbit(tail[4])
+    assert tail[5] == np.float32(3.4028235e38) and tail[6] == 0 and np.signbit(tail[6])
+    assert -1e-30 < tail[7] <= 0 and np.signbit(tail[7])
+    assert tail[8] == np.float32(5e-41) and tail[9] == np.float32(-5e-41)

@@ -26,7 +26,7 @@ SIGNATURES = {
                                    "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
     "Equal": (2, ALL),
     **{op: (1, NUMERIC) for op in ("Neg", "Abs", "Relu")},
-    **{op: (1, FLOATS) for op in ("Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Floor", "Ceil",
+    **{op: (1, FLOATS) for op in ("Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Gelu", "Floor", "Ceil",
                                   "Sin", "Cos")},
     "Mod": (2, FLOATS),    # fmod=1 (ir._fmod); floats only
     "Not": (1, ("bool",)),
@@ -45,7 +45,7 @@ SCALAR = {
     ("Pow", "int64"): "integer pow: a square-and-multiply loop per element (blade_ipow)",
     ("Pow", "int32"): "integer pow: a square-and-multiply loop per element (blade_ipow)",
     **{("Mod", dtype): "fmod (exact remainder, only in float floor division): std::fmod" for dtype in FLOATS},
-    **{(op, "float64"): LIBM for op in ("Pow", "Sigmoid", "Tanh", "Exp", "Log", "Erf", "Sin", "Cos")},
+    **{(op, "float64"): LIBM for op in ("Pow", "Sigmoid", "Tanh", "Exp", "Log", "Erf", "Gelu", "Sin", "Cos")},
 }
 SHAPE = (2, 1027)     # two rows (the parallel loop), each a vector body and a scalar tail
 # Nothing here runs the engines, so the ISA is fixed (not the host's): the same loops vectorize on
