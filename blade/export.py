@@ -175,12 +175,12 @@ def _compile_captures(model, in_spec, flat_inputs: list, dynamic_shapes, dims: d
         if captures and gm.meta["pytree_info"].out_spec != captures[0][1].meta["pytree_info"].out_spec:
             raise ExportError(f"blade.export: the model's output structure at {fixed} differs from the one at the "
                               f"example's sizes; one archive cannot return both")
-        compiled = _compile_symbolic(model, gm, flat, config) if has_dims(shapes) else compile_fx(gm, flat, config)
-        captures.append((fixed, gm, compiled))
-        try:
+        try:  # before compiling: a range that cannot be served fails fast
             excluded = excluded_values(dims, captured_ranges(gm, dims), fixed)
         except UncoverableRange as err:
             raise ExportError(f"blade.export: the dynamic_shapes cannot be served: {err}") from err
+        compiled = _compile_symbolic(model, gm, flat, config) if has_dims(shapes) else compile_fx(gm, flat, config)
+        captures.append((fixed, gm, compiled))
         for name, values in excluded.items():
             for value in values:
                 more = {**fixed, name: value}

@@ -29,6 +29,7 @@ from torch.fx.graph_module import _forward_from_src  # FX's own: source kept for
 from torch.export.dynamic_shapes import Dim, _combine_args, _DerivedDim, _StaticDim, _tree_map_with_path
 from torch.utils._sympy.numbers import int_oo
 
+SIZE_ERROR = "blade archive: "   # how the dispatcher's range errors start (see size_error)
 MAX_EXCLUDED = 2    # values of one dim a capture leaves out that get captures of their own
 MAX_CAPTURES = 4    # captures per export (each one is a full compile)
 
@@ -182,7 +183,7 @@ def dispatcher(captures: list, dims: dict) -> tuple:
             size = f"d{position}_{dim}"
             first.setdefault(name, size)
             limits = [f"{size} < {declared.lo}"] + ([] if declared.hi is None else [f"{size} > {declared.hi}"])
-            message = (f"blade archive: {path} dim {dim} (Dim '{name}') is {{}}, outside its declared range "
+            message = (f"{SIZE_ERROR}{path} dim {dim} (Dim '{name}') is {{}}, outside its declared range "
                        f"{declared.describe()}")
             lines += [f"    {size} = x{position}.size({dim})",
                       f"    if {' or '.join(limits)}:",
@@ -208,3 +209,11 @@ def dispatcher(captures: list, dims: dict) -> tuple:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # TorchScript's notice about nn.Module.__init__
         return torch.jit.script(holder), taken
+
+
+def size_error(err: Exception) -> RuntimeError | None:
+    """The dispatcher's range error as the RuntimeError it raises in TorchScript (the interpreter
+    hands Python a torch.jit.Error, which is no RuntimeError, with TorchScript's traceback), else None."""
+    last = str(err).rstrip().splitlines()[-1] if str(err).strip() else ""
+    prefix = f"builtins.RuntimeError: {SIZE_ERROR}"
+    return RuntimeError(last[len("builtins.RuntimeError: "):]) if last.startswith(prefix) else None
