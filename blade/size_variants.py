@@ -92,6 +92,8 @@ def captured_ranges(gm: torch.fx.GraphModule, dims: dict) -> dict:
     for name, declared in dims.items():
         lo, hi = declared.lo, declared.hi
         for position, dim, _ in declared.places:
+            if not isinstance(placeholders[position], torch.Tensor):
+                continue  # no example value to read the size from
             size = placeholders[position].shape[dim]
             if isinstance(size, torch.SymInt):
                 shape_env = shape_env or size.node.shape_env
