@@ -25,6 +25,7 @@ so a plain ``torch.jit.load`` still never runs a damaged engine (engine_state.h)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -43,6 +44,8 @@ from blade.dynamic import NotSymbolic, SizeSymbols, arguments_at
 from blade.heap import frozen_heap
 from blade.pipeline import CompiledModule, compile_fx
 from blade.signature import SIGNATURE_FILE, ExportedModule, Signature
+from blade.size_variants import (MAX_CAPTURES, Capture, UncoverableRange, captured_ranges, declared_dims, dispatcher,
+                                  excluded_values, has_dims, inputs_at, shapes_with_fixed)
 
 METADATA_FILE = "blade_metadata.json"
 RECORDS_FILE = "blade_records.txt"     # "<sha256> <record>" per record but UNLISTED_RECORDS
@@ -133,17 +136,82 @@ def compile_model(model, example_inputs: tuple, config: Config | None = None, *,
                   kwargs: dict | None = None, dynamic_shapes=None) -> CompiledModule:
     """Capture and compile a model without dynamo guards: the CompiledModule behind export. It
     takes the flat leaves of (example_inputs, kwargs); its ``signature`` says how to call it like
-    the model (blade/signature.py). dynamic_shapes: as torch.export's."""
+    the model (blade/signature.py). dynamic_shapes: as torch.export's; values of a declared dim the
+    capture leaves out (seq 1, where the model branches on it) get captures of their own, picked
+    by the archive's forward at run time (blade/size_variants.py)."""
     config = config or current()
-    gm = capture_graph(model, tuple(example_inputs), kwargs, dynamic_shapes)
-    flat_inputs = torch.utils._pytree.tree_leaves((tuple(example_inputs), dict(kwargs or {})))
+    args, kwargs = tuple(example_inputs), dict(kwargs or {})
+    flat_inputs, in_spec = torch.utils._pytree.tree_flatten((args, kwargs))
     if dynamic_shapes is None:
+        gm = capture_graph(model, args, kwargs)
         compiled = compile_fx(gm, flat_inputs, config)
     else:
-        compiled = _compile_symbolic(model, gm, flat_inputs, config)
+        try:
+            dims = declared_dims(model, args, kwargs, dynamic_shapes, flat_inputs)
+        except Exception as err:  # torch.export's own message on a dynamic_shapes that does not fit
+            raise ExportError(f"blade.export: the dynamic_shapes do not fit the inputs: {err}") from err
+        captures = _compile_captures(model, in_spec, flat_inputs, dynamic_shapes, dims, config)
+        gm, compiled = captures[0][1], captures[0][2]
+        if len(captures) > 1:
+            compiled = _dispatching(captures, dims)
     info = gm.meta["pytree_info"]
     compiled.signature = Signature.of(info.in_spec, info.out_spec, flat_inputs, compiled.runtime_inputs)
     return compiled
+
+
+def _compile_captures(model, in_spec, flat_inputs: list, dynamic_shapes, dims: dict, config: Config) -> list:
+    """[(fixed dims, gm, CompiledModule)]: the capture of the declared ranges first, then one per
+    value of a declared dim a capture left out (breadth first, with the dims fixed so far)."""
+    pending, seen, captures = [{}], set(), []
+    while pending:
+        fixed = pending.pop(0)
+        if len(captures) == MAX_CAPTURES:
+            raise ExportError(f"blade.export: serving the declared ranges needs more than {MAX_CAPTURES} captures "
+                              f"(next: {fixed}); declare narrower ranges")
+        flat = inputs_at(flat_inputs, dims, fixed)
+        args, kwargs = torch.utils._pytree.tree_unflatten(flat, in_spec)
+        shapes = shapes_with_fixed(dynamic_shapes, fixed)
+        gm = capture_graph(model, args, kwargs, shapes if has_dims(shapes) else None)
+        if captures and gm.meta["pytree_info"].out_spec != captures[0][1].meta["pytree_info"].out_spec:
+            raise ExportError(f"blade.export: the model's output structure at {fixed} differs from the one at the "
+                              f"example's sizes; one archive cannot return both")
+        try:  # before compiling: a range that cannot be served fails fast
+            excluded = excluded_values(dims, captured_ranges(gm, dims), fixed)
+        except UncoverableRange as err:
+            raise ExportError(f"blade.export: the dynamic_shapes cannot be served: {err}") from err
+        compiled = _compile_symbolic(model, gm, flat, config) if has_dims(shapes) else compile_fx(gm, flat, config)
+        captures.append((fixed, gm, compiled))
+        for name, values in excluded.items():
+            for value in values:
+                more = {**fixed, name: value}
+                if frozenset(more.items()) not in seen:
+                    seen.add(frozenset(more.items()))
+                    pending.append(more)
+    return captures
+
+
+def _dispatching(captures: list, dims: dict) -> CompiledModule:
+    """One CompiledModule whose forward picks the capture by the input sizes."""
+    try:
+        module, taken = dispatcher([Capture(fixed, c.module, list(c.runtime_inputs)) for fixed, _, c in captures], dims)
+    except UncoverableRange as err:
+        raise ExportError(f"blade.export: the dynamic_shapes cannot be served: {err}") from err
+    reports = [c.report for _, _, c in captures]
+    first = reports[0]
+    report = dataclasses.replace(
+        first, clusters=[cluster for r in reports for cluster in r.clusters],
+        left_out_nodes=[node for r in reports for node in r.left_out_nodes],
+        aten_total=sum(r.aten_total for r in reports), aten_in_engines=sum(r.aten_in_engines for r in reports),
+        aten_in_graph=sum(r.aten_in_graph for r in reports), engine_calls=sum(r.engine_calls for r in reports),
+        symbolic_refusals=[text for r in reports for text in r.symbolic_refusals],
+        compile_wall_s=sum(r.compile_wall_s for r in reports), total_s=sum(r.total_s for r in reports),
+        size_symbols="; ".join(f"{_fixed_label(fixed)}: {c.report.size_symbols or 'static'}"
+                               for fixed, _, c in captures))
+    return CompiledModule(module, taken, report)
+
+
+def _fixed_label(fixed: dict) -> str:
+    return ", ".join(f"{name}={value}" for name, value in sorted(fixed.items())) or "declared ranges"
 
 
 def _compile_symbolic(model, gm, flat_inputs: list, config: Config) -> CompiledModule:

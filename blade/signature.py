@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from blade.direct import DirectPlan, direct_plan
 from blade.pipeline import picker
+from blade.size_variants import size_error
 
 SIGNATURE_FILE = "blade_signature.json"
 SIGNATURE_FORMAT = 1
@@ -203,6 +204,21 @@ def _import_owner(type_name: str) -> bool:
     return type_name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE
 
 
+def _scripted_call(scripted):
+    """flat inputs -> scripted(*flat), with the size dispatcher's range errors raised as
+    RuntimeError (blade/size_variants.py). (scripted, not the ExportedModule: the closure would
+    hold it.)"""
+    def call(flat):
+        try:
+            return scripted(*flat)
+        except torch.jit.Error as err:
+            translated = size_error(err)
+            if translated is None:
+                raise
+            raise translated from err
+    return call
+
+
 class ExportedModule:
     """A loaded blade archive called like the model: ``m(*args, **kwargs)`` returns the model's
     output structure. ``m.script`` is the archive's TorchScript module (flat tensors in, flat tuple
@@ -219,8 +235,7 @@ class ExportedModule:
         self._direct = plan.call() if plan is not None else None
         self._fast = None  # the positional call of plain tensors (Signature.direct)
         if signature is not None:
-            scripted = script.forward   # (not self._forward: the closure would hold self)
-            self._call = signature.bind(self._direct or (lambda flat: scripted(*flat)), what)
+            self._call = signature.bind(self._direct or _scripted_call(script.forward), what)
             self._fast = signature.direct(plan, self._call) if plan is not None else None
 
     def __call__(self, *args, **kwargs):

@@ -72,3 +72,19 @@ def tripwire_compiler_env(tmp_path: Path) -> tuple[dict, Path]:
         fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, PATH=str(bin_dir), CXX=str(bin_dir / "g++"))
     return env, mark
+
+
+def serve_in_fresh_process(tmp_path: Path, archive: str, points: list, body: str) -> str:
+    """Runs body in a fresh process that cannot compile (tripwire_compiler_env), under no_grad, with
+    ``m`` the loaded archive and ``points`` the given list (through torch.save); returns stdout and
+    fails if a compiler ran."""
+    torch.save(points, tmp_path / "points.pt")
+    env, compiler_mark = tripwire_compiler_env(tmp_path)
+    out = run_python(f"""
+        import torch, blade
+        m = blade.load({archive!r})
+        points = torch.load({str(tmp_path / 'points.pt')!r})
+        with torch.no_grad():
+""" + textwrap.indent(textwrap.dedent(body), " " * 12), env=env)
+    assert not compiler_mark.exists()
+    return out

@@ -11,7 +11,7 @@ import torch
 import blade
 from blade.aot import IncompatibleArtifact
 from blade.export import METADATA_FILE, RECORDS_FILE, ExportError, read_stamps
-from aot_testing import make_model_and_inputs, run_python, save_reference, tripwire_compiler_env
+from aot_testing import make_model_and_inputs, run_python, save_reference, serve_in_fresh_process, tripwire_compiler_env
 
 ENGINE_CALL = 'prim::CallMethod[name="execute"]'
 
@@ -199,23 +199,17 @@ def test_dynamic_shapes_export_serves_every_size_in_a_fresh_process(tmp_path):
         inputs = (torch.randn(b, s, 32), (torch.rand(b, s, 1) > 0.3).float())
         with torch.no_grad():
             points.append({"inputs": inputs, "expected": model(*inputs)})
-    torch.save(points, tmp_path / "points.pt")
-    env, compiler_mark = tripwire_compiler_env(tmp_path)
-    out = run_python(f"""
-        import torch, blade
-        m = blade.load({path!r})
-        with torch.no_grad():
-            for p in torch.load({str(tmp_path / 'points.pt')!r}):
-                got = m(*p["inputs"])
-                for g, want in zip(got, p["expected"]):
-                    torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5)
-            try:
-                m(torch.randn(9, 4, 32), torch.ones(9, 4, 1))
-            except RuntimeError as err:
-                print("refused:", str(err).splitlines()[-1])
-    """, env=env)
+    out = serve_in_fresh_process(tmp_path, path, points, """
+        for p in points:
+            got = m(*p["inputs"])
+            for g, want in zip(got, p["expected"]):
+                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5)
+        try:
+            m(torch.randn(9, 4, 32), torch.ones(9, 4, 1))
+        except RuntimeError as err:
+            print("refused:", str(err).splitlines()[-1])
+    """)
     assert "refused:" in out and "9" in out and "8" in out, out
-    assert not compiler_mark.exists()
 
 
 def test_positional_tensor_calls_pick_the_same_inputs_and_refuse_the_same_calls():

@@ -77,3 +77,34 @@ def test_cpp_example_refuses_a_damaged_archive(blade_run, tmp_path):
     # a stored record fails its SHA-256; a compressed one may already fail to inflate
     assert f"blade archive {path} is damaged: " in result.stderr, result.stderr
     assert "nothing of it was loaded" in result.stderr, result.stderr
+
+
+def test_cpp_example_dispatches_seq_1_to_its_own_capture(blade_run, tmp_path):
+    """An archive whose seq 1 has a capture of its own (transformers' attention guards seq >= 2,
+    blade/size_variants.py) dispatches in TorchScript, so libtorch alone serves seq 1 and refuses a
+    seq outside the declared range by name."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=100, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    seq, batch = torch.export.Dim("seq", min=1, max=64), torch.export.Dim("batch", min=1, max=4)
+    path = tmp_path / "bert.blade.pt"
+    blade.export(model, (torch.randint(0, 100, (2, 12)),), str(path),
+                 kwargs={"attention_mask": torch.ones(2, 12, dtype=torch.long)},
+                 dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": str(torch.get_num_threads()), **PINNED_GEMM_ENV}
+    for b, s in ((3, 1), (2, 5)):
+        ids, mask = torch.randint(0, 100, (b, s)), torch.ones(b, s, dtype=torch.long)
+        torch.save([ids, mask], tmp_path / "inputs.pt")
+        _run([blade_run, path, tmp_path / "inputs.pt", tmp_path / "outputs.pt"], env=env, timeout=300)
+        with torch.no_grad():
+            want = model(ids, attention_mask=mask)
+        got = torch.load(tmp_path / "outputs.pt")
+        for g, w in zip(got, (want.last_hidden_state, want.pooler_output)):
+            assert (g - w).abs().max() <= 1e-4 * max(1.0, w.abs().max().item()), (b, s)
+    torch.save([torch.zeros(1, 65, dtype=torch.long), torch.ones(1, 65, dtype=torch.long)], tmp_path / "inputs.pt")
+    result = subprocess.run([blade_run, path, tmp_path / "inputs.pt"], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 1, result
+    assert "Dim 'seq') is 65, outside its declared range [1, 64]" in result.stderr, result.stderr
