@@ -191,7 +191,7 @@ def dispatcher(captures: list, dims: dict) -> tuple:
                       f"    if {' or '.join(limits)}:",
                       f"        raise RuntimeError({json.dumps(message)}.format({size}))"]
     ordered = sorted(captures[1:], key=lambda c: -len(c.fixed)) + [captures[0]]
-    for k, capture in enumerate(ordered):
+    for capture in ordered:
         missing = [name for name in capture.fixed if name not in first]
         if missing:
             raise UncoverableRange(f"dim '{missing[0]}' has a capture of its own, but no input the archive takes "

@@ -146,10 +146,14 @@ PackedWeights::Key pack_key(const GemmArgs& g) {
   return {reinterpret_cast<int64_t>(g.b), kPackTag, g.trans_b, g.n, g.k, g.ldb, alpha_bits};
 }
 
-// A constant B: packed once per engine (PackedWeights), alpha folded in.
+// A constant B's panels, packed on first use (alpha folded in).
+at::Tensor panels_of(const GemmArgs& g, PackedWeights* weights) {
+  return weights->get(pack_key(g), [&] { return pack_panels(g); });
+}
+
+// A constant B: packed once per engine (PackedWeights).
 void packed_gemm(const GemmArgs& g, PackedWeights* weights) {
-  const PackedWeights::Key key = pack_key(g);
-  const at::Tensor packed = weights->get(key, [&] { return pack_panels(g); });
+  const at::Tensor packed = panels_of(g, weights);
   const float* panels = packed.const_data_ptr<float>();
   const int64_t count = (g.n + kPanel - 1) / kPanel;
   const Tasks t = split_tasks(g, count);
@@ -252,9 +256,7 @@ void per_call_gemm(const GemmArgs& g) {
 
 }  // namespace
 
-void panels_pack(const GemmArgs& g, PackedWeights* weights) {
-  weights->get(pack_key(g), [&] { return pack_panels(g); });
-}
+void panels_pack(const GemmArgs& g, PackedWeights* weights) { panels_of(g, weights); }
 
 bool panels_packed(const GemmArgs& g, PackedWeights* weights) {
   return weights != nullptr && weights->has(pack_key(g));

@@ -128,13 +128,12 @@ def emit_matmul(em, node, dest):
     for var, (size, _) in reversed(list(zip(loop_vars, merged))):
         call = for_loop(var, 0, size, call)
     em.kernels.end_call(kernel, ["{", *indent([DECLS] + call), "}"])
-    weight = _weight_gemm(b, n, k, ldb, tb, node.attrs["alpha"], m, (a, ta, lda), ldc, sgemm_batch, sgemm_strides,
-                          merged)
+    weight = _weight_gemm(b, n, k, ldb, tb, node.attrs["alpha"], m, ta, lda, ldc, sgemm_batch, sgemm_strides, merged)
     if weight is not None:
         em.weight_gemms.append(weight)
 
 
-def _weight_gemm(b: Strided, n, k, ldb, tb, alpha, m, a_operand, ldc, batch, strides, loops):
+def _weight_gemm(b: Strided, n, k, ldb, tb, alpha, m, ta, lda, ldc, batch, strides, loops):
     """The GEMM's BladeWeightGemm fields (constant, offset, n, k, ldb, trans_b, alpha) when its B is a
     run-time constant the runtime's sgemm sees as one GEMM's constant B on every call (cpp/gemm_choice.cpp
     gemm: one batch, or a weight shared by row-stacked batches, which it folds into one), with sizes that
@@ -144,7 +143,6 @@ def _weight_gemm(b: Strided, n, k, ldb, tb, alpha, m, a_operand, ldc, batch, str
     fields = [constant(v) for v in (b.layout.offset, n, k, ldb)]
     if None in fields:
         return None
-    _, ta, lda = a_operand
     folds = strides[1] == 0 and ta == 0 and strides[0] == mul(m, lda) and strides[2] == mul(m, ldc)
     if batch != 1 and not folds:
         return None
