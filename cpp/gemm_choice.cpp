@@ -115,7 +115,8 @@ struct Choice {
   std::atomic<int> kernel{kMkl};
   std::atomic<bool> settled{false};
   std::mutex mutex;
-  unsigned kernels = 0;                     // the candidates (a oneDNN kernel that refused is dropped)
+  unsigned kernels = 0;                     // the candidates still sampled (a oneDNN kernel that refused is dropped)
+  unsigned rejected = 0;                    // candidates sampled no more for trailing the leader; they still run
   int first = kMkl;                         // sampled first: a neighbouring bucket's choice
   int neighbours_without_jit = -1;          // that bucket's best kernel without JIT (-1: no settled neighbour)
   std::array<int, kKernels> issued{};       // calls handed to each candidate to sample
@@ -145,24 +146,28 @@ bool met_before_locked(Choice& choice, const ShapeKey& exact) {
 // The fastest kernel without JIT by the bucket's samples, else by its nearest settled neighbour's;
 // -1 when neither sampled one.
 int measured_without_jit_locked(const Choice& choice) {
+  const unsigned runnable = choice.kernels | choice.rejected;
   int best = -1;
   for (int k = 0; k < kKernels; ++k) {
-    if (!(choice.kernels & bit(Kernel(k))) || jits(k) || std::isnan(choice.ns_per_flop[k])) continue;
+    if (!(runnable & bit(Kernel(k))) || jits(k) || std::isnan(choice.ns_per_flop[k])) continue;
     if (best < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[best]) best = k;
   }
   if (best >= 0) return best;
   const int neighbours = choice.neighbours_without_jit;
-  return neighbours >= 0 && (choice.kernels & bit(Kernel(neighbours))) ? neighbours : -1;
+  return neighbours >= 0 && (runnable & bit(Kernel(neighbours))) ? neighbours : -1;
 }
 
 // The kernel that needs no JIT a call at a new exact shape runs: the measured one, else the one
-// sampled first, the panels kernel, MKL; -1 when every candidate JITs (BLADE_GEMM=onednn).
+// sampled first, the panels kernel, MKL; -1 when every candidate JITs (BLADE_GEMM=onednn). A
+// candidate rejected for trailing a JIT leader still counts: it is slower, not unable (it was
+// once left out, and a new shape in a bucket whose MKL and panels lost by 1.5x JIT-compiled).
 int without_jit_locked(const Choice& choice) {
   const int measured = measured_without_jit_locked(choice);
   if (measured >= 0) return measured;
-  if (!jits(choice.first) && (choice.kernels & bit(Kernel(choice.first)))) return choice.first;
+  const unsigned runnable = choice.kernels | choice.rejected;
+  if (!jits(choice.first) && (runnable & bit(Kernel(choice.first)))) return choice.first;
   for (const Kernel k : {kPanels, kMkl}) {
-    if (choice.kernels & bit(k)) return k;
+    if (runnable & bit(k)) return k;
   }
   return -1;
 }
@@ -337,6 +342,7 @@ void settle_if_sampled(Choice& choice) {
     if (!(choice.kernels & bit(Kernel(k)))) continue;
     if (choice.samples[k] >= kRejectSamples && choice.ns_per_flop[k] > kRejectRatio * choice.ns_per_flop[winner]) {
       choice.kernels &= ~bit(Kernel(k));
+      choice.rejected |= bit(Kernel(k));
       continue;
     }
     fewest = std::min(fewest, choice.samples[k]);
