@@ -4,6 +4,8 @@ capture of its own and the archive's forward dispatches by size, in a fresh proc
 compiler; sizes outside the declared ranges and ranges that cannot be covered are refused by name."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -13,6 +15,27 @@ from blade.size_variants import DeclaredDim, UncoverableRange, excluded_values
 from aot_testing import serve_in_fresh_process
 
 SERVED = [(b, s) for b in (1, 3) for s in (1, 2, 17)]
+
+
+@pytest.fixture
+def capture_reports(monkeypatch):
+    """The CompileReport of each capture's compile (the archive's report sums them, so a capture
+    whose graph all stayed in TorchScript would hide behind the others' engines)."""
+    module = importlib.import_module("blade.export")  # (blade.export is also the function)
+    reports, compile_fx = [], module.compile_fx
+
+    def recording(*args, **kwargs):
+        compiled = compile_fx(*args, **kwargs)
+        reports.append(compiled.report)
+        return compiled
+    monkeypatch.setattr(module, "compile_fx", recording)
+    return reports
+
+
+def assert_engines_ran(reports: list, captures: int) -> None:
+    assert len(reports) == captures, [r.size_symbols for r in reports]
+    for report in reports:
+        assert report.aten_in_engines > 0 and report.engine_calls > 0, (report.size_symbols, report.left_out)
 
 
 def _tiny_transformer(kind: str):
@@ -28,7 +51,7 @@ def _tiny_transformer(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["bert", "gpt2"])
-def test_transformer_archive_serves_seq_and_batch_1_in_a_fresh_process(kind, tmp_path):
+def test_transformer_archive_serves_seq_and_batch_1_in_a_fresh_process(kind, tmp_path, capture_reports):
     model = _tiny_transformer(kind)
     ids, mask = torch.randint(0, 100, (2, 12)), torch.ones(2, 12, dtype=torch.long)
     batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=1, max=64)
@@ -36,6 +59,7 @@ def test_transformer_archive_serves_seq_and_batch_1_in_a_fresh_process(kind, tmp
     compiled = blade.export(model, (ids,), path, kwargs={"attention_mask": mask},
                             dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}})
     assert "seq=1:" in compiled.report.size_symbols, compiled.report.size_symbols  # a second capture
+    assert_engines_ran(capture_reports, compiled.report.size_symbols.count(":"))
     points = []
     for b, s in SERVED:
         ids, mask = torch.randint(0, 100, (b, s)), torch.ones(b, s, dtype=torch.long)
@@ -71,11 +95,12 @@ class _SizeBranches(torch.nn.Module):
         return y.sin() if x.shape[1] > 1 else y.cos() - 7
 
 
-def test_each_size_combination_runs_its_own_capture():
+def test_each_size_combination_runs_its_own_capture(capture_reports):
     model = _SizeBranches()
     batch, seq = torch.export.Dim("batch", min=1, max=6), torch.export.Dim("seq", min=1, max=6)
     compiled = compile_model(model, (torch.randn(3, 4, 8),), dynamic_shapes={"x": {0: batch, 1: seq}})
     assert compiled.report.size_symbols.count(":") == 4, compiled.report.size_symbols
+    assert_engines_ran(capture_reports, 4)
     for b in (1, 2, 6):
         for s in (1, 3, 6):
             x = torch.randn(b, s, 8)
