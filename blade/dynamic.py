@@ -351,12 +351,22 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
                 if expr is None:
                     raise SymbolicRefusal(f"{group} {k} dim {axis} ({seen} at the probe sizes) is no size "
                                           f"expression of the graph")
+                if group == "output" and symbols.names[expr] not in used:
+                    raise SymbolicRefusal(f"output {k} dim {axis} is {expr}, a size no input of the cluster has "
+                                          f"(an engine's output dims are size symbols bound from its inputs)",
+                                          _producer(cluster, k))
                 used[symbols.names[expr]] = symbols.range_of(expr)
                 dim.ClearField("dim_value")
                 dim.dim_param = symbols.names[expr]
     if used:
         model.metadata_props.add(key=SIZE_RANGES_KEY, value=json.dumps(dict(sorted(used.items()))))
     return model
+
+
+def _producer(cluster, k: int):
+    """The cluster node computing its k-th output (None when the output is one of its inputs)."""
+    node = cluster.outputs[k].node()
+    return node if node in cluster.nodes else None
 
 
 def _same_skeleton(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:

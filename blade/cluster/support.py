@@ -628,28 +628,34 @@ def _size_check(node):
 
 
 def _arange(ctx: LowerCtx, node):
-    """arange(end) / arange(start, end[, step]) with end a constant or a run-time size: ONNX Range."""
+    """arange(end) / arange(start, end[, step]): ONNX Range, its start and end constants or
+    run-time sizes (the engine's Range takes them as expressions of its size symbols)."""
     args = _named(node)
     dtype = _out_dtype(node)
-    start, step = (ctx.const(args[k]) if k in args else default for k, default in (("start", 0), ("step", 1)))
-    end = args["end"]
-    limit = ctx.scalar(ctx.const(end), dtype) if is_constant(end) else ctx.cast(ctx.size(end), np.dtype("int64"), dtype)
-    return [ctx.b.op("Range", [ctx.scalar(start, dtype), limit, ctx.scalar(step, dtype)])]
+
+    def bound(key: str, default: int) -> str:
+        if key not in args or is_constant(args[key]):
+            return ctx.scalar(ctx.const(args[key]) if key in args else default, dtype)
+        return ctx.cast(ctx.size(args[key]), np.dtype("int64"), dtype)
+    return [ctx.b.op("Range", [bound("start", 0), bound("end", 0), bound("step", 1)])]
 
 
 def _arange_check(node):
     args = _named(node)
     if "end" not in args:
         return "arange without an end"
-    start = constant_value(args["start"]) if "start" in args else 0
-    step = constant_value(args["step"]) if "step" in args else 1
-    end = constant_value(args["end"])
-    if end is _NOT_CONSTANT:
-        if not is_size_value(args["end"]):
-            return f"argument %{args['end'].debugName()} is not a compile-time constant"
-        if start != 0 or step != 1:  # (from 0 by 1 to a size: never empty by a negative length)
-            return "arange of a run-time size other than from 0 by 1"
-    elif not all(type(v) is int for v in (start, step, end)) or step <= 0 or end < start:
+    bounds = {key: constant_value(args[key]) if key in args else default
+              for key, default in (("start", 0), ("end", 0), ("step", 1))}
+    run_time = [key for key, value in bounds.items() if value is _NOT_CONSTANT]
+    for key in run_time:
+        if not is_size_value(args[key]):
+            return f"argument %{args[key].debugName()} is not a compile-time constant"
+    step = bounds["step"]
+    if run_time:  # (the engine proves end >= start over the sizes' ranges, else refuses the sizes)
+        if "step" in run_time or type(step) is not int or step <= 0 or \
+                any(type(bounds[key]) is not int for key in ("start", "end") if key not in run_time):
+            return "arange of run-time sizes by a run-time, non-integer or non-positive step, or from a non-integer"
+    elif not all(type(v) is int for v in bounds.values()) or step <= 0 or bounds["end"] < bounds["start"]:
         return "arange with non-integer, decreasing or empty bounds"
     return None
 
@@ -1268,16 +1274,29 @@ def _roll(ctx: LowerCtx, node):
         flat = ctx.b.op("Reshape", [name, ctx.b.ints([-1])])
         return [reshape_exact(ctx, _roll_axis(ctx, flat, 0, shifts[0], int(np.prod(shape))), shape)]
     for shift, dim in zip(shifts, dims):
-        name = _roll_axis(ctx, name, dim % len(shape), shift, shape[dim])
+        name = _roll_axis(ctx, name, dim % len(shape), shift, ctx.dim_size(x, dim % len(shape)))
     return [name]
 
 
-def _roll_axis(ctx: LowerCtx, name: str, dim: int, shift: int, n: int) -> str:
-    shift = shift % n if n else 0
-    if shift == 0:
+def _roll_axis(ctx: LowerCtx, name: str, dim: int, shift: int, n) -> str:
+    """x rolled by shift along a dim of size n: Concat(x[k:], x[:k]) with k = -shift mod n. A
+    run-time n (the ONNX name of a size) reads k = n - shift % n (shift > 0) or -shift % n as size
+    arithmetic (dividends >= 0: the engine's remainders are exact) and takes [k, k + n) of
+    Concat(x, x): the two parts' lengths n - k and k would be 0 at some sizes, and an engine's
+    loops cannot split rows by a length that may be 0."""
+    if shift == 0 or n == 0:
         return ctx.b.op("Identity", [name])
-    return ctx.b.op("Concat", [_slice_onnx(ctx, name, dim, n - shift, n), _slice_onnx(ctx, name, dim, 0, n - shift)],
-                    axis=dim)
+    if isinstance(n, int):
+        k = -shift % n
+        if k == 0:
+            return ctx.b.op("Identity", [name])
+        return ctx.b.op("Concat", [_slice_onnx(ctx, name, dim, k, n), _slice_onnx(ctx, name, dim, 0, k)], axis=dim)
+    if shift > 0:
+        k = ctx.b.op("Sub", [n, ctx.b.op("Mod", [ctx.scalar(shift, np.int64), n])])
+    else:
+        k = ctx.b.op("Mod", [ctx.scalar(-shift, np.int64), n])
+    twice = ctx.b.op("Concat", [name, name], axis=dim)
+    return _slice_onnx(ctx, twice, dim, k, ctx.b.op("Add", [k, n]))
 
 
 def _stack(ctx: LowerCtx, node):

@@ -31,7 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .manifest import DTYPES
-from .symbolic import Expr, Var, as_expr, constant, floordiv, maximum, minimum, proves_multiple, proves_nonnegative
+from .symbolic import Expr, Var, as_expr, constant, floordiv, maximum, minimum, mod, proves_multiple, proves_nonnegative
 
 # ONNX model metadata naming the ranges of its dim_params: {"seq": [1, 512], ...} as JSON. A graph
 # input dim that is a dim_param becomes a size symbol of the engine (a run-time dim in that range).
@@ -593,21 +593,33 @@ def _number(value: np.ndarray):
 
 
 def _range(b, attrs, start, limit, delta):
-    """Range: constant bounds are a constant; to a run-time limit, the first `length` elements
-    of the constant range at the limit's maximum (a view: exact, and no code of its own)."""
-    begin, end, step = (_number(b.const_value(v, "Range bounds")) for v in (start, limit, delta))
+    """Range: constant bounds are a constant. With run-time bounds (a constant step > 0), the first
+    `length` elements of the constant range from the constant start (else from 0) with the most
+    elements any size in range gives (a view: exact, and no code of its own), plus the start when
+    that is a run-time size."""
+    begin, end, step = (_integral(_number(b.const_value(v, "Range bounds"))) for v in (start, limit, delta))
     if not any(isinstance(v, Expr) for v in (begin, end, step)):
         return [b.const(np.arange(begin, end, step, dtype=start.dtype), start.dtype)]
-    if not (isinstance(begin, int) and isinstance(step, int)) or step <= 0:
-        raise UnsupportedOnnxOp("Range from a run-time size or by a non-constant or negative step")
-    if not proves_nonnegative(end - begin):
+    if not (all(isinstance(v, (int, Expr)) for v in (begin, end)) and isinstance(step, int)) or step <= 0:
+        raise UnsupportedOnnxOp("Range over run-time sizes by a non-constant or non-positive step, or with "
+                                "non-integer bounds")
+    if not proves_nonnegative(as_expr(end) - begin):
         raise UnsupportedOnnxOp(f"Range [{begin}, {end}) (negative length at some sizes)")
-    length = (end - begin + step - 1) // step
+    length = floordiv(as_expr(end) - begin + step - 1, step)
     most = length.bounds()[1]
-    if start.dtype == "float32" and abs(begin) + most * step > 2 ** 24:
+    first = begin if isinstance(begin, int) else 0
+    if start.dtype == "float32" and max(abs(v) for v in as_expr(begin).bounds()) + most * step > 2 ** 24:
         raise UnsupportedOnnxOp("a float32 Range past 2**24 (not every integer is a float32)")
-    values = b.const(np.arange(begin, begin + most * step, step).astype(start.dtype), start.dtype)
-    return [b.slice(values, [0], [1], (length,))]
+    values = b.const(np.arange(first, first + most * step, step).astype(start.dtype), start.dtype)
+    view = b.slice(values, [0], [1], (length,))
+    if isinstance(begin, int):
+        return [view]
+    return [b.ew("Add", view, b.sizes(np.asarray(begin, dtype=object), start.dtype))]
+
+
+def _integral(value):
+    """A float bound that is an integer (Range of a float dtype over integers) as an int."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _is_sizes(node) -> bool:
@@ -635,6 +647,22 @@ def _size_quotient(a, d):
     return _dim(floordiv(a, d))
 
 
+def _size_remainder(a, d):
+    """ONNX Mod (fmod=0) of two integer sizes: Python's remainder, the Expr's; refused unless the
+    dividend is >= 0 and the divisor >= 1 at every size (C++ % truncates; no remainder by 0)."""
+    a, d = _dim(a), _dim(d)
+    if not (proves_nonnegative(as_expr(a)) and as_expr(d).bounds()[0] >= 1):
+        raise UnsupportedOnnxOp(f"Mod of sizes {a} % {d}: only a non-negative dividend and a divisor >= 1 "
+                                f"at every size")
+    return _dim(mod(a, d))
+
+
+def _size_mod(b, attrs, x, y):
+    if attrs.get("fmod", 0) or not np.issubdtype(np.dtype(x.dtype), np.integer):
+        raise UnsupportedOnnxOp(f"Mod of {x.dtype} sizes with fmod={attrs.get('fmod', 0)} (integer remainders only)")
+    return _size_arithmetic(_size_remainder)(b, attrs, x, y)
+
+
 def _size_div(b, attrs, x, y):
     if not np.issubdtype(np.dtype(x.dtype), np.integer):
         raise UnsupportedOnnxOp(f"Div of {x.dtype} sizes (only integer division of sizes is exact)")
@@ -657,6 +685,7 @@ SIZE_RULES = {
     **{op: _size_arithmetic(fn) for op, fn in (("Add", operator.add), ("Sub", operator.sub), ("Mul", operator.mul),
                                                 ("Max", maximum))},
     "Div": _size_div,
+    "Mod": _size_mod,
     "Gather": lambda b, attrs, data, indices: [b.sizes(
         np.take(b.const_value(data, ""), b.const_value(indices, "Gather indices of sizes"), axis=attrs.get("axis", 0)),
         data.dtype)],

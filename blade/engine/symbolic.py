@@ -374,7 +374,12 @@ def proves_nonnegative(e) -> bool:
     e = as_expr(e)
     if e.bounds()[0] >= 0:
         return True
-    terms, _ = _linear(e)
+    terms, const = _linear(e)
+    # a remainder term a % d lies in [0, d - 1] at every point: its extreme by its coefficient's
+    # sign (``n - shift % n`` >= 1, which the remainder's numeric bounds cannot show)
+    remainders = {m: Const(0) if c > 0 else m.den - 1 for m, c in terms.items() if isinstance(m, Mod)}
+    if remainders and proves_nonnegative(add(const, *(mul(remainders.get(m, m), c) for m, c in terms.items()))):
+        return True
     # only variables that occur as terms of their own: e is then monotone in each of them
     nested = frozenset().union(*(m.free_vars() for m in terms if not isinstance(m, Var)))
     extremes = {}

@@ -134,12 +134,13 @@ def test_sizes_past_the_cap_compile_per_shape(model, engine_compiles):
 
 
 def test_an_op_that_computes_from_a_size_stays_in_torchscript():
-    """A roll along the run-time length (its Slice bounds are the length): the ops whose ONNX
-    would bake the length in stay in TorchScript, named with the reason; the rest still compiles
-    once. (A causal mask over the length computes in engines: test_dynamic_sizes.py.)"""
+    """A roll of the flattened tensor (its Slice bounds are the run-time element count): the ops
+    whose ONNX would bake the count in stay in TorchScript, named with the reason; the rest still
+    compiles once. (A roll along a dim and a causal mask over the length compute in engines:
+    test_dynamic_sizes.py.)"""
     class Rolled(torch.nn.Module):
         def forward(self, x):
-            return torch.softmax(torch.roll(x, 1, 1) * 2.0, -1).relu()
+            return torch.softmax(torch.roll(x, 1) * 2.0, -1).relu()
 
     capture = compile_dynamic_and_check(Rolled().eval(), [(2, 6, 6), (3, 9, 9), (5, 4, 4)])
     report = capture.report
@@ -246,7 +247,7 @@ def test_explain_names_the_size_symbols_and_what_stays_in_torchscript():
 
     class Rolled(torch.nn.Module):
         def forward(self, x):
-            return torch.softmax(torch.roll(x, 1, 1) * 2.0, -1).relu()
+            return torch.softmax(torch.roll(x, 1) * 2.0, -1).relu()
 
     text = str(blade.explain(Rolled().eval(), torch.randn(2, 6, 6), dynamic=True))
     assert "size symbols: s" in text and "computes from a run-time size" in text, text

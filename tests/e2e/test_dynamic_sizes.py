@@ -112,17 +112,94 @@ def test_the_padding_mask_index_computes_in_an_engine():
     assert any("aten::index" in c.op_kinds for c in report.clusters)
 
 
-class Stepped(torch.nn.Module):
-    """An arange of a size by a step of 2: not a pattern the rules take."""
+class Aranges(torch.nn.Module):
+    """aranges over run-time sizes from a constant or a size start and by steps != 1: position ids
+    after an offset ``arange(2, seq + 2)``, ``arange(seq, 2 * seq)`` as floats, a fixed count of
+    strided steps from a size ``arange(seq - 1, seq + 5, 2)``, a sum over ``arange(0, seq, 3)``."""
 
     def forward(self, x):
-        return (x * 2.0).relu(), torch.arange(0, x.shape[1], 2) * 3
+        seq = x.shape[1]
+        offset = torch.arange(2, seq + 2)
+        doubled = torch.arange(seq, 2 * seq, dtype=torch.float32)
+        window = torch.arange(seq - 1, seq + 5, 2)
+        strided = torch.arange(0, seq, 3).sum()
+        return x * offset + doubled, window * 2 + strided
+
+
+class Rolls(torch.nn.Module):
+    """Rolls along run-time dims by shifts below, at and past the sizes (a shift of 30 over
+    lengths 1-24), negative ones, and two dims at once (Swin's shifted windows)."""
+
+    def forward(self, x):
+        ahead = torch.roll(x, 1, 1) * 2.0
+        both = torch.roll(x, (-3, 5), (1, 0)) + 1.0
+        far = torch.roll(x, 30, -1).relu()
+        return torch.softmax(ahead, -1) + both * far
+
+
+SIZES_FROM_1 = [(1, 1), (1, SEQ_MAX), (BATCH_MAX, 1), (2, 2), (3, 3), (2, 5), (4, 10), (BATCH_MAX, SEQ_MAX)]
+
+
+@pytest.mark.parametrize("model, shape", [(Aranges(), lambda b, s: (b, s)), (Rolls(), lambda b, s: (b, s, s))],
+                         ids=["arange", "roll"])
+def test_arange_and_roll_over_run_time_sizes_compute_in_engines(model, shape):
+    """One compile (blade.compile_model, min=1) with every op in engines, exact at size 1, every
+    small size and the maxima."""
+    import blade
+    model = model.eval()
+    batch, length = torch.export.Dim("batch", min=1, max=BATCH_MAX), torch.export.Dim("seq", min=1, max=SEQ_MAX)
+    dims = {0: batch, 1: length} if len(shape(1, 1)) == 2 else {0: batch, 1: length, 2: length}
+    compiled = blade.compile_model(model, (torch.randn(*shape(3, 7)),), dynamic_shapes={"x": dims})
+    report = compiled.report
+    kinds = {kind for c in report.clusters if c.status == "compiled" for kind in c.op_kinds}
+    assert {"aten::arange", "aten::roll"} & kinds, report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
+    with torch.no_grad():
+        for b, s in SIZES_FROM_1:
+            x = torch.randn(*shape(b, s))
+            assert_close(compiled.signature.outputs(compiled(x)), model(x))
+
+
+def test_aranges_and_rolls_compute_in_engines_through_torch_compile():
+    """The same through dynamo (mark_dynamic from 2, one graph)."""
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.aranges, self.rolls = Aranges(), Rolls()
+
+        def forward(self, x):
+            return self.aranges(x.sum(-1)), self.rolls(x)
+
+    model, capture = Both().eval(), Capture()
+    compiled = torch.compile(model, backend=capture)
+    x = torch.randn(3, 7, 7)
+    for d, lo, hi in ((0, 2, BATCH_MAX), (1, 2, SEQ_MAX), (2, 2, SEQ_MAX)):
+        torch._dynamo.mark_dynamic(x, d, min=lo, max=hi)
+    with torch.no_grad():
+        assert_close(compiled(x), model(x))
+        for b, s in [(2, 2), (2, 3), (BATCH_MAX, SEQ_MAX), (4, 9)]:
+            x = torch.randn(b, s, s)
+            assert_close(compiled(x), model(x))
+    report = capture.report
+    assert len(capture.compiled) == 1 and report.size_symbols, report.size_symbols
+    assert report.aten_in_engines == report.aten_total, report.left_out
+
+
+class Stepped(torch.nn.Module):
+    """An arange of a size by a step of 2 as an output: its length (seq + 1) // 2 is no size an
+    input of the engine has, which an engine's outputs need (their dims are size symbols bound
+    from the inputs); and an arange by a float step."""
+
+    def forward(self, x):
+        return (x * 2.0).relu(), torch.arange(0, x.shape[1], 2) * 3, torch.arange(0, x.shape[1], 0.5)
 
 
 def test_a_size_pattern_not_taken_stays_in_torchscript_with_its_reason():
     capture = compile_dynamic_and_check(Stepped().eval(), [(2, 6), (3, 9), (5, 4)])
-    reasons = [reason for kind, reason in capture.report.left_out if kind == "aten::arange"]
-    assert reasons and "other than from 0 by 1" in reasons[0], capture.report.left_out
+    reasons = [reason for kind, reason in capture.report.left_out if kind in ("aten::arange", "aten::mul")]
+    assert any("a size no input of the cluster has" in r for r in reasons), capture.report.left_out
+    assert any("non-integer or non-positive step" in r for r in reasons), capture.report.left_out
+    assert not capture.report.symbolic_refusals
 
 
 def test_static_shapes_keep_their_graph():
