@@ -195,18 +195,18 @@ def test_scratch_is_planned_at_the_maxima(compiled):
                     helper.make_node("Range", ["n", "zero", "minus"], ["r"]),
                     helper.make_node("Cast", ["r"], ["out"], to=F)], {"x": ["batch", 2]}, {"out": ["batch"]},
                    {"axis": np.array([0], np.int64), "zero": np.array(0, np.int64), "minus": np.array(-1, np.int64)}),
-     "Range from a run-time size"),
+     "Range over run-time sizes by a non-constant or non-positive step"),
 ])
 def test_what_the_slice_does_not_handle_is_refused(tmp_path, model, reason):
     with pytest.raises(UnsupportedOnnxOp, match=reason):
         compile_onnx(model, tmp_path / "refused")
 
 
-def _sizes_divided(dividend: list, divisor: str, inits: dict):
-    """Range(0, dividend / divisor) of x's sizes: dividend, nodes ending in 'n' (a 0-d size)."""
+def _sizes_divided(dividend: list, divisor: str, inits: dict, op: str = "Div"):
+    """Range(0, dividend op divisor) of x's sizes: dividend, nodes ending in 'n' (a 0-d size)."""
     return dynamic_model(
         [helper.make_node("Shape", ["x"], ["s1"], start=1, end=2), helper.make_node("Squeeze", ["s1", "axis"], ["seq"]),
-         *dividend, helper.make_node("Div", ["n", divisor], ["q"]),
+         *dividend, helper.make_node(op, ["n", divisor], ["q"]),
          helper.make_node("Range", ["zero", "q", "one"], ["r"]), helper.make_node("Cast", ["r"], ["out"], to=F)],
         {"x": ["batch", "seq"]}, {"out": [None]},
         {"axis": np.array([0], np.int64), "zero": np.array(0, np.int64), "one": np.array(1, np.int64), **inits})
@@ -219,6 +219,11 @@ def _sizes_divided(dividend: list, divisor: str, inits: dict):
     # a divisor that may be 0
     (_sizes_divided([helper.make_node("Identity", ["seq"], ["n"])], "nought",
                     {"nought": np.array(0, np.int64)}), "Div of sizes"),
+    # a remainder of seq - 3 (negative at seq < 3, where C++ % truncates) and one by seq - 1 (0 at seq 1)
+    (_sizes_divided([helper.make_node("Sub", ["seq", "three"], ["n"])], "two",
+                    {"three": np.array(3, np.int64), "two": np.array(2, np.int64)}, "Mod"), "Mod of sizes"),
+    (_sizes_divided([helper.make_node("Identity", ["three"], ["n"]), helper.make_node("Sub", ["seq", "one"], ["d"])],
+                    "d", {"three": np.array(3, np.int64)}, "Mod"), "Mod of sizes"),
     # [batch, seq] to [batch, 2, -1]: seq / 2 is not a whole number at every size
     (dynamic_model([helper.make_node("Shape", ["x"], ["b1"], start=0, end=1),
                     helper.make_node("Concat", ["b1", "rest"], ["target"], axis=0),

@@ -81,6 +81,10 @@ def test_bounds():
     assert j1.bounds() == (0, 511) and (seq * j0).bounds() == (0, 3584)
     assert minimum(i0, i1 - 60).bounds() == (-60, 3)
     assert proves_nonnegative(seq - 1 - j1) and not proves_nonnegative(seq - 2 - j1)
+    # a remainder by seq is at most seq - 1 (a roll's start n - shift % n), its numeric bounds cannot say so
+    assert (seq - 700 % seq).bounds()[0] < 0 and proves_nonnegative(seq - 700 % seq)
+    assert proves_nonnegative(seq - 1 - 700 % seq) and not proves_nonnegative(seq - 2 - 700 % seq)
+    assert proves_nonnegative(700 % seq) and not proves_nonnegative(-(700 % seq) + seq // 2)
 
 
 def test_a_truth_value_needs_a_constant():
