@@ -199,13 +199,46 @@ def precompile(model: torch.nn.Module, example_inputs: tuple, path: str, *, guar
     a flat tuple."""
     served = _Forward(model)
     compile_options = dict(options, **({"guard_filter_fn": guard_filter_fn} if guard_filter_fn else {}))
-    with torch.no_grad():
+    ones = _dims_from_one(example_inputs)
+    # backed_size_oblivious: a dim marked dynamic with min=1 keeps its symbol at 1 too (dynamo
+    # would otherwise specialize sizes 0 and 1, and a saved function has its one graph only)
+    with torch.no_grad(), torch.fx.experimental._config.patch(backed_size_oblivious=bool(ones)):
         fn = torch.compile(served.forward, backend="tt_infer", fullgraph=True,
                            options=compile_options or None).aot_compile((tuple(example_inputs), {}))
+        if ones:
+            _check_at_size_one(functools.partial(fn, served), served, example_inputs, ones)
         fn.save_compiled_function(path, external_data={"model": served})
     with open(path, "rb+") as f:
         f.write(_trailer(f.read()))  # reading left the position at the end: the trailer goes after
     return functools.partial(fn, served)  # a method's precompiled function takes self first
+
+
+def _dims_from_one(example_inputs) -> list:
+    """(argument position, dim) of each dim marked dynamic with a declared min of 1 (or 0)."""
+    return [(position, r.dim) for position, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)
+            for r in sorted(getattr(x, "_dynamo_dynamic_range", ()), key=lambda r: r.dim)
+            if r.min is not None and r.min <= 1]
+
+
+def _check_at_size_one(fn, served, example_inputs: tuple, dims: list) -> None:
+    """The saved function against the model with those dims at 1. Where the model branches on a
+    dim, dynamo's guards refuse size 1 (a call error, never a wrong value: declare min=2 to say
+    so); what they let through must be the model's values, as size-oblivious tracing assumes
+    sizes >= 2 without guarding some shape decisions."""
+    inputs = list(example_inputs)
+    for position, dim in dims:
+        inputs[position] = inputs[position].narrow(dim, 0, 1)
+    try:
+        got = fn(*inputs)
+    except RuntimeError as err:
+        if "guard" in str(err).lower():
+            return
+        raise
+    for g, want in zip(got, served(*inputs)):
+        if g.shape != want.shape or not torch.allclose(g, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item())):
+            raise RuntimeError(f"blade.precompile: the function compiled for dynamic shapes differs from the model "
+                               f"with the dims marked min=1 at 1 (output {tuple(g.shape)} vs {tuple(want.shape)}); "
+                               f"mark them with min=2")
 
 
 def _trailer(data: bytes) -> bytes:

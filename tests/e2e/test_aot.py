@@ -96,13 +96,14 @@ def test_incompatible_stamps_are_refused_at_load(precompiled):
 
 def test_dynamic_graph_precompiles_once_and_serves_every_size_in_range(tmp_path):
     """Dynamo's precompile of a graph with symbolic batch and sequence dims: one compile, and a
-    fresh process with no compiler serves sizes it never saw; a size outside the declared range
-    is stopped by dynamo's guards. (Dynamo specializes sizes 0 and 1, hence min=2.)"""
+    fresh process with no compiler serves sizes it never saw, size 1 included (min=1: dynamo
+    would specialize sizes 0 and 1, blade.precompile traces with backed_size_oblivious and
+    checks the graph at 1); a size outside the declared range is stopped by dynamo's guards."""
     model, _ = make_model_and_inputs(seed=2)
     x, mask = torch.randn(4, 8, 32), (torch.rand(4, 8, 1) > 0.3).float()
     for tensor in (x, mask):
-        torch._dynamo.mark_dynamic(tensor, 0, min=2, max=16)
-        torch._dynamo.mark_dynamic(tensor, 1, min=2, max=64)
+        torch._dynamo.mark_dynamic(tensor, 0, min=1, max=16)
+        torch._dynamo.mark_dynamic(tensor, 1, min=1, max=64)
     fn = blade.precompile(model, (x, mask), str(tmp_path / "dyn.aot"))
     report = fn.func._artifacts.compiled_fn.report
     assert report.size_symbols and report.engine_calls >= 1 and not report.symbolic_refusals, report
@@ -114,7 +115,7 @@ def test_dynamic_graph_precompiles_once_and_serves_every_size_in_range(tmp_path)
         fn = blade.load_precompiled({str(tmp_path / 'dyn.aot')!r}, model)
         assert {ENGINE_CALL!r} in str(fn.func._artifacts.compiled_fn.module.graph)
         with torch.no_grad():
-            for batch, seq in ((2, 2), (3, 17), (16, 64), (5, 8)):
+            for batch, seq in ((2, 2), (3, 17), (16, 64), (5, 8), (1, 1), (1, 9), (4, 1)):
                 x, mask = torch.randn(batch, seq, 32), (torch.rand(batch, seq, 1) > 0.3).float()
                 for got, want in zip(fn(x, mask), model(x, mask)):
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -123,7 +124,26 @@ def test_dynamic_graph_precompiles_once_and_serves_every_size_in_range(tmp_path)
             except RuntimeError as err:
                 assert "GuardManager check failed" in str(err), err
             else:
-                raise AssertionError("a batch outside [2, 16] was not stopped")
+                raise AssertionError("a batch outside [1, 16] was not stopped")
         print("ok")
     """, env=env)
     assert "ok" in out and not compiler_mark.exists()
+
+
+class Branches(torch.nn.Module):
+    def forward(self, x):
+        return (x * 2 if x.shape[0] > 1 else x + 100).sin() + 1
+
+
+def test_a_model_branching_on_a_dim_declared_from_1_refuses_size_1_by_its_guards(tmp_path):
+    """min=1 on a dim the model branches on: the saved graph is the example's branch, and
+    dynamo's guard on the branch refuses size 1 (an error, never the other branch's values)."""
+    model, x = Branches().eval(), torch.randn(4, 8)
+    torch._dynamo.mark_dynamic(x, 0, min=1, max=16)
+    blade.precompile(model, (x,), str(tmp_path / "branches.aot"))
+    fn = blade.load_precompiled(str(tmp_path / "branches.aot"), model)
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(fn(x)[0], model(x))
+        with pytest.raises(RuntimeError, match="GuardManager check failed"):
+            fn(torch.randn(1, 8))

@@ -202,6 +202,26 @@ def test_a_size_pattern_not_taken_stays_in_torchscript_with_its_reason():
     assert not capture.report.symbolic_refusals
 
 
+def test_size_one_runs_the_same_graph_under_backed_size_oblivious():
+    """mark_dynamic(min=1) with torch's backed_size_oblivious while dynamo traces: no second graph
+    for size 1 (dynamo would specialize sizes 0 and 1), and the one compile serves it."""
+    import torch.fx.experimental._config as fx_config
+    torch.manual_seed(0)
+    model, capture = Positions().eval(), Capture()
+    compiled = torch.compile(model, backend=capture)
+    ids = ids_of(3, 7)
+    torch._dynamo.mark_dynamic(ids, 0, min=1, max=BATCH_MAX)
+    torch._dynamo.mark_dynamic(ids, 1, min=1, max=SEQ_MAX)
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):  # while dynamo traces
+        assert_close(compiled(ids), model(ids))
+    with torch.no_grad():
+        for b, s in [(1, 1), (1, SEQ_MAX), (BATCH_MAX, 1), (2, 5)]:
+            ids = ids_of(b, s)
+            assert_close(compiled(ids), model(ids))
+    assert len(capture.compiled) == 1 and "in [1, " in capture.report.size_symbols, capture.report.size_symbols
+    assert capture.report.coverage == 1.0, capture.report.left_out
+
+
 def test_static_shapes_keep_their_graph():
     """Without size symbols no op reads a size: the frontend adds no aten::size."""
     model, capture = Positions().eval(), Capture()
