@@ -30,11 +30,36 @@ GRID_BATCHES, GRID_SEQS = (1, 2, 5, 8), (1, 7, 64, 256)
 FRESH_SEQS = (2, 7, 64, 256)
 
 
-def build(name):
-    inner = {"bert": lambda: dyn.bert()[0], "gpt2": lambda: dyn.gpt2()[0],
-             "llama": lambda: models.llama(1)[0], "t5": lambda: models.t5_encoder(1)[0],
-             "distilbert": lambda: models.distilbert(1)[0]}[name]()
-    return dyn.Flat(inner).eval(), inner.config.vocab_size
+class SizePatterns(torch.nn.Module):
+    """What model code computes from the run-time sequence length beyond the transformers above:
+    positions after an offset (cache positions, ``arange(past, past + seq)``) and at a stride
+    (``arange(0, 2 * seq, 2)``), and token shifts along the sequence (``roll``: RWKV-style token
+    mixing, Swin's shifted windows)."""
+    VOCAB = 100
+
+    def __init__(self, dim=64, max_seq=max(GRID_SEQS)):
+        super().__init__()
+        self.words, self.positions = torch.nn.Embedding(self.VOCAB, dim), torch.nn.Embedding(max_seq + 2, dim)
+        self.strided, self.norm = torch.nn.Embedding(2 * max_seq, dim), torch.nn.LayerNorm(dim)
+
+    def forward(self, ids, mask):
+        seq = ids.shape[1]
+        h = self.words(ids) + self.positions(torch.arange(2, seq + 2)) + self.strided(torch.arange(0, 2 * seq, 2))
+        h = (h + 0.5 * torch.roll(h, 1, 1) - 0.25 * torch.roll(h, -2, 1)) * mask.unsqueeze(-1)
+        return self.norm(h)
+
+
+def _transformer(inner):
+    def build():
+        model = inner()
+        return dyn.Flat(model).eval(), model.config.vocab_size
+    return build
+
+
+BUILDS = {"bert": _transformer(lambda: dyn.bert()[0]), "gpt2": _transformer(lambda: dyn.gpt2()[0]),
+          "llama": _transformer(lambda: models.llama(1)[0]), "t5": _transformer(lambda: models.t5_encoder(1)[0]),
+          "distilbert": _transformer(lambda: models.distilbert(1)[0]),
+          "sizes": lambda: (SizePatterns().eval(), SizePatterns.VOCAB)}
 
 
 def left_out(report) -> list:
@@ -95,7 +120,7 @@ def compile_path(name, model, example, vocab, args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="bert,gpt2,llama,t5,distilbert")
+    parser.add_argument("--models", default=",".join(BUILDS))
     parser.add_argument("--no-grid", action="store_true")
     parser.add_argument("--paths", default="export,compile")
     parser.add_argument("--fresh", action="store_true")
@@ -103,7 +128,7 @@ def main() -> int:
     paths = {"export": export_path, "compile": compile_path}
     for name in args.models.split(","):
         torch.manual_seed(0)
-        model, vocab = build(name)
+        model, vocab = BUILDS[name]()
         example = dyn.grid_inputs(vocab, 2, 32)
         with torch.no_grad():
             for path in args.paths.split(","):

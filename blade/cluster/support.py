@@ -1282,8 +1282,8 @@ def _roll_axis(ctx: LowerCtx, name: str, dim: int, shift: int, n) -> str:
     """x rolled by shift along a dim of size n: Concat(x[k:], x[:k]) with k = -shift mod n. A
     run-time n (the ONNX name of a size) reads k = n - shift % n (shift > 0) or -shift % n as size
     arithmetic (dividends >= 0: the engine's remainders are exact) and takes [k, k + n) of
-    Concat(x, x): the two parts' lengths n - k and k would be 0 at some sizes, and an engine's
-    loops cannot split rows by a length that may be 0."""
+    Concat(x, x), which the engine reads as a roll view of x (no copy, blade/engine/ir.py's
+    _rolled); the two parts' lengths n - k and k would be 0 at some sizes."""
     if shift == 0 or n == 0:
         return ctx.b.op("Identity", [name])
     if isinstance(n, int):

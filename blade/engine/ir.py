@@ -276,6 +276,11 @@ class Builder:
             return x
         return self._add("view", shape, x.dtype, [x], view="slice", starts=list(starts), steps=list(steps))
 
+    def roll(self, x, axis, offset) -> Node:
+        """x read from `offset` on along axis, wrapping around: out[i] = x[(i + offset) % n], for
+        0 <= offset <= n (torch.roll by -offset: no copy, unlike the concat of two slices)."""
+        return self._add("view", x.shape, x.dtype, [x], view="roll", axis=axis, offset=offset)
+
     def pad(self, x, begins, ends, mode="constant", value=0.0) -> Node:
         if not any(begins) and not any(ends):
             return x
@@ -525,6 +530,9 @@ def _slice(b, attrs, x, starts, ends, axes=None, steps=None):
     axes = range(len(starts)) if axes is None else axes.reshape(-1)
     steps = b.const_value(steps, "Slice steps")
     steps = [1] * len(starts) if steps is None else steps.reshape(-1)
+    rolled = _rolled(b, x, starts, ends, axes, steps)
+    if rolled is not None:
+        return [rolled]
     first, step_of, shape = [0] * x.rank, [1] * x.rank, list(x.shape)
     for axis, start, end, step in zip(axes, starts, ends, steps):
         axis = normalize_axis(int(axis), x.rank)
@@ -539,6 +547,19 @@ def _slice(b, attrs, x, starts, ends, axes=None, steps=None):
         picked = range(*slice(int(start), int(end), int(step)).indices(x.shape[axis]))
         first[axis], step_of[axis], shape[axis] = picked.start, picked.step, len(picked)
     return [b.slice(x, first, step_of, tuple(shape))]
+
+
+def _rolled(b, x, starts, ends, axes, steps):
+    """Concat(y, y)[k:k + n] along the concat's axis, 0 <= k <= n = y's length there (a roll over a
+    run-time length, blade/cluster/support.py's _roll_axis), as a roll view of y; else None."""
+    if x.op != "concat" or len(x.args) != 2 or x.args[0] is not x.args[1] or len(starts) != 1 or int(steps[0]) != 1:
+        return None
+    axis, y = x.attrs["axis"], x.args[0]
+    n, start, end = y.shape[axis], _dim(starts[0]), _dim(ends[0])
+    if normalize_axis(int(axes[0]), x.rank) != axis or as_expr(end) - start != n or \
+            not (proves_nonnegative(as_expr(start)) and proves_nonnegative(as_expr(n) - start)):
+        return None
+    return b.roll(y, axis, as_expr(start))
 
 
 def _run_time_slice(n: Expr, start: int, end: int, step: int) -> tuple:

@@ -506,10 +506,15 @@ class _Division(Expr):
         return self.apply(self.num.evaluate(values), self.den.evaluate(values))
 
     def render(self):
-        if not proves_nonnegative(self.num):
-            raise ValueError(f"C++ {self.cpp} truncates: {self.num!r} may be negative, where it differs "
-                             "from floor division")
-        return f"{_operand(self.num)} {self.cpp} {_operand(self.den)}"
+        if proves_nonnegative(self.num):
+            return f"{_operand(self.num)} {self.cpp} {_operand(self.den)}"
+        # a dividend >= -den (a roll's (i - shift % n) % n): shifted by one divisor it is >= 0, with
+        # the same remainder and a quotient one more
+        if proves_nonnegative(self.num + self.den):
+            shifted = f"({_operand(self.num + self.den)} {self.cpp} {_operand(self.den)})"
+            return shifted if self.cpp == "%" else f"({shifted} - 1)"
+        raise ValueError(f"C++ {self.cpp} truncates: {self.num!r} may be negative, where it differs "
+                         "from floor division")
 
 
 class FloorDiv(_Division):

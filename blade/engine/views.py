@@ -190,10 +190,17 @@ def _window_layout(node, src_shape, layout):
                   + tuple(d * st for (_, d), st in zip(steps, spatial)))
 
 
+def _roll_index(node, idx):
+    """out[i] = src[(i + offset) % n] along the axis (offset in [0, n]: the dividend is >= 0)."""
+    axis = node.attrs["axis"]
+    return idx[:axis] + [(idx[axis] + node.attrs["offset"]) % node.shape[axis]] + idx[axis + 1:]
+
+
 VIEW_INDEX = {"permute": _permute_index, "expand": _expand_index, "slice": _slice_index,
-              "reshape": _reshape_index, "window": _window_index}
+              "reshape": _reshape_index, "window": _window_index, "roll": _roll_index}
 VIEW_LAYOUT = {"permute": _permute_layout, "expand": _expand_layout, "slice": _slice_layout,
-               "reshape": _reshape_layout, "window": _window_layout}
+               "reshape": _reshape_layout, "window": _window_layout,
+               "roll": lambda node, src_shape, layout: None}   # wraps around: no strided layout
 
 
 def view_index(node, idx):

@@ -68,6 +68,9 @@ def test_rendering_keeps_integer_semantics():
     assert (-(i1 // 16) + i0).render() == "-(i1 / 16) + i0"
     assert (i0 - 2 * i1 - 1).render() == "i0 - 2 * i1 - 1"
     assert ((i0 - 2) // 3).render() == "(i0 + 1) / 3 - 1"      # floor, with a dividend >= 0
+    # a roll's index (j1 + seq - shift % seq) % seq: split to a dividend >= -seq, rendered shifted by seq
+    assert ((j1 + seq - 3 % seq) % seq).render() == "((j1 - 3 % seq + seq) % seq)"
+    assert ((j1 + seq - 3 % seq) // seq).render() == "(((j1 - 3 % seq + seq) / seq) - 1) + 1"
     with pytest.raises(ValueError, match="may be negative"):   # C++ / truncates
         ((i0 - i1) // 3).render()
     with pytest.raises(ValueError, match="may be < 1"):
