@@ -1186,7 +1186,7 @@ def _dim_arg(ctx: LowerCtx, node, index: int, rank: int) -> int:
 def _index_select(ctx: LowerCtx, node):
     x, _, index = _args(node)[:3]
     dim = _dim_arg(ctx, node, 1, len(ctx.shape(x)))
-    n = ctx.shape(x)[dim] if ctx.shape(x) else 1
+    n = ctx.dim_size(x, dim) if ctx.shape(x) else 1  # (a run-time dim: its size read at run time)
     i = _index_in_range(ctx, _int64(ctx, index), n, wraps=False, past_end=n)
     if not ctx.shape(x):  # a 0-d input reads as [1] (ONNX Gather needs rank >= 1); the result is 0-d
         picked = ctx.b.op("Gather", [reshape_exact(ctx, ctx.tensor(x), [1]), i], axis=0)

@@ -115,7 +115,8 @@ def test_the_padding_mask_index_computes_in_an_engine():
 class Aranges(torch.nn.Module):
     """aranges over run-time sizes from a constant or a size start and by steps != 1: position ids
     after an offset ``arange(2, seq + 2)``, ``arange(seq, 2 * seq)`` as floats, a fixed count of
-    strided steps from a size ``arange(seq - 1, seq + 5, 2)``, a sum over ``arange(0, seq, 3)``."""
+    strided steps from a size ``arange(seq - 1, seq + 5, 2)``, a sum over ``arange(0, seq, 3)``, and
+    an index_select along the run-time dim (its range check reads the length at run time)."""
 
     def forward(self, x):
         seq = x.shape[1]
@@ -123,7 +124,8 @@ class Aranges(torch.nn.Module):
         doubled = torch.arange(seq, 2 * seq, dtype=torch.float32)
         window = torch.arange(seq - 1, seq + 5, 2)
         strided = torch.arange(0, seq, 3).sum()
-        return x * offset + doubled, window * 2 + strided
+        ends = x.index_select(1, torch.arange(seq - 2, seq).clamp(min=0))  # the last two (x[:, [0, 0]] at seq 1)
+        return x * offset + doubled, window * 2 + strided, ends
 
 
 class Rolls(torch.nn.Module):
