@@ -37,14 +37,17 @@ def ids_of(batch, seq):
     return torch.randint(0, 50, (batch, seq))
 
 
-def compiled_positions():
+def compiled_positions(smallest=2):
+    """Positions through torch.compile, batch and seq marked dynamic from `smallest` (1: traced
+    with backed_size_oblivious, else dynamo would specialize size 1)."""
+    import torch.fx.experimental._config as fx_config
     torch.manual_seed(0)
     model, capture = Positions().eval(), Capture()
     compiled = torch.compile(model, backend=capture)
     ids = ids_of(3, 7)
-    torch._dynamo.mark_dynamic(ids, 0, min=2, max=BATCH_MAX)
-    torch._dynamo.mark_dynamic(ids, 1, min=2, max=SEQ_MAX)
-    with torch.no_grad():
+    torch._dynamo.mark_dynamic(ids, 0, min=smallest, max=BATCH_MAX)
+    torch._dynamo.mark_dynamic(ids, 1, min=smallest, max=SEQ_MAX)
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=smallest < 2):  # while dynamo traces
         assert_close(compiled(ids), model(ids))
     return model, capture, compiled
 
@@ -207,15 +210,7 @@ def test_a_size_pattern_not_taken_stays_in_torchscript_with_its_reason():
 def test_size_one_runs_the_same_graph_under_backed_size_oblivious():
     """mark_dynamic(min=1) with torch's backed_size_oblivious while dynamo traces: no second graph
     for size 1 (dynamo would specialize sizes 0 and 1), and the one compile serves it."""
-    import torch.fx.experimental._config as fx_config
-    torch.manual_seed(0)
-    model, capture = Positions().eval(), Capture()
-    compiled = torch.compile(model, backend=capture)
-    ids = ids_of(3, 7)
-    torch._dynamo.mark_dynamic(ids, 0, min=1, max=BATCH_MAX)
-    torch._dynamo.mark_dynamic(ids, 1, min=1, max=SEQ_MAX)
-    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):  # while dynamo traces
-        assert_close(compiled(ids), model(ids))
+    model, capture, compiled = compiled_positions(smallest=1)
     with torch.no_grad():
         for b, s in [(1, 1), (1, SEQ_MAX), (BATCH_MAX, 1), (2, 5)]:
             ids = ids_of(b, s)
