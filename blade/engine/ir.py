@@ -215,7 +215,11 @@ class Builder:
     def mean(self, x, axes, keepdims=True) -> Node:
         count = math.prod(x.shape[normalize_axis(a, x.rank)] for a in axes)
         total = self.reduce("sum", x, axes, keepdims)
-        return self.ew("Div", total, self.scalar(count, x.dtype))
+        if isinstance(count, int):
+            return self.ew("Div", total, self.scalar(count, x.dtype))
+        # over run-time dims the count is read at run time and rounded to x's dtype, as ATen's
+        # sum(...).div_(count) rounds its integer count
+        return self.ew("Div", total, self.cast(self._add("sizeval", (), "int64", expr=count), x.dtype))
 
     def matmul(self, a, b, alpha=1.0) -> Node:
         """Batched matmul of operands with rank >= 2 and broadcastable batch dims."""

@@ -190,6 +190,30 @@ def test_aranges_and_rolls_compute_in_engines_through_torch_compile():
     assert report.aten_in_engines == report.aten_total, report.left_out
 
 
+class Means(torch.nn.Module):
+    """Means over run-time dims (mean pooling over the sequence, a global mean over batch and
+    sequence): the divisor is a size read at run time."""
+
+    def forward(self, x):
+        return (x * 2.0).mean(dim=1) + 1.0, (x - 1.0).mean(dim=(0, 1), keepdim=True), x.double().mean(1)
+
+
+def test_means_over_run_time_dims_compute_in_engines():
+    """One compile (min=1) with every op in engines (the ir stage once refused a mean over a
+    run-time dim: its count was not a number), within tolerance at size 1, small sizes and the maxima."""
+    import blade
+    model = Means().eval()
+    dims = {0: torch.export.Dim("batch", min=1, max=BATCH_MAX), 1: torch.export.Dim("seq", min=1, max=SEQ_MAX)}
+    compiled = blade.compile_model(model, (torch.randn(3, 7, 5),), dynamic_shapes={"x": dims})
+    report = compiled.report
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, \
+        (report.left_out, report.symbolic_refusals)
+    with torch.no_grad():
+        for b, s in SIZES_FROM_1:
+            x = torch.randn(b, s, 5)
+            assert_close(compiled.signature.outputs(compiled(x)), model(x))
+
+
 class Stepped(torch.nn.Module):
     """An arange of a size by a step of 2 as an output: its length (seq + 1) // 2 is no size an
     input of the engine has, which an engine's outputs need (their dims are size symbols bound
