@@ -229,12 +229,26 @@ def _compile_symbolic(model, gm, flat_inputs: list, config: Config) -> CompiledM
         for probe in symbols.probes + [_at_minima(gm, flat_inputs, symbols)]:
             expected, got = gm(*probe), compiled(*probe)
             for e, g in zip(torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(got)):
-                if e.shape != g.shape or not torch.allclose(e, g, rtol=1e-4, atol=1e-4 * max(1.0, e.abs().max().item())):
+                if not _matches(e, g):
                     raise ExportError(f"blade.export: the graph compiled for dynamic shapes differs from the model at "
                                       f"input shapes {[tuple(p.shape) for p in probe if isinstance(p, torch.Tensor)]} "
                                       f"(output {tuple(e.shape)} vs {tuple(g.shape)}); declare min=2 for dims the model "
                                       f"treats specially at 1")
     return compiled
+
+
+def _matches(expected, got) -> bool:
+    """A compiled output against the model's: same shape and dtype, floats within 1e-4 of the
+    largest magnitude (NaN where the model has NaN), others equal."""
+    if not isinstance(expected, torch.Tensor):
+        return expected == got
+    if expected.shape != got.shape or expected.dtype != got.dtype:
+        return False
+    if not expected.is_floating_point() or expected.numel() == 0:
+        return torch.equal(expected, got)
+    finite = expected[expected.isfinite()]
+    scale = max(1.0, finite.abs().max().item() if finite.numel() else 0.0)
+    return torch.allclose(expected, got, rtol=1e-4, atol=1e-4 * scale, equal_nan=True)
 
 
 def _at_minima(gm, flat_inputs: list, symbols: SizeSymbols) -> list:

@@ -590,6 +590,8 @@ def _expand(ctx: LowerCtx, node):
     try:
         shape = ctx.b.ints(ctx.expand_shape(node.output(), source))
     except LoweringError:
+        if node.kind() == "aten::expand_as":  # to the other tensor's run-time shape (its ONNX Shape)
+            return [ctx.b.op("Expand", [ctx.tensor(source), ctx.b.op("Shape", [ctx.tensor(_args(node)[1])])])]
         sizes = run_time_size_list(_args(node)[1])
         if node.kind() != "aten::expand" or sizes is None:
             raise
@@ -1278,6 +1280,18 @@ def _roll(ctx: LowerCtx, node):
     return [name]
 
 
+def _flip(ctx: LowerCtx, node):
+    """flip(x, dims): each dim read backwards, a Slice from the last element by step -1 (the
+    engine's view of it, also along a run-time dim)."""
+    x, dims = _args(node)[:2]
+    rank = len(ctx.shape(x))
+    dims = sorted({d % rank for d in ctx.const(dims)}) if rank else []
+    if not dims:
+        return [ctx.b.op("Identity", [ctx.tensor(x)])]
+    return [ctx.b.op("Slice", [ctx.tensor(x), ctx.b.ints([-1] * len(dims)), ctx.b.ints([-INT64_MAX - 1] * len(dims)),
+                               ctx.b.ints(dims), ctx.b.ints([-1] * len(dims))])]
+
+
 def _roll_axis(ctx: LowerCtx, name: str, dim: int, shift: int, n) -> str:
     """x rolled by shift along a dim of size n: Concat(x[k:], x[:k]) with k = -shift mod n. A
     run-time n (the ONNX name of a size) reads k = n - shift % n (shift > 0) or -shift % n as size
@@ -1341,15 +1355,31 @@ def _var_std(ctx: LowerCtx, node):
     else:
         correction = int(ctx.const(named["unbiased"])) if "unbiased" in named else 1
     keepdim = bool(ctx.const(named["keepdim"])) if "keepdim" in named else False
-    count = int(np.prod([shape[a] for a in axes]))
     # in float64, as torch accumulates: float32 squares of deviations above 1.8e19 would overflow
     f64 = np.dtype("float64")
     xs = ctx.as_dtype(x, f64)
     mean = ctx.b.op("ReduceMean", [xs, ctx.b.ints(axes)], keepdims=1)
     centered = ctx.b.op("Sub", [xs, mean])
     total = ctx.b.op("ReduceSum", [ctx.b.op("Mul", [centered, centered]), ctx.b.ints(axes)], keepdims=int(keepdim))
-    var = ctx.b.op("Div", [total, ctx.scalar(max(count - correction, 0), f64)])
+    var = ctx.b.op("Div", [total, _var_divisor(ctx, x, axes, correction)])
     return [ctx.cast(ctx.b.op("Sqrt", [var]) if node.kind() == "aten::std" else var, f64, dtype)]
+
+
+def _var_divisor(ctx: LowerCtx, x: torch.Value, axes: list, correction) -> str:
+    """max(n - correction, 0) in float64, n the count over axes; over run-time dims computed from
+    the shape at run time (an integer correction then: the sizes' arithmetic is exact in int64)."""
+    f64 = np.dtype("float64")
+    if not any(a in ctx.run_time.get(x, set()) for a in axes):
+        return ctx.scalar(max(int(np.prod([ctx.shape(x)[a] for a in axes])) - correction, 0), f64)
+    if correction != int(correction):
+        raise LoweringError(f"a correction of {correction} over run-time dims (only integers are exact on sizes)")
+    def as_onnx(size):  # a 0-d int64: a run-time dim's ONNX name as is, an int as a constant
+        return size if isinstance(size, str) else ctx.b.constant(np.asarray(size, dtype=np.int64), "n")
+    count = as_onnx(ctx.dim_size(x, axes[0]))
+    for a in axes[1:]:
+        count = ctx.b.op("Mul", [count, as_onnx(ctx.dim_size(x, a))])
+    divisor = ctx.b.op("Max", [ctx.b.op("Sub", [count, as_onnx(int(correction))]), as_onnx(0)])
+    return ctx.b.op("Cast", [divisor], to=_onnx_type(f64))
 
 
 def _norm(ctx: LowerCtx, node):
@@ -1706,6 +1736,7 @@ LOWERING: dict[str, Rule] = {
     "aten::triu": Rule(_triangle),
     "aten::repeat": Rule(_repeat),
     "aten::roll": Rule(_roll),
+    "aten::flip": Rule(_flip),
     "aten::stack": Rule(_stack, _cat_check, tensor_lists=True),
     "aten::unbind": Rule(_unbind, tensor_lists=True),
     # tensor creation from a tensor's shape (constant arguments; shape and dtype as measured)

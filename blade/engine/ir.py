@@ -546,6 +546,7 @@ def _slice(b, attrs, x, starts, ends, axes=None, steps=None):
             continue
         if isinstance(x.shape[axis], Expr):
             first[axis], shape[axis] = _run_time_slice(x.shape[axis], int(start), int(end), int(step))
+            step_of[axis] = int(step)
             continue
         # ONNX clamps exactly like Python slicing does.
         picked = range(*slice(int(start), int(end), int(step)).indices(x.shape[axis]))
@@ -570,6 +571,8 @@ def _run_time_slice(n: Expr, start: int, end: int, step: int) -> tuple:
     """(first, length) of x[start:end] along a run-time dim n, as expressions of n, when Python's
     clamping makes the same choice at every n in its range; else refused."""
     lo, hi = n.bounds()
+    if step == -1 and start == -1 and end < -hi:  # the whole dim reversed (torch.flip): from n - 1 down
+        return n - 1, n
     if step != 1:
         raise UnsupportedOnnxOp(f"Slice with step {step} along a run-time dim")
 

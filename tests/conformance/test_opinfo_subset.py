@@ -49,7 +49,7 @@ FAST_CASES = [
     ("narrow", "f32", 0), ("select", "f32", 0), ("cat", "f32", 0), ("stack", "f32", 0), ("unbind", "f32", 0),
     ("split", "f32", 0), ("nn.functional.embedding", "f32", 0), ("__getitem__", "f32", 0),
     ("index_select", "f32", 1), ("gather", "f32", 0), ("tril", "f32", 0), ("repeat", "f32", 0),
-    ("roll", "f32", 0),
+    ("roll", "f32", 0), ("flip", "f32", 0),
     # tensor creation and resampling
     ("zeros_like", "f32", 0),
     ("nn.functional.interpolate.nearest", "f32", 0), ("nn.functional.interpolate.bilinear", "f32", 0),

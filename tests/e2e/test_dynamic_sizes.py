@@ -190,19 +190,23 @@ def test_aranges_and_rolls_compute_in_engines_through_torch_compile():
     assert report.aten_in_engines == report.aten_total, report.left_out
 
 
-class Means(torch.nn.Module):
-    """Means over run-time dims (mean pooling over the sequence, a global mean over batch and
-    sequence): the divisor is a size read at run time."""
+class OverRunTimeDims(torch.nn.Module):
+    """Ops whose ONNX once depended on the sizes along a run-time dim, each of which kept its cluster
+    in TorchScript: means (mean pooling over the sequence; over batch and sequence) and var/std,
+    whose counts are now read at run time; F.normalize's expand_as of a norm over the sequence,
+    now an Expand to the other tensor's shape; flip along the sequence, a reversed view."""
 
     def forward(self, x):
-        return (x * 2.0).mean(dim=1) + 1.0, (x - 1.0).mean(dim=(0, 1), keepdim=True), x.double().mean(1)
+        return ((x * 2.0).mean(dim=1) + 1.0, (x - 1.0).mean(dim=(0, 1), keepdim=True), x.double().mean(1),
+                (x * 2.0).var(dim=1), (x + 1.0).std(dim=(0, 1), keepdim=True),
+                torch.nn.functional.normalize(x * 2.0, dim=1) + 1.0, (x * 2.0).flip(1) + 1.0)
 
 
-def test_means_over_run_time_dims_compute_in_engines():
-    """One compile (min=1) with every op in engines (the ir stage once refused a mean over a
-    run-time dim: its count was not a number), within tolerance at size 1, small sizes and the maxima."""
+def test_reductions_and_flips_over_run_time_dims_compute_in_engines():
+    """One compile (min=1) with every op in engines, within tolerance at size 1 (var's n - 1 = 0:
+    NaN as eager), small sizes and the maxima."""
     import blade
-    model = Means().eval()
+    model = OverRunTimeDims().eval()
     dims = {0: torch.export.Dim("batch", min=1, max=BATCH_MAX), 1: torch.export.Dim("seq", min=1, max=SEQ_MAX)}
     compiled = blade.compile_model(model, (torch.randn(3, 7, 5),), dynamic_shapes={"x": dims})
     report = compiled.report
