@@ -31,6 +31,7 @@ from blade.direct import direct_call
 from blade.dynamic import exclusions, lower_symbolic, probe_types
 from blade.engine.driver import compile_many
 from blade.errors import translate_engine_error
+from blade.executor import unoptimized
 from blade.frontend import to_torchscript
 from blade.guards import FrozenWeights, ScalarValues, first_requiring_grad, module_tensors, placeholder_names
 from blade.progress import Progress
@@ -139,9 +140,10 @@ class CompiledModule:
         method called directly skips nn.Module.__call__'s hook machinery (ScriptModules run no
         Python hooks), and an itemgetter picks the inputs without a Python loop (together about
         1 us of the 4.6 us this class and its engine cost per call on a one-engine graph). A forward
-        that is one engine call runs the engine without TorchScript (blade/direct.py, ~1.7 us)."""
+        that is one engine call runs the engine without TorchScript (blade/direct.py, ~1.7 us);
+        any other, without the graph executor's optimization (blade/executor.py)."""
         self.module, self.runtime_inputs = module, runtime_inputs
-        forward = module.forward
+        forward = unoptimized(module.forward)
         self._forward = direct_call(module) or (lambda flat: forward(*flat))
         self._pick = picker(runtime_inputs)
 

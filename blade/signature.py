@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from blade.direct import DirectPlan, direct_plan
+from blade.executor import unoptimized
 from blade.pipeline import picker
 from blade.size_variants import size_error
 
@@ -207,7 +208,9 @@ def _import_owner(type_name: str) -> bool:
 def _scripted_call(scripted):
     """flat inputs -> scripted(*flat), with the size dispatcher's range errors raised as
     RuntimeError (blade/size_variants.py). (scripted, not the ExportedModule: the closure would
-    hold it.)"""
+    hold it.) The graph executor does not optimize it (blade/executor.py)."""
+    scripted = unoptimized(scripted)
+
     def call(flat):
         try:
             return scripted(*flat)
@@ -228,7 +231,7 @@ class ExportedModule:
         self.script, self.signature, self._what = script, signature, what
         # forward called directly: a ScriptModule runs no Python hooks, and nn.Module.__call__'s
         # hook machinery costs ~1 us per call
-        self._forward = script.forward
+        self._forward = unoptimized(script.forward)  # blade/executor.py
         # A forward that is one engine call: the engine called without TorchScript (blade/direct.py),
         # taking the flat inputs as one sequence
         plan = direct_plan(script) if signature is not None else None
