@@ -352,8 +352,8 @@ def measure_types(module: torch.jit.ScriptModule, inputs: list) -> dict:
     values = []
     for node in graph.nodes():
         for value in node.outputs():
-            if not isinstance(value.type(), torch.TensorType):
-                continue
+            if not isinstance(value.type(), torch.TensorType) or node.kind() == "prim::Uninitialized":
+                continue  # (the placeholder of a branch that raises, e.g. in a scripted F.interpolate)
             if node.kind() == "prim::Constant":  # typed from the constant itself
                 constant = value.toIValue()  # (a traced wrapped number comes back as a Python scalar)
                 if isinstance(constant, (torch.Tensor, bool, int, float)):

@@ -371,3 +371,23 @@ def test_causal_masks_over_run_time_sizes_compute_in_engines(tmp_path, path):
         for b, s in points:
             x = torch.randn(b, 2, s, s)
             assert_close(compiled(x), model(x))
+
+
+class Upsampled(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.interpolate((x * 2.0).transpose(1, 2), scale_factor=2.0) + 1.0
+
+
+def test_a_scripted_raising_branch_does_not_stop_a_compile_with_run_time_sizes():
+    """F.interpolate by a scale scripts to branches that raise, whose placeholder values
+    (prim::Uninitialized) stay in the graph when sizes are run-time: measuring the graph's types
+    once failed on them, and the whole model could not compile."""
+    import blade
+    model = Upsampled().eval()
+    dims = {0: torch.export.Dim("batch", min=1, max=BATCH_MAX), 1: torch.export.Dim("seq", min=2, max=SEQ_MAX)}
+    compiled = blade.compile_model(model, (torch.randn(3, 7, 5),), dynamic_shapes={"x": dims})
+    assert compiled.report.aten_in_engines >= 1, compiled.report.left_out
+    with torch.no_grad():
+        for b, s in [(1, 2), (3, 7), (BATCH_MAX, SEQ_MAX)]:
+            x = torch.randn(b, s, 5)
+            assert_close(compiled.signature.outputs(compiled(x)), model(x))
