@@ -391,3 +391,34 @@ def test_a_scripted_raising_branch_does_not_stop_a_compile_with_run_time_sizes()
         for b, s in [(1, 2), (3, 7), (BATCH_MAX, SEQ_MAX)]:
             x = torch.randn(b, s, 5)
             assert_close(compiled.signature.outputs(compiled(x)), model(x))
+
+
+class ConvStem(torch.nn.Module):
+    """A ResNet's stem and block: its max pool pads with -inf (a stored pad, planned by comparing
+    padded and unpadded dims, which once failed on a run-time batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 7, 2, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                        torch.nn.MaxPool2d(3, 2, 1))
+        self.conv, self.head = torch.nn.Conv2d(8, 8, 3, 1, 1), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = torch.relu(self.conv(h) + h)
+        return self.head(h.mean(dim=(2, 3)))  # (F.adaptive_avg_pool2d's scripted size checks would stay as glue)
+
+
+def test_a_convolution_stem_with_a_run_time_batch_computes_in_engines():
+    import blade
+    torch.manual_seed(0)
+    model = ConvStem().eval()
+    compiled = blade.compile_model(model, (torch.randn(2, 3, 32, 32),),
+                                   dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1, max=BATCH_MAX)}})
+    report = compiled.report
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, \
+        (report.left_out, report.symbolic_refusals)
+    with torch.no_grad():
+        for b in (1, 3, BATCH_MAX):
+            x = torch.randn(b, 3, 32, 32)
+            assert_close(compiled.signature.outputs(compiled(x)), model(x))
