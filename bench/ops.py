@@ -54,6 +54,7 @@ CALLS = {
     "aten::maximum": ("real", lambda x, y: torch.maximum(x, y)),
     "aten::minimum": ("real", lambda x, y: torch.minimum(x, y)),
     "aten::pow": ("pos", lambda x, y: torch.pow(x, 1.7)),
+    "aten::pow#tensor": ("pos", lambda x, y: torch.pow(x, y)),
     "aten::neg": ("real", lambda x, y: -x),
     "aten::abs": ("real", lambda x, y: x.abs()),
     "aten::relu": ("real", lambda x, y: torch.relu(x)),
