@@ -335,7 +335,7 @@ inline float blade_cosf_fast(int32_t& wide, float x) {
 // replaced Taylor series to s^13 and r^9 (2^-39.5, 2^-36.5), one and two FMAs more per element:
 // [64,4096] one thread x^1.7 338 -> 303 us, x^y 356 -> 334 (eager, Sleef's 1-ulp powf, ~390).
 // The special cases of C's pow (and torch's) are selects at the end.
-inline double blade_log_d(float x) {   // x > 0, finite
+inline double blade_log_d(float x) {   // log x for x > 0 finite; any x >= +0, inf or NaN (no sign bit) is defined
   const bool subnormal = x < 1.17549435e-38f;
   // x times 2^(23 subnormal) made from integer bits, not `subnormal ? x * 2^23 : x`: g++ if-converts
   // that select (and a select of the factor) by computing the whole logarithm, its two divides
@@ -391,7 +391,7 @@ inline float blade_powf_fast(int32_t& wide, float x, float y) {
 inline float blade_powf(float x, float y) {
   const float ax = std::fabs(x);
   const bool finite_nonzero = ax > 0.0f && ax <= 3.40282347e+38f;
-  const double log_ax = blade_log_d(finite_nonzero ? ax : 1.0f);
+  const double log_ax = blade_log_d(ax);   // (for 0, inf and NaN replaced below; not a select: see blade_powf_fast)
   const double t = static_cast<double>(y) * log_ax;
   const double bounded = t >= -300.0 ? (t <= 300.0 ? t : 300.0) : -300.0;   // NaN too: it is selected away below
   float r = static_cast<float>(blade_exp_d(bounded));
