@@ -327,13 +327,15 @@ inline float blade_cosf_fast(int32_t& wide, float x) {
 
 // pow in double: log|x| (x = 2^e m, m in [sqrt(1/2), sqrt(2)) split in float32 bits as blade_logf
 // does, so no int64 <-> double conversion (AVX-512 only) is needed; log m = 2 atanh(s),
-// s = (m - 1) / (m + 1), |s| <= 0.172, Taylor to s^13: relative truncation 2^-39.5) times y, then
-// e^t (t = n ln2 + r, Taylor to r^9: 2^-36.5), rounded to float once (overflow to inf and underflow
-// through the subnormals as the conversion rounds them): t's error (<= 88 * 2^-39.5) and e^r's
-// leave <= 0.5 + 2^-8 ulp (bench/ulp_table.py measures 0.50). The terms to s^15 and r^11 (~2^-45)
-// cost 7% more time ([64,4096] x^1.7, one thread: 417 -> 391 us; eager, Sleef's 1-ulp powf, 410).
+// s = (m - 1) / (m + 1), |s| <= 0.172, 2 (s + s^3 P(s^2)), P of degree 4: relative error 2^-44.9)
+// times y, then e^t (t = n ln2 + r, |r| <= ln2 / 2, 1 + r Q(r), Q of degree 6: 2^-34.3), rounded to
+// float once (overflow to inf and underflow through the subnormals as the conversion rounds them):
+// t's error (<= 104 * 2^-44.9) and e^r's leave <= 0.5 + 2^-9 ulp (bench/ulp_table.py measures
+// 0.50). P and Q are minimax fits made here (Lawson's iteration; Q keeps e^0 = 1 exact); they
+// replaced Taylor series to s^13 and r^9 (2^-39.5, 2^-36.5), one and two FMAs more per element:
+// [64,4096] one thread x^1.7 338 -> 303 us, x^y 356 -> 334 (eager, Sleef's 1-ulp powf, ~390).
 // The special cases of C's pow (and torch's) are selects at the end.
-inline double blade_log_d(float x) {   // x > 0, finite
+inline double blade_log_d(float x) {   // log x for x > 0 finite; any x >= +0, inf or NaN (no sign bit) is defined
   const bool subnormal = x < 1.17549435e-38f;
   // x times 2^(23 subnormal) made from integer bits, not `subnormal ? x * 2^23 : x`: g++ if-converts
   // that select (and a select of the factor) by computing the whole logarithm, its two divides
@@ -345,35 +347,51 @@ inline double blade_log_d(float x) {   // x > 0, finite
   const double m = __builtin_bit_cast(float, (from_sqrt_half & 0x007fffff) + 0x3f3504f3);
   const double s = (m - 1.0) / (m + 1.0);
   const double z = s * s;
-  double p = 1.0 / 13;
-  p = std::fma(p, z, 1.0 / 11);
-  p = std::fma(p, z, 1.0 / 9);
-  p = std::fma(p, z, 1.0 / 7);
-  p = std::fma(p, z, 1.0 / 5);
-  p = std::fma(p, z, 1.0 / 3);
+  double p = 0.09791709309166949;
+  p = std::fma(p, z, 0.11088120264403577);
+  p = std::fma(p, z, 0.14286053945987445);
+  p = std::fma(p, z, 0.1999999781704268);
+  p = std::fma(p, z, 0.33333333337881876);
   return std::fma(e, 0.69314718055994531, 2.0 * std::fma(p * z, s, s));
 }
 
 inline double blade_exp_d(double t) {   // t in [-300, 300]
   const double n = std::nearbyint(t * 1.4426950408889634);
   const double r = std::fma(-n, 2.319046813846299558e-17, std::fma(-n, 0.69314718055994529, t));
-  double p = 1.0 / 362880;   // 1/9!
-  p = std::fma(p, r, 1.0 / 40320);
-  p = std::fma(p, r, 1.0 / 5040);
-  p = std::fma(p, r, 1.0 / 720);
-  p = std::fma(p, r, 1.0 / 120);
-  p = std::fma(p, r, 1.0 / 24);
-  p = std::fma(p, r, 1.0 / 6);
-  p = std::fma(p, r, 0.5);
-  p = std::fma(p, r, 1.0);
-  p = std::fma(p, r, 1.0);
+  double p = 0.0001976780156561522;
+  p = std::fma(p, r, 0.001394589603535521);
+  p = std::fma(p, r, 0.00833356861448886);
+  p = std::fma(p, r, 0.0416662725832156);
+  p = std::fma(p, r, 0.16666665165605077);
+  p = std::fma(p, r, 0.5000000077132888);
+  p = std::fma(p, r, 1.0000000002083016);
+  p = std::fma(p, r, 1.0);   // e^0 = 1 exactly (x^0, 1^y)
   return p * __builtin_bit_cast(double, (static_cast<int64_t>(static_cast<int32_t>(n)) + 1023) << 52);
+}
+
+// blade_powf for the usual inputs, x > 0 finite (subnormal too) and y finite, where none of C's
+// special cases applies but y = 0 and x = 1, for which the computed value is already 1 (log 1 = 0,
+// e^0 = 1 exactly): its result equals blade_powf's. Any other input sets `wide`, and the loop
+// (blade/engine/versioning.py) then runs again with blade_powf. The special cases' selects are
+// a third of blade_powf's work: [64,4096] one thread, the engine's loop, x^y 458 -> 315 us, x^1.7
+// 392 -> 303 (eager ~390). The tests are on the bits (x in (0, FLT_MAX] is bits 1 .. 0x7f7fffff,
+// y finite is |bits| <= 0x7f7fffff): written as float compares joined by &&, g++ did not vectorize
+// the loop of a tensor exponent (2.4 ms a call).
+inline float blade_powf_fast(int32_t& wide, float x, float y) {
+  const uint32_t x_bits = __builtin_bit_cast(uint32_t, x), y_bits = __builtin_bit_cast(uint32_t, y);
+  wide |= static_cast<int32_t>(x_bits - 1u >= 0x7f7fffffu) | static_cast<int32_t>((y_bits & 0x7fffffffu) > 0x7f7fffffu);
+  // |x|, not `usual ? x : 1`: any non-negative float's bits keep blade_log_d's integer arithmetic
+  // defined (its result for 0, inf or NaN is discarded), and g++ turned that select into masked
+  // operations through the whole logarithm (the engine's loop: 454 us instead of 310)
+  const double t = static_cast<double>(y) * blade_log_d(__builtin_bit_cast(float, x_bits & 0x7fffffffu));
+  const double bounded = t >= -300.0 ? (t <= 300.0 ? t : 300.0) : -300.0;
+  return static_cast<float>(blade_exp_d(bounded));
 }
 
 inline float blade_powf(float x, float y) {
   const float ax = std::fabs(x);
   const bool finite_nonzero = ax > 0.0f && ax <= 3.40282347e+38f;
-  const double log_ax = blade_log_d(finite_nonzero ? ax : 1.0f);
+  const double log_ax = blade_log_d(ax);   // (for 0, inf and NaN replaced below; not a select: see blade_powf_fast)
   const double t = static_cast<double>(y) * log_ax;
   const double bounded = t >= -300.0 ? (t <= 300.0 ? t : 300.0) : -300.0;   // NaN too: it is selected away below
   float r = static_cast<float>(blade_exp_d(bounded));
@@ -383,14 +401,15 @@ inline float blade_powf(float x, float y) {
   // |y| = inf: 1 for |x| = 1, else 0 or inf by whether |x| < 1 and y's sign
   const bool y_inf = std::fabs(y) > 3.40282347e+38f;
   r = y_inf ? (ax == 1.0f ? 1.0f : ((ax < 1.0f) == (y < 0.0f) ? std::numeric_limits<float>::infinity() : 0.0f)) : r;
-  // a negative base: odd integer y gives the odd sign, a non-integer y a NaN (finite x only)
-  const float y_trunc = std::trunc(y);
-  const bool y_int = y_trunc == y;
-  const bool y_odd = y_int && std::fabs(y) < 16777216.0f &&
-                     (static_cast<int32_t>(std::fabs(y) < 16777216.0f ? y : 0.0f) & 1);
+  // a negative base: odd integer y gives the odd sign, a non-integer y a NaN (finite x only). y is
+  // an odd integer when y / 2 (exact) is not one: from 2^24 on every float is even, and +-inf
+  // counts as an even integer here (its results were selected above).
+  const bool y_int = std::trunc(y) == y;
+  const float y_half = 0.5f * y;
+  const bool y_odd = y_int && std::trunc(y_half) != y_half;
   const bool x_negative = __builtin_bit_cast(int32_t, x) < 0;
   r = x_negative && y_odd ? -r : r;
-  r = x < 0.0f && ax <= 3.40282347e+38f && !y_int && !y_inf ? std::numeric_limits<float>::quiet_NaN() : r;
+  r = x < 0.0f && ax <= 3.40282347e+38f && !y_int ? std::numeric_limits<float>::quiet_NaN() : r;
   r = x != x || y != y ? x + y : r;
   return y == 0.0f || x == 1.0f ? 1.0f : r;   // even pow(NaN, 0) and pow(1, NaN)
 }

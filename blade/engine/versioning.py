@@ -5,7 +5,8 @@ rows where any input was not.
 sin and cos are the case: their range reduction is Cody-Waite below 2^24 and Payne-Hanek above,
 and a vectorized loop computes both for every element (2.4x the loop's time). The cheap forms
 (blade_sinf_fast in cpp/engine_prelude.h) do Cody-Waite only and OR into a flag whether |x| was
-not below 2^24; the flag is a reduction g++ vectorizes. Running the kernel's row again is only
+not below 2^24; the flag is a reduction g++ vectorizes. pow is the other: its cheap form
+(blade_powf_fast) leaves out C's special cases, for x <= 0, inf or NaN and y inf or NaN. Running the kernel's row again is only
 right when the kernel does not read what it writes, so such kernels keep the full form.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ from .lines import indent
 
 FLAG = "blade_wide"
 # the full form's call -> the cheap form's (the flag as its first argument)
-CHEAP_FORMS = {"blade_sinf(": f"blade_sinf_fast({FLAG}, ", "blade_cosf(": f"blade_cosf_fast({FLAG}, "}
+CHEAP_FORMS = {"blade_sinf(": f"blade_sinf_fast({FLAG}, ", "blade_cosf(": f"blade_cosf_fast({FLAG}, ",
+               "blade_powf(": f"blade_powf_fast({FLAG}, "}
 
 
 def _rewrite(line):

@@ -122,6 +122,38 @@ def test_sin_cos_rows_take_the_cheap_form_or_the_full_one_within_contract(tmp_pa
         assert err[worst] <= bound, f"{op}({x[worst]!r}) = {got[worst]!r}, float64 {ref[worst]!r}: {err[worst]:.2f} ulp"
 
 
+def test_pow_rows_take_the_cheap_form_or_the_full_one(tmp_path):
+    """In rows pow runs without C's special cases (blade_powf_fast) and redoes a row holding any
+    x <= 0, inf or NaN or any y inf or NaN with blade_powf (engine/versioning.py): usual rows within
+    the contract, and every special value (alone in a row, or its row's last element) as float64
+    pow gives it: signs of odd integer powers of negatives, NaN for their non-integer powers, 0^y,
+    inf^y, 1^NaN and NaN^0, and x^+-inf."""
+    rng = np.random.default_rng(1)
+    usual_x = (np.abs(rng.standard_normal((6, 1024))) + 1e-3).astype(np.float32)
+    usual_y = rng.uniform(-8, 8, (6, 1024)).astype(np.float32)
+    specials = [(-2.0, 3.0), (-2.0, -3.0), (-2.0, 2.0), (-2.0, 0.5), (-0.0, 3.0), (-0.0, -3.0), (0.0, -2.0),
+                (0.0, 0.5), (np.inf, -1.0), (-np.inf, 3.0), (-np.inf, 2.0), (np.nan, 0.0), (1.0, np.nan),
+                (np.nan, 2.0), (2.0, np.nan), (0.5, np.inf), (0.5, -np.inf), (-1.0, np.inf), (3.0, -np.inf),
+                (-3.0, 1e30), (-1e-3, 33.0), (1e-45, 0.5), (3.4028235e38, 1.0)]
+    special_x, special_y = usual_x[:2].copy(), usual_y[:2].copy()
+    for i, (b, e) in enumerate(specials):
+        special_x[0, 40 * i], special_y[0, 40 * i] = b, e
+    special_x[1, -1], special_y[1, -1] = -2.0, 3.0
+    x, y = np.concatenate([usual_x, special_x]), np.concatenate([usual_y, special_y])
+    case = graph_case("pow-rows", [helper.make_node("Pow", ["x", "y"], ["z"])],
+                      {"x": (x.shape, "float32"), "y": (y.shape, "float32")}, ["z"], values={"x": x, "y": y})
+    manifest = compile_onnx(case.model, tmp_path)
+    assert "blade_powf_fast(" in (tmp_path / "engine.cpp").read_text()
+    (got,) = run_case(case, tmp_path / "engine.so", manifest)
+    with np.errstate(all="ignore"):
+        ref = np.power(x.astype(np.float64), y.astype(np.float64))
+    exact = ~np.isfinite(ref.astype(np.float32)) | (ref == 0) | ~np.isfinite(x) | ~np.isfinite(y) | (x <= 0)
+    np.testing.assert_array_equal(got[exact], ref[exact].astype(np.float32))
+    err = ulps(got, ref)
+    worst = np.unravel_index(int(np.argmax(err)), err.shape)
+    assert err[worst] <= POW_ULP, f"pow({x[worst]!r}, {y[worst]!r}) = {got[worst]!r}: {err[worst]:.2f} ulp"
+
+
 GELU_ABS = 2e-7   # |error| / |x| of the exact GELU (measured 1.72e-7; eager's float32 A&S erf: 3.3e-7)
 
 
