@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <ctime>
 
 #include "gemm.h"
 
@@ -42,9 +43,17 @@ bool note_region(int64_t worked_ns, int64_t waited_ns) {
   return true;
 }
 
+// The coarse clock (a jiffy's resolution, no hardware counter read) is precise enough for a window
+// of 200 ms or more, and this runs on every parallel region.
+int64_t coarse_ns() {
+  timespec now;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &now);
+  return now.tv_sec * 1'000'000'000 + now.tv_nsec;
+}
+
 bool serial_now() {
   const int64_t until = serial_until_ns.load(std::memory_order_relaxed);
-  return until != 0 && steady_ns() < until;
+  return until != 0 && coarse_ns() < until;
 }
 
 SerialScope::SerialScope() : active_(serial_now()) {
