@@ -249,10 +249,10 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
                                        layout)) {
     PackedWeights* weights = current_weights;
     const at::Tensor u = weights->get({reinterpret_cast<int64_t>(weight), -1 /* winograd */}, [&] {
-      at::Tensor transformed = winograd_weight(weight, shape->out_channels, shape->in_channels);
-      weights->add_constant(transformed.const_data_ptr(), transformed.nbytes());  // so its GEMMs pack it
-      return transformed;
+      return winograd_weight(weight, shape->out_channels, shape->in_channels);
     });
+    // so its GEMMs pack it (also when another engine of the same weight transformed it)
+    if (!weights->is_constant(u.const_data_ptr())) weights->add_constant(u.const_data_ptr(), u.nbytes());
     winograd_conv3x3(*shape, input, u.const_data_ptr<float>(), bias, sum, clamp, output, weights);
     winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
@@ -364,19 +364,69 @@ bool PackedWeights::is_constant(const void* data) const {
                      [&](const auto& range) { return range.first <= address && address < range.second; });
 }
 
+namespace {
+
+// Every engine's packs, weakly, by key: engines holding one constant storage (the captures of an
+// export share equal weights, blade/shared_constants.py) pack each of its weights once. A key starts
+// with an address inside a constant of the engine that asks (callers check is_constant), and every
+// engine holding a pack holds the constant it was made from, so while a pack lives the bytes at its
+// address are the ones it was packed from; once the last engine holding it is gone it is freed (a
+// weak reference keeps no memory but the tensor's small header, dropped by the next sweep).
+class SharedPacks {
+ public:
+  at::Tensor find(const PackedWeights::Key& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = packs_.find(key);
+    if (it == packs_.end()) return at::Tensor();
+    auto impl = it->second.lock();
+    return impl ? at::Tensor(std::move(impl)) : at::Tensor();
+  }
+  void add(const PackedWeights::Key& key, const at::Tensor& pack) {
+    if (!pack.defined()) return;  // "no pack here" entries are cheap to find again
+    std::lock_guard<std::mutex> lock(mutex_);
+    packs_.insert_or_assign(key, Weak(pack.getIntrusivePtr()));
+    if (packs_.size() >= 2 * live_after_sweep_ + 64) {  // amortized: each sweep at least halves what it walks next
+      for (auto it = packs_.begin(); it != packs_.end();) it = it->second.expired() ? packs_.erase(it) : std::next(it);
+      live_after_sweep_ = packs_.size();
+    }
+  }
+
+ private:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  std::mutex mutex_;
+  std::map<PackedWeights::Key, Weak> packs_;
+  size_t live_after_sweep_ = 0;
+};
+
+SharedPacks& shared_packs() {
+  static SharedPacks* packs = new SharedPacks();  // never destroyed: engines may outlive static destructors
+  return *packs;
+}
+
+}  // namespace
+
 at::Tensor PackedWeights::get(const Key& key, const std::function<at::Tensor()>& pack) {
   std::lock_guard<std::mutex> lock(mutex_);  // packing under the lock: concurrent first calls pack once
   auto it = packed_.find(key);
   if (it == packed_.end()) {
-    it = packed_.emplace(key, pack()).first;
-    packs_made.fetch_add(1, std::memory_order_relaxed);
+    at::Tensor made = shared_packs().find(key);
+    if (!made.defined()) {
+      made = pack();
+      packs_made.fetch_add(1, std::memory_order_relaxed);
+      shared_packs().add(key, made);
+    }
+    it = packed_.emplace(key, std::move(made)).first;
   }
   return it->second;
 }
 
 bool PackedWeights::has(const Key& key) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return packed_.count(key) != 0;
+  if (packed_.count(key) != 0) return true;
+  at::Tensor shared = shared_packs().find(key);  // another engine's pack of the same constant: adopt it
+  if (!shared.defined()) return false;
+  packed_.emplace(key, std::move(shared));
+  return true;
 }
 
 int64_t packed_weight_count() { return packs_made.load(std::memory_order_relaxed); }
