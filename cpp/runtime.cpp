@@ -230,13 +230,20 @@ std::optional<DepthwiseShape> depthwise_shape(int32_t spatial, const int64_t* in
   return shape;
 }
 
-// A weight in a kernel's own layout (`kind` tells the kernels' packs of one weight apart): laid out
-// once per engine for a constant weight, on every call for a computed one.
-at::Tensor relaid_weight(const float* weight, int64_t kind, const std::function<at::Tensor()>& relayout) {
+// The key of a conv weight's pack in a kernel's own layout (`kind` tells the kernels' packs of one
+// weight apart; the relayouts read the weight's [out, in, kh, kw] only, and engines sharing the
+// constant share the pack, so its shape is part of the key).
+PackedWeights::Key conv_pack_key(const float* weight, int64_t kind, const int64_t* weight_shape) {
+  return {reinterpret_cast<int64_t>(weight), kind, weight_shape[0], weight_shape[1], weight_shape[2], weight_shape[3]};
+}
+
+// A weight in a kernel's own layout: laid out once for a constant weight, on every call for a
+// computed one.
+at::Tensor relaid_weight(const float* weight, int64_t kind, const int64_t* weight_shape,
+                         const std::function<at::Tensor()>& relayout) {
   PackedWeights* weights = current_weights;
-  return weights != nullptr && weights->is_constant(weight)
-             ? weights->get({reinterpret_cast<int64_t>(weight), kind}, relayout)
-             : relayout();
+  return weights != nullptr && weights->is_constant(weight) ? weights->get(conv_pack_key(weight, kind, weight_shape), relayout)
+                                                            : relayout();
 }
 
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
@@ -248,7 +255,7 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   if (const auto shape = winograd_shape(spatial, input_shape, weight_shape, weight, strides, pads, dilations, groups,
                                        layout)) {
     PackedWeights* weights = current_weights;
-    const at::Tensor u = weights->get({reinterpret_cast<int64_t>(weight), -1 /* winograd */}, [&] {
+    const at::Tensor u = weights->get(conv_pack_key(weight, -1 /* winograd */, weight_shape), [&] {
       return winograd_weight(weight, shape->out_channels, shape->in_channels);
     });
     // so its GEMMs pack it (also when another engine of the same weight transformed it)
@@ -259,7 +266,7 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   }
   if (const auto shape = depthwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
     const int64_t taps = shape->kernel_h * shape->kernel_w;
-    const at::Tensor tap_weight = relaid_weight(weight, -2 /* depthwise */, [&] {
+    const at::Tensor tap_weight = relaid_weight(weight, -2 /* depthwise */, weight_shape, [&] {
       return depthwise_tap_weight(weight, shape->channels, taps);
     });
     depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum, clamp, output);
@@ -268,7 +275,8 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   }
   if (patch_kernel.enabled.load(std::memory_order_relaxed)) {
     if (const auto shape = patch_conv_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
-      const at::Tensor panels = relaid_weight(weight, -3 /* patch */, [&] { return patch_conv_weight(weight, *shape); });
+      const at::Tensor panels = relaid_weight(weight, -3 /* patch */, weight_shape,
+                                              [&] { return patch_conv_weight(weight, *shape); });
       patch_conv(*shape, input, panels.const_data_ptr<float>(), bias, sum, clamp, output);
       patch_kernel.calls.fetch_add(1, std::memory_order_relaxed);
       return;
