@@ -9,7 +9,8 @@ on bench/dynamic.py's BERT with seq from 1: 84 MiB archive instead of 42). Insid
 constant equal to one an earlier engine took (dtype, shape and bytes: SHA-256, then compared byte
 for byte, so a hash collision cannot merge different weights) is that earlier tensor; the runtime
 then also packs such a weight once for all engines (cpp/runtime.cpp, packs shared by address).
-Constants are never written by engines, so sharing them changes no result.
+Constants are never written by engines, so sharing them changes no result. compile_fx opens a
+scope per graph (engines of one graph share too), export's compile_model one over all captures.
 """
 from __future__ import annotations
 
