@@ -43,6 +43,7 @@ from blade.config import Config, current
 from blade.dynamic import NotSymbolic, SizeSymbols, arguments_at
 from blade.heap import frozen_heap
 from blade.pipeline import CompiledModule, compile_fx
+from blade.shared_constants import sharing_constants
 from blade.signature import SIGNATURE_FILE, ExportedModule, Signature
 from blade.size_variants import (MAX_CAPTURES, Capture, UncoverableRange, captured_ranges, declared_dims, dispatcher,
                                   excluded_values, has_dims, inputs_at, shapes_with_fixed)
@@ -142,21 +143,25 @@ def compile_model(model, example_inputs: tuple, config: Config | None = None, *,
     config = config or current()
     args, kwargs = tuple(example_inputs), dict(kwargs or {})
     flat_inputs, in_spec = torch.utils._pytree.tree_flatten((args, kwargs))
-    if dynamic_shapes is None:
-        gm = capture_graph(model, args, kwargs)
-        compiled = compile_fx(gm, flat_inputs, config)
-    else:
-        try:
-            dims = declared_dims(model, args, kwargs, dynamic_shapes, flat_inputs)
-        except Exception as err:  # torch.export's own message on a dynamic_shapes that does not fit
-            raise ExportError(f"blade.export: the dynamic_shapes do not fit the inputs: {err}") from err
-        captures = _compile_captures(model, in_spec, flat_inputs, dynamic_shapes, dims, config)
-        gm, compiled = captures[0][1], captures[0][2]
-        if len(captures) > 1:
-            compiled = _dispatching(captures, dims)
+    with sharing_constants():  # the engines (of every capture) hold one tensor per distinct weight
+        gm, compiled = _compile(model, args, kwargs, in_spec, flat_inputs, dynamic_shapes, config)
     info = gm.meta["pytree_info"]
     compiled.signature = Signature.of(info.in_spec, info.out_spec, flat_inputs, compiled.runtime_inputs)
     return compiled
+
+
+def _compile(model, args: tuple, kwargs: dict, in_spec, flat_inputs: list, dynamic_shapes, config: Config) -> tuple:
+    """(the first capture's gm, the CompiledModule serving all captures)."""
+    if dynamic_shapes is None:
+        gm = capture_graph(model, args, kwargs)
+        return gm, compile_fx(gm, flat_inputs, config)
+    try:
+        dims = declared_dims(model, args, kwargs, dynamic_shapes, flat_inputs)
+    except Exception as err:  # torch.export's own message on a dynamic_shapes that does not fit
+        raise ExportError(f"blade.export: the dynamic_shapes do not fit the inputs: {err}") from err
+    captures = _compile_captures(model, in_spec, flat_inputs, dynamic_shapes, dims, config)
+    gm, compiled = captures[0][1], captures[0][2]
+    return gm, _dispatching(captures, dims) if len(captures) > 1 else compiled
 
 
 def _compile_captures(model, in_spec, flat_inputs: list, dynamic_shapes, dims: dict, config: Config) -> list:

@@ -36,6 +36,7 @@ from blade.frontend import to_torchscript
 from blade.guards import FrozenWeights, ScalarValues, first_requiring_grad, module_tensors, placeholder_names
 from blade.progress import Progress
 from blade.runtime import make_engine
+from blade.shared_constants import sharing_constants
 from blade.sources import fx_locations, node_location
 from blade.subgraph import saved_subgraph, subgraph
 
@@ -284,11 +285,14 @@ class _Lowered:
 def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config, symbols=None) -> CompiledModule:
     """Compiles in <dump_dir>/ when set (kept on purpose), else in a temp dir removed on every path
     (success, failed lowering or compile, timeout, exception); warnings then carry the log tails.
-    With ``symbols`` (blade.dynamic.SizeSymbols), the engines take those sizes at run time."""
-    if config.dump_dir:
-        return _compile_fx_in(Path(config.dump_dir), gm, example_inputs, config, symbols)
-    with tempfile.TemporaryDirectory(prefix="blade-", ignore_cleanup_errors=True) as work_root:
-        return _compile_fx_in(Path(work_root), gm, example_inputs, config, symbols)
+    With ``symbols`` (blade.dynamic.SizeSymbols), the engines take those sizes at run time. The
+    engines hold one tensor per distinct constant (also with those of the other graphs of an
+    export's captures: blade/shared_constants.py)."""
+    with sharing_constants():
+        if config.dump_dir:
+            return _compile_fx_in(Path(config.dump_dir), gm, example_inputs, config, symbols)
+        with tempfile.TemporaryDirectory(prefix="blade-", ignore_cleanup_errors=True) as work_root:
+            return _compile_fx_in(Path(work_root), gm, example_inputs, config, symbols)
 
 
 def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: list, config: Config,

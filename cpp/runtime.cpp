@@ -233,13 +233,20 @@ std::optional<DepthwiseShape> depthwise_shape(int32_t spatial, const int64_t* in
   return shape;
 }
 
-// A weight in a kernel's own layout (`kind` tells the kernels' packs of one weight apart): laid out
-// once per engine for a constant weight, on every call for a computed one.
-at::Tensor relaid_weight(const float* weight, int64_t kind, const std::function<at::Tensor()>& relayout) {
+// The key of a conv weight's pack in a kernel's own layout (`kind` tells the kernels' packs of one
+// weight apart; the relayouts read the weight's [out, in, kh, kw] only, and engines sharing the
+// constant share the pack, so its shape is part of the key).
+PackedWeights::Key conv_pack_key(const float* weight, int64_t kind, const int64_t* weight_shape) {
+  return {reinterpret_cast<int64_t>(weight), kind, weight_shape[0], weight_shape[1], weight_shape[2], weight_shape[3]};
+}
+
+// A weight in a kernel's own layout: laid out once for a constant weight, on every call for a
+// computed one.
+at::Tensor relaid_weight(const float* weight, int64_t kind, const int64_t* weight_shape,
+                         const std::function<at::Tensor()>& relayout) {
   PackedWeights* weights = current_weights;
-  return weights != nullptr && weights->is_constant(weight)
-             ? weights->get({reinterpret_cast<int64_t>(weight), kind}, relayout)
-             : relayout();
+  return weights != nullptr && weights->is_constant(weight) ? weights->get(conv_pack_key(weight, kind, weight_shape), relayout)
+                                                            : relayout();
 }
 
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
@@ -251,18 +258,18 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   if (const auto shape = winograd_shape(spatial, input_shape, weight_shape, weight, strides, pads, dilations, groups,
                                        layout)) {
     PackedWeights* weights = current_weights;
-    const at::Tensor u = weights->get({reinterpret_cast<int64_t>(weight), -1 /* winograd */}, [&] {
-      at::Tensor transformed = winograd_weight(weight, shape->out_channels, shape->in_channels);
-      weights->add_constant(transformed.const_data_ptr(), transformed.nbytes());  // so its GEMMs pack it
-      return transformed;
+    const at::Tensor u = weights->get(conv_pack_key(weight, -1 /* winograd */, weight_shape), [&] {
+      return winograd_weight(weight, shape->out_channels, shape->in_channels);
     });
+    // so its GEMMs pack it (also when another engine of the same weight transformed it)
+    if (!weights->is_constant(u.const_data_ptr())) weights->add_constant(u.const_data_ptr(), u.nbytes());
     winograd_conv3x3(*shape, input, u.const_data_ptr<float>(), bias, sum, clamp, output, weights);
     winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   if (const auto shape = depthwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
     const int64_t taps = shape->kernel_h * shape->kernel_w;
-    const at::Tensor tap_weight = relaid_weight(weight, -2 /* depthwise */, [&] {
+    const at::Tensor tap_weight = relaid_weight(weight, -2 /* depthwise */, weight_shape, [&] {
       return depthwise_tap_weight(weight, shape->channels, taps);
     });
     depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum, clamp, output);
@@ -271,7 +278,8 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   }
   if (patch_kernel.enabled.load(std::memory_order_relaxed)) {
     if (const auto shape = patch_conv_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
-      const at::Tensor panels = relaid_weight(weight, -3 /* patch */, [&] { return patch_conv_weight(weight, *shape); });
+      const at::Tensor panels = relaid_weight(weight, -3 /* patch */, weight_shape,
+                                              [&] { return patch_conv_weight(weight, *shape); });
       patch_conv(*shape, input, panels.const_data_ptr<float>(), bias, sum, clamp, output);
       patch_kernel.calls.fetch_add(1, std::memory_order_relaxed);
       return;
@@ -367,19 +375,69 @@ bool PackedWeights::is_constant(const void* data) const {
                      [&](const auto& range) { return range.first <= address && address < range.second; });
 }
 
+namespace {
+
+// Every engine's packs, weakly, by key: engines holding one constant storage (the captures of an
+// export share equal weights, blade/shared_constants.py) pack each of its weights once. A key starts
+// with an address inside a constant of the engine that asks (callers check is_constant), and every
+// engine holding a pack holds the constant it was made from, so while a pack lives the bytes at its
+// address are the ones it was packed from; once the last engine holding it is gone it is freed (a
+// weak reference keeps no memory but the tensor's small header, dropped by the next sweep).
+class SharedPacks {
+ public:
+  at::Tensor find(const PackedWeights::Key& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = packs_.find(key);
+    if (it == packs_.end()) return at::Tensor();
+    auto impl = it->second.lock();
+    return impl ? at::Tensor(std::move(impl)) : at::Tensor();
+  }
+  void add(const PackedWeights::Key& key, const at::Tensor& pack) {
+    if (!pack.defined()) return;  // "no pack here" entries are cheap to find again
+    std::lock_guard<std::mutex> lock(mutex_);
+    packs_.insert_or_assign(key, Weak(pack.getIntrusivePtr()));
+    if (packs_.size() >= 2 * live_after_sweep_ + 64) {  // amortized: each sweep at least halves what it walks next
+      for (auto it = packs_.begin(); it != packs_.end();) it = it->second.expired() ? packs_.erase(it) : std::next(it);
+      live_after_sweep_ = packs_.size();
+    }
+  }
+
+ private:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  std::mutex mutex_;
+  std::map<PackedWeights::Key, Weak> packs_;
+  size_t live_after_sweep_ = 0;
+};
+
+SharedPacks& shared_packs() {
+  static SharedPacks* packs = new SharedPacks();  // never destroyed: engines may outlive static destructors
+  return *packs;
+}
+
+}  // namespace
+
 at::Tensor PackedWeights::get(const Key& key, const std::function<at::Tensor()>& pack) {
   std::lock_guard<std::mutex> lock(mutex_);  // packing under the lock: concurrent first calls pack once
   auto it = packed_.find(key);
   if (it == packed_.end()) {
-    it = packed_.emplace(key, pack()).first;
-    packs_made.fetch_add(1, std::memory_order_relaxed);
+    at::Tensor made = shared_packs().find(key);
+    if (!made.defined()) {
+      made = pack();
+      packs_made.fetch_add(1, std::memory_order_relaxed);
+      shared_packs().add(key, made);
+    }
+    it = packed_.emplace(key, std::move(made)).first;
   }
   return it->second;
 }
 
 bool PackedWeights::has(const Key& key) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return packed_.count(key) != 0;
+  if (packed_.count(key) != 0) return true;
+  at::Tensor shared = shared_packs().find(key);  // another engine's pack of the same constant: adopt it
+  if (!shared.defined()) return false;
+  packed_.emplace(key, std::move(shared));
+  return true;
 }
 
 int64_t packed_weight_count() { return packs_made.load(std::memory_order_relaxed); }

@@ -65,7 +65,8 @@ void set_gemm_column_split_rows(int64_t max_rows);
 // Weights the runtime re-laid out once for a faster kernel (e.g. oneDNN's blocked convolution
 // weights), owned by one Engine and keyed by the constant's address and the call's arguments. The
 // runtime only packs operands that lie inside the engine's constants: those never change, while
-// scratch memory at the same address holds different values on every call. Thread-safe.
+// scratch memory at the same address holds different values on every call. Engines whose
+// constants share a storage share its packs (runtime.cpp, SharedPacks). Thread-safe.
 class PackedWeights {
  public:
   using Key = std::vector<int64_t>;  // the operand's address first, then whatever shapes the packing

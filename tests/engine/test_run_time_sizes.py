@@ -306,3 +306,40 @@ def test_an_engine_with_run_time_sizes_packs_its_weights_at_load_and_no_call_pac
         assert _testing.packed_weight_count() == before + 1
     finally:
         _testing.set_gemm_backend("")
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the panels kernel needs AVX-512")
+def test_engines_sharing_a_constant_share_its_pack_until_the_last_is_gone(compiled):
+    """Engines made in one sharing_constants() scope (an export's captures) hold one weight tensor,
+    and the runtime packs it once for all of them; an engine with an equal but separate weight packs
+    its own; the pack dies with the last engine holding it (a later engine on the same weight, still
+    alive in the scope, packs again)."""
+    from blade._C import _testing
+    from blade.runtime import make_engine
+    from blade.shared_constants import sharing_constants
+    so_path, manifest = compiled["matmul-batched-rows"]
+
+    def engine():
+        return make_engine("cluster_dyn", so_path.read_bytes(), manifest, CASES["matmul-batched-rows"], {})
+
+    def weight_of(e):
+        return e._get_method("__getstate__")()[11][0]
+
+    _testing.set_gemm_backend("panels")
+    try:
+        before = _testing.packed_weight_count()
+        apart = engine()  # outside the scope: its own tensor, its own pack
+        with sharing_constants():
+            first, second = engine(), engine()
+            shared_ptr = weight_of(first).data_ptr()
+            assert weight_of(second).data_ptr() == shared_ptr != weight_of(apart).data_ptr()
+            assert _testing.packed_weight_count() == before + 2
+            x = torch.randn(3, 5, 16)
+            for e in (first, second, apart):
+                torch.testing.assert_close(e.execute([x])[0], x @ torch.from_numpy(W), rtol=1e-5, atol=1e-5)
+            del first, second
+            third = engine()
+            assert weight_of(third).data_ptr() == shared_ptr
+            assert _testing.packed_weight_count() == before + 3
+    finally:
+        _testing.set_gemm_backend("")
