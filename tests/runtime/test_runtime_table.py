@@ -414,6 +414,56 @@ def test_conv_patch_threads_and_gather(case, threads, output_channels_last):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+# The patch kernel's rows read straight from the image (conv_patch.cpp, image_block): on inputs of
+# at most 4 channels, the pixels of an image row whose taps all lie inside the width, at least a
+# tile of them, skip the gather. Their borders (merged across rows and images), kernel rows in the
+# top/bottom padding (some rows with the whole kernel there), dilation along the height, strides,
+# non-square kernels, kernels wider than the image and runs too short for the image path, 1 to 4
+# channels, on 1 and 2 threads, both output layouts, against float64.
+IMAGE_ROW_CASES = [  # x shape, out channels, kernel (h, w), stride (h, w), pads, dilation (h, w), input channels-last
+    ((1, 3, 20, 37), 32, (3, 3), (2, 2), [0, 0, 1, 1], (1, 1), False),   # MobileNetV2's stem, narrower
+    ((2, 3, 23, 30), 24, (7, 7), (2, 2), [3, 3, 3, 3], (1, 1), False),   # ResNet's stem, 24 channels
+    ((1, 3, 9, 31), 64, (7, 7), (2, 2), [3, 3, 3, 3], (1, 1), True),     # two panels
+    ((1, 1, 6, 25), 40, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), True),     # one channel, a 8-wide last panel
+    ((1, 2, 11, 28), 17, (3, 3), (1, 2), [4, 0, 4, 2], (3, 1), True),    # dilated along the height only
+    ((1, 4, 4, 40), 16, (5, 3), (2, 1), [6, 1, 6, 1], (1, 1), True),     # whole kernels in the padding
+    ((2, 4, 7, 12), 9, (2, 3), (1, 1), [0, 0, 0, 0], (1, 1), True),      # rows of 10: tiles of 5
+    ((1, 3, 5, 9), 8, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), True),       # 7 inside a row of 9
+    ((1, 3, 5, 7), 8, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), True),       # 5 inside: all gathered
+    ((1, 3, 5, 4), 8, (3, 6), (1, 1), [1, 1, 1, 1], (1, 1), True),       # the kernel wider than the image
+    ((2, 3, 41, 40), 33, (3, 3), (2, 2), [1, 1, 1, 1], (1, 1), True),    # many blocks, a 1-wide last panel
+    ((1, 2, 6, 20), 12, (3, 3), (1, 1), [1, 1, 1, 1], (1, 2), True),     # dilated along the width: gathered
+]
+
+
+@pytest.mark.parametrize("case", IMAGE_ROW_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2][0]}{c[2][1]}")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
+def test_conv_patch_image_rows(case, threads, output_channels_last):
+    torch.manual_seed(10)
+    x_shape, c_out, kernel, stride, pads, dilation, input_channels_last = case
+    if not (input_channels_last or output_channels_last):
+        pytest.skip("NCHW to NCHW is not the patch kernel's (test_conv_patch_not_taken)")
+    x = torch.randn(x_shape)
+    weight = torch.randn(c_out, x_shape[1], *kernel) / (x_shape[1] * kernel[0] * kernel[1]) ** 0.5
+    bias = torch.randn(c_out)
+    shape = patch_reference(x, weight, None, stride, pads, dilation, None, 0).shape
+    residual = patch_output(shape, output_channels_last).normal_()
+    expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, 2)
+    out = patch_output(shape, output_channels_last)
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = _testing.conv_kernel_calls("patch")
+        _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
+                      list(stride), pads, list(dilation), 1, out, 2 * int(output_channels_last) | int(input_channels_last),
+                      True, residual, 2, -0.5, 0.75)
+        assert _testing.conv_kernel_calls("patch") == before + 1
+    finally:
+        torch.set_num_threads(before_threads)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_conv_patch_nan_and_inf():
     """A NaN or inf input reaches exactly the outputs whose receptive field holds it (the zero-padded
     lanes of the last panel never mix into stored channels), as torch computes them."""
