@@ -205,14 +205,17 @@ def conv_with_and_without_kernel(kernel, x, weight, bias, strides, pads, dilatio
 
 # The depthwise kernel: every 2-D depthwise convolution between channels-last tensors, whatever its
 # kernel size, stride, dilation and (asymmetric) padding; channel counts around its 64-channel
-# blocks; rows cut into runs of 8 and 4 pixels and single ones; bias, residual and ReLU; a weight
-# that is an engine constant (re-laid out once) or not.
+# blocks; rows cut into runs of 8 and 4 pixels (stride 1 and 2) and single ones; bias, residual and
+# ReLU; a weight that is an engine constant (re-laid out once) or not.
 @pytest.mark.parametrize("n, c, h, w, k, stride, dilation, pads", [
     (1, 144, 10, 10, 3, 1, 1, [1, 1, 1, 1]), (2, 96, 9, 11, 3, 2, 1, [0, 0, 1, 1]),
     (1, 17, 8, 8, 5, 1, 1, [2, 2, 2, 2]), (1, 200, 7, 7, 7, 1, 1, [3, 3, 3, 3]),
     (3, 64, 6, 5, 3, 1, 2, [2, 1, 0, 2]), (1, 2, 1, 1, 3, 1, 1, [1, 1, 1, 1]), (1, 65, 4, 4, 1, 2, 1, [0, 0, 0, 0]),
     (2, 48, 12, 14, 7, 1, 1, [3, 3, 3, 3]), (1, 40, 5, 13, 3, 1, 1, [1, 0, 1, 2]),
-    (2, 33, 4, 14, 3, 1, 1, [1, 1, 1, 1]), (1, 20, 3, 21, 5, 1, 1, [2, 2, 2, 2])])
+    (2, 33, 4, 14, 3, 1, 1, [1, 1, 1, 1]), (1, 20, 3, 21, 5, 1, 1, [2, 2, 2, 2]),
+    # stride 2 in runs: runs of 8 and 4 then single pixels, left pads of 0-2, 5 wide, channels off 16
+    (1, 96, 6, 40, 3, 2, 1, [0, 0, 1, 1]), (2, 24, 7, 30, 3, 2, 1, [1, 1, 1, 1]),
+    (1, 40, 9, 23, 5, 2, 1, [2, 2, 2, 2]), (1, 16, 5, 9, 3, 2, 1, [1, 2, 1, 0]), (1, 16, 5, 4, 5, 2, 1, [0, 0, 0, 1])])
 @pytest.mark.parametrize("with_bias, with_sum, activation, pack", [(True, False, 0, True), (False, True, 1, False),
                                                                     (True, True, 1, True)])
 def test_conv_depthwise(n, c, h, w, k, stride, dilation, pads, with_bias, with_sum, activation, pack):
