@@ -1,6 +1,7 @@
 """Per-layer CPU time of the runtime's convolutions of MobileNetV2 and ResNet-18 (bench/models.py), one
 thread, each distinct conv shape called through the runtime table (`_testing.conv`, weight packed once,
-ReLU6 epilogue, channels-last in and out except the NCHW-input stem), A/B between two builds.
+ReLU6 epilogue or --sum a residual, channels-last in and out except the NCHW-input stem, or
+--nchw-out NCHW outputs), A/B between two builds.
 
     # one process, prints a JSON line {layer: best us of ROUNDS}:
     PYTHONPATH=$PWD python bench/conv_layers.py [--match STEM] [--batch 1]
@@ -70,7 +71,7 @@ def conv_layers(batch):
     return layers
 
 
-def measure(match, batch, rounds, budget):
+def measure(match, batch, rounds, budget, with_sum, nchw_out):
     from blade import _C
     T = _C._testing
     torch.set_num_threads(1)
@@ -86,10 +87,19 @@ def measure(match, batch, rounds, budget):
         b = torch.randn(w_shape[0])
         expected = torch.conv2d(torch.nn.functional.pad(x, [pads[1], pads[3], pads[0], pads[2]]), w, b, stride,
                                 dilation=dilation, groups=groups)
-        out = torch.empty(expected.shape).contiguous(memory_format=torch.channels_last)
+        if nchw_out:
+            if groups > 1 or not layout & 1:
+                continue  # the runtime's depthwise kernel and an NCHW-to-NCHW conv are channels-last only
+            layout &= 1
+        out = torch.empty(expected.shape).contiguous(
+            memory_format=torch.contiguous_format if nchw_out else torch.channels_last)
+        residual = torch.randn(out.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
+        if residual is not None and nchw_out:
+            residual = residual.contiguous()
+        activation = 0 if with_sum else 2  # ReLU6 after the expansions, a residual sum after projections
 
         def call(repeat):
-            T.conv(x, w, b, stride, pads, dilation, groups, out, layout, True, None, 2, 0.0, 6.0, repeat)
+            T.conv(x, w, b, stride, pads, dilation, groups, out, layout, True, residual, activation, 0.0, 6.0, repeat)
 
         call(1)
         start = time.process_time()
@@ -128,14 +138,17 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--budget", type=float, default=0.02, help="CPU seconds a round")
+    parser.add_argument("--sum", action="store_true", help="a residual sum instead of ReLU6")
+    parser.add_argument("--nchw-out", action="store_true", help="NCHW outputs (a model's last conv)")
     parser.add_argument("--ab", nargs=2, metavar=("ROOT_A", "ROOT_B"))
     parser.add_argument("--processes", type=int, default=4, help="per side, alternating")
     args = parser.parse_args()
     if args.ab:
+        flags = ["--sum"] * args.sum + ["--nchw-out"] * args.nchw_out
         ab(args.ab, args.processes, ["--match", args.match, "--batch", str(args.batch), "--rounds", str(args.rounds),
-                                     "--budget", str(args.budget)])
+                                     "--budget", str(args.budget), *flags])
     else:
-        print(json.dumps(measure(args.match, args.batch, args.rounds, args.budget)))
+        print(json.dumps(measure(args.match, args.batch, args.rounds, args.budget, args.sum, args.nchw_out)))
 
 
 if __name__ == "__main__":
