@@ -44,6 +44,30 @@ __attribute__((noinline)) void partial_store(float* y, const float* bias, const 
   std::memcpy(out, y, width * sizeof(float));
 }
 
+template <int Rows, int Vectors>
+__attribute__((always_inline)) inline void zero_tile(Floats16 (&acc)[Rows][Vectors]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 2
+    for (int v = 0; v < Vectors; ++v) acc[r][v] = Floats16{};
+  }
+}
+
+// One step over the depth: acc[r] += a[r * lda] * the panel row `w` (kPanel floats).
+template <int Rows, int Vectors>
+__attribute__((always_inline)) inline void multiply_add(Floats16 (&acc)[Rows][Vectors], const float* a, int64_t lda,
+                                                        const float* w) {
+  Floats16 weight[Vectors];
+#pragma GCC unroll 2
+  for (int v = 0; v < Vectors; ++v) weight[v] = load16(w + 16 * v);
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    const Floats16 x = a[r * lda] - Floats16{};  // broadcast (x - 0 is x, -0 included)
+#pragma GCC unroll 2
+    for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+  }
+}
+
 // A tile's sums + bias + residual (rows ldc floats apart, like out's), then the clamp, stored once.
 template <int Rows, int Vectors>
 __attribute__((always_inline)) inline void finish_tile(Floats16 (&acc)[Rows][Vectors], const float* bias,
@@ -94,26 +118,14 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
                                                 const float* bias, const float* sum, Clamp clamp, float* out,
                                                 int64_t ldc, int64_t width, const float* next) {
   Floats16 acc[Rows][Vectors];
-#pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) {
-#pragma GCC unroll 2
-    for (int v = 0; v < Vectors; ++v) acc[r][v] = Floats16{};
-  }
+  zero_tile(acc);
   for (int64_t k = 0; k < depth; ++k) {
     if constexpr (Prefetch) {
       static_assert(kPanel == 32, "a panel row is two 64-byte lines");
       __builtin_prefetch(next + k * kPanel);
       __builtin_prefetch(next + k * kPanel + 16);
     }
-    Floats16 w[Vectors];
-#pragma GCC unroll 2
-    for (int v = 0; v < Vectors; ++v) w[v] = load16(panel + k * kPanel + 16 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      const Floats16 x = a[r * lda + k] - Floats16{};  // broadcast (x - 0 is x, -0 included)
-#pragma GCC unroll 2
-      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * w[v];
-    }
+    multiply_add(acc, a + k, lda, panel + k * kPanel);
   }
   finish_tile<Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
 }
@@ -178,26 +190,12 @@ __attribute__((always_inline)) inline void image_tile(const ImageRows& src, cons
                                                       const float* sum, Clamp clamp, float* out, int64_t ldc,
                                                       int64_t width) {
   Floats16 acc[Rows][Vectors];
-#pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) {
-#pragma GCC unroll 2
-    for (int v = 0; v < Vectors; ++v) acc[r][v] = Floats16{};
-  }
+  zero_tile(acc);
   const int64_t lda = src.lda, run = src.run;
   for (int64_t i = 0; i < src.kernel_rows; ++i) {
     const float* a = src.a + i * src.row_step;
     const float* p = panel + i * run * kPanel;
-    for (int64_t k = 0; k < run; ++k) {
-      Floats16 w[Vectors];
-#pragma GCC unroll 2
-      for (int v = 0; v < Vectors; ++v) w[v] = load16(p + k * kPanel + 16 * v);
-#pragma GCC unroll 8
-      for (int r = 0; r < Rows; ++r) {
-        const Floats16 x = a[r * lda + k] - Floats16{};  // broadcast (x - 0 is x, -0 included)
-#pragma GCC unroll 2
-        for (int v = 0; v < Vectors; ++v) acc[r][v] += x * w[v];
-      }
-    }
+    for (int64_t k = 0; k < run; ++k) multiply_add(acc, a + k, lda, p + k * kPanel);
   }
   finish_tile<Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
 }

@@ -395,21 +395,28 @@ PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input chan
 def test_conv_patch_threads_and_gather(case, threads, output_channels_last):
     torch.manual_seed(9)
     x_shape, c_out, k, stride, pads, input_channels_last = case
+    check_patch_conv(x_shape, c_out, (k, k), (stride, stride), pads, (1, 1), input_channels_last, output_channels_last,
+                     threads)
+
+
+def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last,
+                     threads):
+    """The patch kernel on `threads` threads, with bias, a residual and a clamp, against float64."""
     if not (input_channels_last or output_channels_last):
         pytest.skip("NCHW to NCHW is not the patch kernel's (test_conv_patch_not_taken)")
     x = torch.randn(x_shape)
-    weight = torch.randn(c_out, x_shape[1], k, k) / (x_shape[1] * k * k) ** 0.5
+    weight = torch.randn(c_out, x_shape[1], *kernel) / (x_shape[1] * kernel[0] * kernel[1]) ** 0.5
     bias = torch.randn(c_out)
-    shape = patch_reference(x, weight, None, stride, pads, 1, None, 0).shape
+    shape = patch_reference(x, weight, None, stride, pads, dilation, None, 0).shape
     residual = patch_output(shape, output_channels_last).normal_()
-    expected = patch_reference(x, weight, bias, stride, pads, 1, residual, 2)
+    expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, 2)
     out = patch_output(shape, output_channels_last)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         before = _testing.conv_kernel_calls("patch")
         _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
-                      [stride] * 2, pads, [1, 1], 1, out, 2 * int(output_channels_last) | int(input_channels_last),
+                      list(stride), pads, list(dilation), 1, out, 2 * int(output_channels_last) | int(input_channels_last),
                       True, residual, 2, -0.5, 0.75)
         assert _testing.conv_kernel_calls("patch") == before + 1
     finally:
@@ -445,26 +452,7 @@ IMAGE_ROW_CASES = [  # x shape, out channels, kernel (h, w), stride (h, w), pads
 def test_conv_patch_image_rows(case, threads, output_channels_last):
     torch.manual_seed(10)
     x_shape, c_out, kernel, stride, pads, dilation, input_channels_last = case
-    if not (input_channels_last or output_channels_last):
-        pytest.skip("NCHW to NCHW is not the patch kernel's (test_conv_patch_not_taken)")
-    x = torch.randn(x_shape)
-    weight = torch.randn(c_out, x_shape[1], *kernel) / (x_shape[1] * kernel[0] * kernel[1]) ** 0.5
-    bias = torch.randn(c_out)
-    shape = patch_reference(x, weight, None, stride, pads, dilation, None, 0).shape
-    residual = patch_output(shape, output_channels_last).normal_()
-    expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, 2)
-    out = patch_output(shape, output_channels_last)
-    before_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        before = _testing.conv_kernel_calls("patch")
-        _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
-                      list(stride), pads, list(dilation), 1, out, 2 * int(output_channels_last) | int(input_channels_last),
-                      True, residual, 2, -0.5, 0.75)
-        assert _testing.conv_kernel_calls("patch") == before + 1
-    finally:
-        torch.set_num_threads(before_threads)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last, threads)
 
 
 def test_conv_patch_nan_and_inf():
