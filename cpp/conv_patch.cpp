@@ -21,9 +21,12 @@ constexpr int64_t kBlockRows = 48;   // pixels per work item (gathered together)
 
 __attribute__((always_inline)) inline Floats16 load16(const float* p) { return *reinterpret_cast<const Floats16*>(p); }
 __attribute__((always_inline)) inline void store16(float* p, Floats16 v) { *reinterpret_cast<Floats16*>(p) = v; }
+typedef float Floats8 __attribute__((vector_size(32), aligned(4)));
+__attribute__((always_inline)) inline Floats8 load8(const float* p) { return *reinterpret_cast<const Floats8*>(p); }
+__attribute__((always_inline)) inline void store8(float* p, Floats8 v) { *reinterpret_cast<Floats8*>(p) = v; }
 
-// The last panel's channels past the output's are not read or written: its last vector goes
-// through the short array y (an array, not a vector argument: this function is not cloned per
+// The last panel's channels past the output's are not read or written: its last vector (past a
+// half vector, finish_tile) goes through the short array y (an array, not a vector argument: this function is not cloned per
 // ISA, and vector arguments pass differently with and without AVX-512).
 __attribute__((noinline)) void partial_store(float* y, const float* bias, const float* sum, Clamp clamp, float* out,
                                              int64_t width) {
@@ -41,36 +44,35 @@ __attribute__((noinline)) void partial_store(float* y, const float* bias, const 
   std::memcpy(out, y, width * sizeof(float));
 }
 
-// A tile of Rows pixels x `width` (<= 16 * Vectors) output channels: the sums over the depth in
-// registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
-// lda (ldc) floats apart. With Prefetch, each step over the depth also prefetches that step's
-// row of the next panel (`next`, depth x kPanel floats like `panel`; see panel_rows).
-template <int Rows, int Vectors, bool Prefetch>
-__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
-                                                const float* bias, const float* sum, Clamp clamp, float* out,
-                                                int64_t ldc, int64_t width, const float* next) {
-  Floats16 acc[Rows][Vectors];
+template <int Rows, int Vectors>
+__attribute__((always_inline)) inline void zero_tile(Floats16 (&acc)[Rows][Vectors]) {
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
 #pragma GCC unroll 2
     for (int v = 0; v < Vectors; ++v) acc[r][v] = Floats16{};
   }
-  for (int64_t k = 0; k < depth; ++k) {
-    if constexpr (Prefetch) {
-      static_assert(kPanel == 32, "a panel row is two 64-byte lines");
-      __builtin_prefetch(next + k * kPanel);
-      __builtin_prefetch(next + k * kPanel + 16);
-    }
-    Floats16 w[Vectors];
+}
+
+// One step over the depth: acc[r] += a[r * lda] * the panel row `w` (kPanel floats).
+template <int Rows, int Vectors>
+__attribute__((always_inline)) inline void multiply_add(Floats16 (&acc)[Rows][Vectors], const float* a, int64_t lda,
+                                                        const float* w) {
+  Floats16 weight[Vectors];
 #pragma GCC unroll 2
-    for (int v = 0; v < Vectors; ++v) w[v] = load16(panel + k * kPanel + 16 * v);
+  for (int v = 0; v < Vectors; ++v) weight[v] = load16(w + 16 * v);
 #pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      const Floats16 x = a[r * lda + k] - Floats16{};  // broadcast (x - 0 is x, -0 included)
+  for (int r = 0; r < Rows; ++r) {
+    const Floats16 x = a[r * lda] - Floats16{};  // broadcast (x - 0 is x, -0 included)
 #pragma GCC unroll 2
-      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * w[v];
-    }
+    for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
   }
+}
+
+// A tile's sums + bias + residual (rows ldc floats apart, like out's), then the clamp, stored once.
+template <int Rows, int Vectors>
+__attribute__((always_inline)) inline void finish_tile(Floats16 (&acc)[Rows][Vectors], const float* bias,
+                                                       const float* sum, Clamp clamp, float* out, int64_t ldc,
+                                                       int64_t width) {
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
 #pragma GCC unroll 2
@@ -82,13 +84,50 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
         if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
         store16(out + r * ldc + 16 * v, y);
       } else {
-        float y[16];
-        store16(y, acc[r][v]);
-        partial_store(y, bias != nullptr ? bias + 16 * v : nullptr,
-                      sum != nullptr ? sum + r * ldc + 16 * v : nullptr, clamp, out + r * ldc + 16 * v, width - 16 * v);
+        // A partial vector's first 8 lanes, when it has them, as a half vector (24 channels, 16 + 8:
+        // MobileNetV2's projections to 24 stored a third of their outputs float by float); the
+        // rest, if any, float by float.
+        const int64_t j = 16 * v, rest = width - j;
+        int64_t half = 0;
+        if (rest >= 8) {
+          Floats8 y = __builtin_shufflevector(acc[r][v], acc[r][v], 0, 1, 2, 3, 4, 5, 6, 7);
+          if (bias != nullptr) y += load8(bias + j);
+          if (sum != nullptr) y += load8(sum + r * ldc + j);
+          if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+          store8(out + r * ldc + j, y);
+          half = 8;
+        }
+        if (rest > half) {
+          float y[16];
+          store16(y, acc[r][v]);
+          partial_store(y + half, bias != nullptr ? bias + j + half : nullptr,
+                        sum != nullptr ? sum + r * ldc + j + half : nullptr, clamp, out + r * ldc + j + half,
+                        rest - half);
+        }
       }
     }
   }
+}
+
+// A tile of Rows pixels x `width` (<= 16 * Vectors) output channels: the sums over the depth in
+// registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
+// lda (ldc) floats apart. With Prefetch, each step over the depth also prefetches that step's
+// row of the next panel (`next`, depth x kPanel floats like `panel`; see panel_rows).
+template <int Rows, int Vectors, bool Prefetch>
+__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
+                                                const float* bias, const float* sum, Clamp clamp, float* out,
+                                                int64_t ldc, int64_t width, const float* next) {
+  Floats16 acc[Rows][Vectors];
+  zero_tile(acc);
+  for (int64_t k = 0; k < depth; ++k) {
+    if constexpr (Prefetch) {
+      static_assert(kPanel == 32, "a panel row is two 64-byte lines");
+      __builtin_prefetch(next + k * kPanel);
+      __builtin_prefetch(next + k * kPanel + 16);
+    }
+    multiply_add(acc, a + k, lda, panel + k * kPanel);
+  }
+  finish_tile<Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
 }
 
 template <int Rows, int Vectors>
@@ -127,6 +166,59 @@ __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t ld
       case 4: tile_prefetching<4, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
       case 5: tile_prefetching<5, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
       default: tile_prefetching<6, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+    }
+    r = end;
+  }
+}
+
+// Where the image-row tiles read (image_block): Rows adjacent output pixels of one image row whose
+// taps all lie inside the image width (undilated along it), straight from the channels-last image.
+// Per kernel row inside the image height one run of `run` = kernel_w * channels floats: pixel r's
+// lda = stride_w * channels floats after pixel 0's, kernel row i's row_step floats after row 0's.
+// The kernel rows in the top/bottom padding are skipped (their taps add zeros); `panel` starts at
+// the first one inside.
+struct ImageRows {
+  const float* a;  // pixel 0's run in the first kernel row inside the image
+  int64_t lda, row_step, run, kernel_rows;
+};
+
+// The image-row counterpart of tile (no prefetch: it serves first convolutions, whose weights are
+// a few KB). Its own function so that tile, which every 1x1 convolution runs, stays as it was (one
+// tile for both, reading through a per-source callback, made the 1x1 convolutions 1.7-2x slower).
+template <int Rows, int Vectors>
+__attribute__((always_inline)) inline void image_tile(const ImageRows& src, const float* panel, const float* bias,
+                                                      const float* sum, Clamp clamp, float* out, int64_t ldc,
+                                                      int64_t width) {
+  Floats16 acc[Rows][Vectors];
+  zero_tile(acc);
+  const int64_t lda = src.lda, run = src.run;
+  for (int64_t i = 0; i < src.kernel_rows; ++i) {
+    const float* a = src.a + i * src.row_step;
+    const float* p = panel + i * run * kPanel;
+    for (int64_t k = 0; k < run; ++k) multiply_add(acc, a + k, lda, p + k * kPanel);
+  }
+  finish_tile<Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
+}
+
+// panel_rows for image rows: `rows` pixels in even tiles of at most kTileRows.
+template <int Vectors>
+__attribute__((always_inline)) inline void image_panel_rows(const ImageRows& src, const float* panel,
+                                                            const float* bias, const float* sum, Clamp clamp,
+                                                            float* out, int64_t ldc, int64_t width, int64_t rows) {
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t end = rows * (t + 1) / tiles;
+    const float* tile_sum = sum != nullptr ? sum + r * ldc : nullptr;
+    ImageRows ta = src;
+    ta.a += r * src.lda;
+    float* tout = out + r * ldc;
+    switch (end - r) {
+      case 1: image_tile<1, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 2: image_tile<2, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 3: image_tile<3, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 4: image_tile<4, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 5: image_tile<5, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      default: image_tile<6, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
     }
     r = end;
   }
@@ -217,8 +309,46 @@ __attribute__((always_inline)) inline void scatter_nchw(const PatchConvShape& s,
   }
 }
 
-// Output pixels [begin, end) x panels [panel_begin, panel_end). An NCHW output goes through
-// `staged` (kBlockRows x kPanel floats): a tile stores whole pixel rows of channels.
+// Where panel p of pixels [begin, end) goes: a channels-last output directly (bias, residual and
+// clamp in the tile), an NCHW one through `staged` (kBlockRows x kPanel floats, bias only; the
+// residual and clamp in scatter_panel).
+struct PanelTarget {
+  const float *panel, *bias, *sum;
+  float* out;
+  int64_t ldc, width;
+  Clamp clamp;
+};
+
+__attribute__((always_inline)) inline PanelTarget panel_target(const PatchConvShape& s, const float* panels,
+                                                              const float* bias, const float* sum, Clamp clamp,
+                                                              float* output, float* staged, int64_t begin, int64_t p) {
+  const int64_t j0 = p * kPanel, channels = s.out_channels;
+  const bool direct_out = s.output_channels_last;
+  return PanelTarget{panels + p * s.depth() * kPanel,
+                     bias != nullptr ? bias + j0 : nullptr,
+                     sum != nullptr && direct_out ? sum + begin * channels + j0 : nullptr,
+                     direct_out ? output + begin * channels + j0 : staged,
+                     direct_out ? channels : kPanel,
+                     std::min(kPanel, channels - j0),
+                     direct_out ? clamp : Clamp{}};
+}
+
+// An NCHW output's panel p of pixels [begin, end) from `staged`.
+__attribute__((always_inline)) inline void scatter_panel(const PatchConvShape& s, const float* staged, const float* sum,
+                                                         Clamp clamp, float* output, int64_t begin, int64_t end,
+                                                         int64_t p, int64_t width) {
+  const int64_t j0 = p * kPanel;
+  if (sum != nullptr) {
+    if (clamp.on) scatter_nchw<true, true>(s, staged, sum, clamp, output, begin, end, j0, width);
+    else scatter_nchw<true, false>(s, staged, sum, clamp, output, begin, end, j0, width);
+  } else {
+    if (clamp.on) scatter_nchw<false, true>(s, staged, sum, clamp, output, begin, end, j0, width);
+    else scatter_nchw<false, false>(s, staged, sum, clamp, output, begin, end, j0, width);
+  }
+}
+
+// Output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered (or a 1x1's input
+// read in place).
 BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
                                   const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end,
                                   int64_t panel_begin, int64_t panel_end, float* gathered, float* staged,
@@ -230,28 +360,118 @@ BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, c
     a = gathered;
   }
   for (int64_t p = panel_begin; p < panel_end; ++p) {
-    const int64_t j0 = p * kPanel, width = std::min(kPanel, channels - j0);
-    const float* panel = panels + p * depth * kPanel;
-    const float* b = bias != nullptr ? bias + j0 : nullptr;
-    const float* residual = sum != nullptr && s.output_channels_last ? sum + begin * channels + j0 : nullptr;
-    float* out = s.output_channels_last ? output + begin * channels + j0 : staged;
-    const int64_t ldc = s.output_channels_last ? channels : kPanel;
-    const Clamp tile_clamp = s.output_channels_last ? clamp : Clamp{};
+    const PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
     // The next panel even past this item's (its neighbour's, or this thread's next item's).
-    const float* next = prefetch && j0 + kPanel < channels ? panel + depth * kPanel : nullptr;
-    if (width > 16) {
-      panel_rows<2>(a, depth, panel, depth, b, residual, tile_clamp, out, ldc, width, end - begin, next);
+    const float* next = prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
+    if (t.width > 16) {
+      panel_rows<2>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next);
     } else {
-      panel_rows<1>(a, depth, panel, depth, b, residual, tile_clamp, out, ldc, width, end - begin, next);
+      panel_rows<1>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next);
     }
-    if (s.output_channels_last) continue;
-    if (sum != nullptr) {
-      if (clamp.on) scatter_nchw<true, true>(s, staged, sum, clamp, output, begin, end, j0, width);
-      else scatter_nchw<true, false>(s, staged, sum, clamp, output, begin, end, j0, width);
+    if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
+  }
+}
+
+// A run of a block's pixels [begin, end) whose rows are read one way: from the image or gathered.
+struct Segment {
+  int64_t begin, end;
+  bool from_image;
+};
+
+// Appends pixels [begin, end) to segments, a gathered run merged into a gathered last one that
+// ends at begin (a run read from the image stays within its image row).
+inline void append(Segment* segments, int& count, int64_t begin, int64_t end, bool from_image) {
+  if (begin == end) return;
+  if (!from_image && count > 0 && !segments[count - 1].from_image && segments[count - 1].end == begin) {
+    segments[count - 1].end = end;
+  } else {
+    segments[count++] = {begin, end, from_image};
+  }
+}
+
+// Pixels [begin, end) as segments, in order: within each output row the pixels whose taps all lie
+// inside the image width, when at least kTileRows of them (fewer would make short tiles), read
+// from the image; the rest gathered (a row's right border and the next row's left border one
+// segment). Returns the count, at most end - begin.
+int image_segments(const PatchConvShape& s, int64_t begin, int64_t end, Segment* segments) {
+  int count = 0;
+  // Output columns [inside_begin, inside_end): every tap inside the width (dilation_w is 1).
+  const int64_t inside_begin = std::min((s.pad_left + s.stride_w - 1) / s.stride_w, s.out_w);
+  const int64_t last_start = s.in_w - s.kernel_w + s.pad_left;  // the largest ow * stride_w inside
+  const int64_t inside_end =
+      last_start < 0 ? inside_begin : std::max(inside_begin, std::min(s.out_w, last_start / s.stride_w + 1));
+  for (int64_t row = begin; row < end;) {
+    const int64_t ow = row % s.out_w, row_end = std::min(end, row + s.out_w - ow);
+    const int64_t lo = row + std::clamp(inside_begin - ow, int64_t{0}, row_end - row);
+    const int64_t hi = row + std::clamp(inside_end - ow, lo - row, row_end - row);
+    if (hi - lo >= kTileRows) {
+      append(segments, count, row, lo, false);
+      append(segments, count, lo, hi, true);
+      append(segments, count, hi, row_end, false);
     } else {
-      if (clamp.on) scatter_nchw<false, true>(s, staged, sum, clamp, output, begin, end, j0, width);
-      else scatter_nchw<false, false>(s, staged, sum, clamp, output, begin, end, j0, width);
+      append(segments, count, row, row_end, false);
     }
+    row = row_end;
+  }
+  return count;
+}
+
+// The image rows of output pixels from `pixel` on (one image row, every tap inside the width) in
+// the channels-last image, and the first kernel row inside the image height.
+inline ImageRows image_rows(const PatchConvShape& s, const float* input, int64_t pixel, int64_t& first) {
+  const int64_t n = pixel / (s.out_h * s.out_w), oh = pixel / s.out_w % s.out_h, ow = pixel % s.out_w;
+  const int64_t ih0 = oh * s.stride_h - s.pad_top;  // kernel row 0's image row
+  first = ih0 >= 0 ? 0 : (-ih0 + s.dilation_h - 1) / s.dilation_h;
+  const int64_t last = s.in_h > ih0 ? std::min(s.kernel_h, (s.in_h - ih0 + s.dilation_h - 1) / s.dilation_h) : 0;
+  const int64_t channels = s.in_channels, kernel_rows = std::max<int64_t>(0, last - first);
+  const float* a = kernel_rows == 0 ? input
+                                    : input + ((n * s.in_h + ih0 + first * s.dilation_h) * s.in_w +
+                                               ow * s.stride_w - s.pad_left) * channels;
+  return ImageRows{a, s.stride_w * channels, s.dilation_h * s.in_w * channels, s.kernel_w * channels, kernel_rows};
+}
+
+// patch_block for convolutions that read image rows in place (PatchConvShape::image_rows): the
+// pixels whose taps lie inside the width from the image, the others gathered. Gathering every
+// pixel cost MobileNetV2's stem (3 channels, runs of 9 floats) as much as its multiply-adds.
+BLADE_ISA_CLONES void image_block(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
+                                  const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end,
+                                  int64_t panel_begin, int64_t panel_end, float* gathered, float* staged,
+                                  bool /* prefetch: a few KB of weight */) {
+  const int64_t depth = s.depth();
+  Segment segments[kBlockRows];
+  const int count = image_segments(s, begin, end, segments);
+  // In increasing order: a gathered run's last store may run into the rows after it.
+  for (int i = 0; i < count; ++i) {
+    if (!segments[i].from_image) {
+      gather(s, input, segments[i].begin, segments[i].end, gathered + (segments[i].begin - begin) * depth);
+    }
+  }
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
+    for (int i = 0; i < count; ++i) {
+      const Segment& segment = segments[i];
+      const int64_t offset = segment.begin - begin, rows = segment.end - segment.begin;
+      const float* segment_sum = t.sum != nullptr ? t.sum + offset * t.ldc : nullptr;
+      float* out = t.out + offset * t.ldc;
+      if (segment.from_image) {
+        int64_t first = 0;
+        const ImageRows src = image_rows(s, input, segment.begin, first);
+        const float* panel = t.panel + first * src.run * kPanel;
+        if (t.width > 16) {
+          image_panel_rows<2>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
+        } else {
+          image_panel_rows<1>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
+        }
+      } else {
+        const float* a = gathered + offset * depth;
+        if (t.width > 16) {
+          panel_rows<2>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr);
+        } else {
+          panel_rows<1>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr);
+        }
+      }
+    }
+    if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
 }
 
@@ -371,14 +591,16 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   // A work item worth a thread wake-up: about 64K multiply-adds.
   const int64_t item_work = block_rows * s.depth() * kPanel * ((panel_count + splits - 1) / splits);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
+  const auto block_kernel = s.image_rows() ? image_block : patch_block;
   at::parallel_for(0, blocks * splits, grain, [&](int64_t item_begin, int64_t item_end) {
     thread_local std::vector<float> gathered;
     if (!s.direct()) gathered.resize(block_rows * s.depth() + kGatherSlack);
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t block = item / splits, split = item % splits;
       const int64_t begin = rows * block / blocks, end = rows * (block + 1) / blocks;
-      patch_block(s, input, panels, bias, sum, clamp, output, begin, end, split * panel_count / splits,
-                  (split + 1) * panel_count / splits, gathered.data(), staged_block(), item == item_begin || large_weight);
+      block_kernel(s, input, panels, bias, sum, clamp, output, begin, end, split * panel_count / splits,
+                   (split + 1) * panel_count / splits, gathered.data(), staged_block(),
+                   item == item_begin || large_weight);
     }
   });
 }

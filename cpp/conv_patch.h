@@ -37,6 +37,13 @@ struct PatchConvShape {
     return input_channels_last && kernel_h == 1 && kernel_w == 1 && stride_h == 1 && stride_w == 1 && pad_top == 0 &&
            pad_left == 0 && out_h == in_h && out_w == in_w;
   }
+  // Pixels whose taps all lie inside the image width read their rows straight from the image
+  // (conv_patch.cpp, image_block): a first convolution (at most kImageRowsMaxChannels input
+  // channels, a model's image), undilated along the width. Its gather copies runs of
+  // kernel_w * in_channels floats per kernel row, too short to copy at the memory's pace (9 floats
+  // on MobileNetV2's stem); wider inputs gather long runs.
+  static constexpr int64_t kImageRowsMaxChannels = 4;
+  bool image_rows() const { return !direct() && in_channels <= kImageRowsMaxChannels && dilation_w == 1; }
 };
 
 // The shape for a 2-D ungrouped convolution with a channels-last output or a channels-last input

@@ -17,6 +17,7 @@ from .ir import Node
 from .lines import Access, Names, Scope, for_loop
 from .optable import ARG_REDUCE, CODE_FOR_OP, REDUCE, CType, literal
 from .symbolic import Const, Var, as_expr, render
+from .views import Layout
 
 
 class Values:
@@ -129,12 +130,28 @@ class Values:
         acc = self.names.fresh("acc")
         scope.lines.append(f"{ctype} {acc} = {rule.init(ctype)};")
         axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
-        loop_vars = {a: Var.loop(self.names.fresh("r"), src.shape[a]) for a in axes}
+        run = self.window_run(node)
+        if run is not None:
+            # One loop over the window's run of memory (an NCHW global pool's H x W), which the
+            # simd pragma vectorizes whole (nested, only its innermost W would be).
+            view, first = run
+            last = axes[-1]
+            shape = list(src.shape)
+            shape[first:last + 1] = [view.shape[first]]
+            axes = [first]
+        else:
+            view, shape = None, src.shape
+        loop_vars = {a: Var.loop(self.names.fresh("r"), shape[a]) for a in axes}
         chain = [scope]                        # chain[j + 1] is the body of the loop over axes[j]
         for a in axes:
             chain.append(chain[-1].child([loop_vars[a]]))
-        src_idx = [loop_vars.get(d, Const(0) if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
-        v = self.value(src, src_idx, chain[-1])
+        if view is not None:
+            kept = list(idx[:first]) + [Const(0)] + list(idx[last + 1:])
+            view_idx = [loop_vars.get(d, Const(0) if shape[d] == 1 else i) for d, i in enumerate(kept)]
+            v = chain[-1].define(CType(src.dtype), self.load(view, view_idx, chain[-1]))
+        else:
+            src_idx = [loop_vars.get(d, Const(0) if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
+            v = self.value(src, src_idx, chain[-1])
         # Vectorize the innermost accumulation when reassociating it is harmless (float sums,
         # float max/min with their NaN flag).
         simd = rule.simd and ctype.is_float and not chain[-1].has_side_effects
@@ -150,10 +167,32 @@ class Values:
         body = chain[-1].lines
         for level in range(len(axes), 0, -1):
             pragma = f"#pragma omp simd {clauses}" if simd and level == len(axes) else ""
-            body = chain[level - 1].lines + for_loop(loop_vars[axes[level - 1]], 0, src.shape[axes[level - 1]],
+            body = chain[level - 1].lines + for_loop(loop_vars[axes[level - 1]], 0, shape[axes[level - 1]],
                                                      body, pragma)
         scope.lines[:] = body + after
         return acc
+
+    def window_run(self, node: Node):
+        """A sum/mean/max/min reduce node's window as one run of memory: (a view of its stored input
+        with the reduced dims merged into one at dim `first`, first), when they are consecutive
+        static dims laid out one after another down to stride 1 (H, W of an NCHW tensor); else None."""
+        src = node.args[0]
+        axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
+        stored = self.memory.strided_of(src)
+        if (node.attrs["kind"] in ARG_REDUCE or stored is None or len(axes) < 2
+                or axes != list(range(axes[0], axes[-1] + 1))
+                or not all(isinstance(stored.shape[a], int) and isinstance(stored.layout.strides[a], int)
+                           for a in axes)):
+            return None
+        strides = stored.layout.strides
+        if strides[axes[-1]] != 1 or any(strides[a] != strides[a + 1] * stored.shape[a + 1] for a in axes[:-1]):
+            return None
+        first, count = axes[0], 1
+        for a in axes:
+            count *= stored.shape[a]
+        merged = Strided(stored.buf, stored.shape[:first] + (count,) + stored.shape[axes[-1] + 1:],
+                         Layout(stored.layout.offset, strides[:first] + (1,) + strides[axes[-1] + 1:]))
+        return merged, first
 
     def _arg_reduction_value(self, node: Node, idx, scope: Scope) -> str:
         """The index of an argmax/argmin node (one axis) for one output element, in two vectorized

@@ -270,7 +270,10 @@ def emit_reduce(em, node, dest):
     work = max(1, work.bounds()[1] if isinstance(work, Expr) else work)
     loop_dims = [d for d, n in enumerate(node.shape) if n != 1]
     comment = f"{node!r} = reduce {node.attrs['kind']} over axes {node.attrs['axes']}"
-    if node in em.plan.window_form:
+    # The window form reads its window across the output row; a window that is a run of memory
+    # (an NCHW global pool: 5x5 floats per channel, read 25 floats apart along the row) is summed
+    # along the run instead, vectorized, the rows (channels) split across the threads.
+    if node in em.plan.window_form and em.values.window_run(node) is None:
         # A small window (pooling, a short axis) per output: accumulate into the output row with
         # the window loops outside, so the innermost loop runs along an output dim (in memory
         # order: channels for a channels-last output) and vectorizes; one reduction loop per

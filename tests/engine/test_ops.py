@@ -305,6 +305,16 @@ CASES = [
     op_case("AveragePool", [(1, 2, 7, 6)], kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1,
             name="AveragePool-pad-include"),
     op_case("GlobalAveragePool", [(2, 3, 5, 4)]),
+    # Windows that are a run of memory (trailing dims of a stored input) sum along the run in one
+    # loop: an NCHW global pool with channels enough for the window form, a max with NaN, a mean
+    # without kept dims, and dims that merge but do not end at stride 1 (not a run).
+    op_case("GlobalAveragePool", [(2, 40, 5, 5)], name="GlobalAveragePool-run"),
+    op_case("ReduceMax", [(2, 12, 3, 4)], arr([2, 3], i64),
+            values={"x0": np.where(np.arange(288).reshape(2, 12, 3, 4) % 53 == 7, np.nan,
+                                   np.random.default_rng(31).standard_normal((2, 12, 3, 4))).astype(f32)},
+            name="ReduceMax-run-nan"),
+    op_case("ReduceMean", [(2, 9, 3, 7)], arr([2, 3], i64), keepdims=0, name="ReduceMean-run-no-keepdims"),
+    op_case("ReduceSum", [(3, 4, 5, 2)], arr([1, 2], i64), name="ReduceSum-merged-not-run"),
     op_case("Pad", [(2, 3, 4)], arr([0, 1, 2, 0, 2, 1], i64), arr(1.5, f32)),
     op_case("Pad", [(2, 3, 4)], arr([0, 1, 2, 0, 2, 1], i64), mode="reflect", name="Pad-reflect"),
     op_case("Pad", [(2, 3, 4)], arr([1, 0, 0, 2], i64), None, arr([0, 2], i64), mode="edge", name="Pad-edge-axes"),

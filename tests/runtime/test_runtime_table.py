@@ -205,14 +205,17 @@ def conv_with_and_without_kernel(kernel, x, weight, bias, strides, pads, dilatio
 
 # The depthwise kernel: every 2-D depthwise convolution between channels-last tensors, whatever its
 # kernel size, stride, dilation and (asymmetric) padding; channel counts around its 64-channel
-# blocks; rows cut into runs of 8 and 4 pixels and single ones; bias, residual and ReLU; a weight
-# that is an engine constant (re-laid out once) or not.
+# blocks; rows cut into runs of 8 and 4 pixels (stride 1 and 2) and single ones; bias, residual and
+# ReLU; a weight that is an engine constant (re-laid out once) or not.
 @pytest.mark.parametrize("n, c, h, w, k, stride, dilation, pads", [
     (1, 144, 10, 10, 3, 1, 1, [1, 1, 1, 1]), (2, 96, 9, 11, 3, 2, 1, [0, 0, 1, 1]),
     (1, 17, 8, 8, 5, 1, 1, [2, 2, 2, 2]), (1, 200, 7, 7, 7, 1, 1, [3, 3, 3, 3]),
     (3, 64, 6, 5, 3, 1, 2, [2, 1, 0, 2]), (1, 2, 1, 1, 3, 1, 1, [1, 1, 1, 1]), (1, 65, 4, 4, 1, 2, 1, [0, 0, 0, 0]),
     (2, 48, 12, 14, 7, 1, 1, [3, 3, 3, 3]), (1, 40, 5, 13, 3, 1, 1, [1, 0, 1, 2]),
-    (2, 33, 4, 14, 3, 1, 1, [1, 1, 1, 1]), (1, 20, 3, 21, 5, 1, 1, [2, 2, 2, 2])])
+    (2, 33, 4, 14, 3, 1, 1, [1, 1, 1, 1]), (1, 20, 3, 21, 5, 1, 1, [2, 2, 2, 2]),
+    # stride 2 in runs: runs of 8 and 4 then single pixels, left pads of 0-2, 5 wide, channels off 16
+    (1, 96, 6, 40, 3, 2, 1, [0, 0, 1, 1]), (2, 24, 7, 30, 3, 2, 1, [1, 1, 1, 1]),
+    (1, 40, 9, 23, 5, 2, 1, [2, 2, 2, 2]), (1, 16, 5, 9, 3, 2, 1, [1, 2, 1, 0]), (1, 16, 5, 4, 5, 2, 1, [0, 0, 0, 1])])
 @pytest.mark.parametrize("with_bias, with_sum, activation, pack", [(True, False, 0, True), (False, True, 1, False),
                                                                     (True, True, 1, True)])
 def test_conv_depthwise(n, c, h, w, k, stride, dilation, pads, with_bias, with_sum, activation, pack):
@@ -392,26 +395,64 @@ PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input chan
 def test_conv_patch_threads_and_gather(case, threads, output_channels_last):
     torch.manual_seed(9)
     x_shape, c_out, k, stride, pads, input_channels_last = case
+    check_patch_conv(x_shape, c_out, (k, k), (stride, stride), pads, (1, 1), input_channels_last, output_channels_last,
+                     threads)
+
+
+def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last,
+                     threads):
+    """The patch kernel on `threads` threads, with bias, a residual and a clamp, against float64."""
     if not (input_channels_last or output_channels_last):
         pytest.skip("NCHW to NCHW is not the patch kernel's (test_conv_patch_not_taken)")
     x = torch.randn(x_shape)
-    weight = torch.randn(c_out, x_shape[1], k, k) / (x_shape[1] * k * k) ** 0.5
+    weight = torch.randn(c_out, x_shape[1], *kernel) / (x_shape[1] * kernel[0] * kernel[1]) ** 0.5
     bias = torch.randn(c_out)
-    shape = patch_reference(x, weight, None, stride, pads, 1, None, 0).shape
+    shape = patch_reference(x, weight, None, stride, pads, dilation, None, 0).shape
     residual = patch_output(shape, output_channels_last).normal_()
-    expected = patch_reference(x, weight, bias, stride, pads, 1, residual, 2)
+    expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, 2)
     out = patch_output(shape, output_channels_last)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         before = _testing.conv_kernel_calls("patch")
         _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
-                      [stride] * 2, pads, [1, 1], 1, out, 2 * int(output_channels_last) | int(input_channels_last),
+                      list(stride), pads, list(dilation), 1, out, 2 * int(output_channels_last) | int(input_channels_last),
                       True, residual, 2, -0.5, 0.75)
         assert _testing.conv_kernel_calls("patch") == before + 1
     finally:
         torch.set_num_threads(before_threads)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# The patch kernel's rows read straight from the image (conv_patch.cpp, image_block): on inputs of
+# at most 4 channels, the pixels of an image row whose taps all lie inside the width, at least a
+# tile of them, skip the gather. Their borders (merged across rows and images), kernel rows in the
+# top/bottom padding (some rows with the whole kernel there), dilation along the height, strides,
+# non-square kernels, kernels wider than the image and runs too short for the image path, 1 to 4
+# channels, on 1 and 2 threads, both output layouts, against float64.
+IMAGE_ROW_CASES = [  # x shape, out channels, kernel (h, w), stride (h, w), pads, dilation (h, w), input channels-last
+    ((1, 3, 20, 37), 32, (3, 3), (2, 2), [0, 0, 1, 1], (1, 1), False),   # MobileNetV2's stem, narrower
+    ((2, 3, 23, 30), 24, (7, 7), (2, 2), [3, 3, 3, 3], (1, 1), False),   # ResNet's stem, 24 channels
+    ((1, 3, 9, 31), 64, (7, 7), (2, 2), [3, 3, 3, 3], (1, 1), True),     # two panels
+    ((1, 1, 6, 25), 40, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), True),     # one channel, a 8-wide last panel
+    ((1, 2, 11, 28), 17, (3, 3), (1, 2), [4, 0, 4, 2], (3, 1), True),    # dilated along the height only
+    ((1, 4, 4, 40), 16, (5, 3), (2, 1), [6, 1, 6, 1], (1, 1), True),     # whole kernels in the padding
+    ((2, 4, 7, 12), 9, (2, 3), (1, 1), [0, 0, 0, 0], (1, 1), True),      # rows of 10: tiles of 5
+    ((1, 3, 5, 9), 8, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), True),       # 7 inside a row of 9
+    ((1, 3, 5, 7), 8, (3, 3), (1, 1), [1, 1, 1, 1], (1, 1), True),       # 5 inside: all gathered
+    ((1, 3, 5, 4), 8, (3, 6), (1, 1), [1, 1, 1, 1], (1, 1), True),       # the kernel wider than the image
+    ((2, 3, 41, 40), 33, (3, 3), (2, 2), [1, 1, 1, 1], (1, 1), True),    # many blocks, a 1-wide last panel
+    ((1, 2, 6, 20), 12, (3, 3), (1, 1), [1, 1, 1, 1], (1, 2), True),     # dilated along the width: gathered
+]
+
+
+@pytest.mark.parametrize("case", IMAGE_ROW_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2][0]}{c[2][1]}")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
+def test_conv_patch_image_rows(case, threads, output_channels_last):
+    torch.manual_seed(10)
+    x_shape, c_out, kernel, stride, pads, dilation, input_channels_last = case
+    check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last, threads)
 
 
 def test_conv_patch_nan_and_inf():
