@@ -35,10 +35,11 @@ import onnx
 import sympy
 import torch
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+from torch.utils._sympy.functions import FloorDiv, PythonMod
 
 from blade.cluster.lower import lower_cluster
 from blade.cluster.support import LoweringError
-from blade.engine.ir import SIZE_RANGES_KEY
+from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY
 from blade.frontend import is_frozen_input, measure_types, stamp
 
 PROBES = 3              # the example's sizes and two others
@@ -339,7 +340,7 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
             blamed = next((n for n, nodes, inits in origins if node_index < nodes or init_index < inits), None)
             raise SymbolicRefusal(f"its ONNX depends on the sizes (at {_point_text(point)}: {what})", blamed)
     model = models[0]
-    used = {}
+    used, derived = {}, {}
     for group in ("input", "output"):
         for k, value in enumerate(getattr(model.graph, group)):
             dims = [[d.dim_value for d in getattr(m.graph, group)[k].type.tensor_type.shape.dim] for m in models]
@@ -352,15 +353,40 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
                     raise SymbolicRefusal(f"{group} {k} dim {axis} ({seen} at the probe sizes) is no size "
                                           f"expression of the graph")
                 if group == "output" and symbols.names[expr] not in used:
-                    raise SymbolicRefusal(f"output {k} dim {axis} is {expr}, a size no input of the cluster has "
-                                          f"(an engine's output dims are size symbols bound from its inputs)",
-                                          _producer(cluster, k))
+                    derived[symbols.names[expr]] = _derived_tree(expr, symbols.names, used, f"output {k} dim {axis}",
+                                                                 _producer(cluster, k))
                 used[symbols.names[expr]] = symbols.range_of(expr)
                 dim.ClearField("dim_value")
                 dim.dim_param = symbols.names[expr]
     if used:
         model.metadata_props.add(key=SIZE_RANGES_KEY, value=json.dumps(dict(sorted(used.items()))))
+    if derived:
+        model.metadata_props.add(key=SIZE_DERIVED_KEY, value=json.dumps(dict(sorted(derived.items()))))
     return model
+
+
+# sympy function -> the operator of the derived size's tree (ir.DERIVED_OPS). Sizes are >= 0, so
+# FloorDiv and PythonMod agree with the engine's floor division and remainder.
+_DERIVED_OPS = {sympy.Add: "add", sympy.Mul: "mul", FloorDiv: "floordiv", PythonMod: "mod"}
+
+
+def _derived_tree(expr, names: dict, used: dict, where: str, producer):
+    """An output dim no input binds, as the JSON tree (ints, names of input-bound size symbols,
+    [op, *args]) the engine computes it from when it is called (SIZE_DERIVED_KEY), or a refusal
+    when it is not an integer polynomial/division of size symbols the inputs bind."""
+    def tree(e):
+        if e.is_Integer:
+            return int(e)
+        if e.is_Symbol:
+            if names.get(e) not in used:
+                raise SymbolicRefusal(f"{where} is {expr}, over {e}, which no input of the cluster has", producer)
+            return names[e]
+        op = _DERIVED_OPS.get(type(e))
+        if op is None:
+            raise SymbolicRefusal(f"{where} is {expr}, a size no input of the cluster has and the engine cannot "
+                                  f"compute ({type(e).__name__})", producer)
+        return [op, *map(tree, e.args)]
+    return tree(sympy.sympify(expr))
 
 
 def _producer(cluster, k: int):

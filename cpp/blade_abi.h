@@ -87,6 +87,13 @@ struct BladeWeightGemm {
 //   The runtime may re-lay those weights out when it loads the engine, so no call has to.
 int32_t blade_engine_weight_gemms(const BladeWeightGemm** gemms);
 
+// Optionally exported by engines with derived size symbols: output dims no input binds (e.g. a
+// concatenation's 2 * seq), listed after the bound symbols in manifest.symbols. Given sizes with the
+// bound symbols filled in, blade_engine_derived_sizes(sizes) fills the derived ones after them and
+// returns how many it filled. A runtime without it refuses such an engine when it loads it (a
+// symbol that no input binds), so this is no ABI version change.
+int32_t blade_engine_derived_sizes(int64_t* sizes);
+
 }  // extern "C"
 
 #define BLADE_CONV_INPUT_CHANNELS_LAST 1   // BladeRuntime::conv layout bits

@@ -103,14 +103,16 @@ Engine::Engine(EngineDefinition definition) : def_(std::move(definition)) {
   }
   def_.so_bytes = bytes.contiguous();
   if (def_.scratch_bytes < 0) throw_engine_error(def_.name, "negative scratch_bytes");
-  // Every symbol must be bound by some input dim, or an output's size would be unknown.
+  // Every symbol must be bound by some input dim, or be derived from those (the trailing unbound
+  // ones: load() checks that the .so computes them), or an output's size would be unknown.
   std::vector<bool> bound(def_.symbols.size(), false);
   for (const TensorSpec& spec : def_.inputs) {
     for (int64_t dim : spec.shape) {
       if (symbol_of(dim) >= 0) bound[static_cast<size_t>(symbol_of(dim))] = true;
     }
   }
-  for (size_t k = 0; k < bound.size(); ++k) {
+  while (num_derived_ < bound.size() && !bound[bound.size() - 1 - num_derived_]) ++num_derived_;
+  for (size_t k = 0; k + num_derived_ < bound.size(); ++k) {
     if (!bound[k]) {
       throw_engine_error(def_.name, "size symbol '" + def_.symbols[k].name + "' is no input's dim, so no call could bind it");
     }
@@ -194,8 +196,40 @@ void Engine::load() {
                                       std::to_string(abi_version()) + ", this runtime speaks version " +
                                       std::to_string(BLADE_ABI_VERSION));
   }
+  load_derived_sizes();
   const auto weight_gemms = reinterpret_cast<WeightGemmsFn>(library_->find("blade_engine_weight_gemms"));
   if (weight_gemms) pack_weights(weight_gemms);
+}
+
+void Engine::load_derived_sizes() {
+  if (num_derived_ == 0) return;
+  derived_sizes_ = reinterpret_cast<DerivedSizesFn>(library_->find("blade_engine_derived_sizes"));
+  const std::string first = def_.symbols[def_.symbols.size() - num_derived_].name;
+  if (!derived_sizes_) {
+    throw_engine_error(def_.name, "size symbol '" + first + "' is no input's dim, and the .so does not export "
+                                      "blade_engine_derived_sizes to compute it");
+  }
+  // A count check with no sizes bound would read garbage: ask with the bound slots at their minima.
+  std::vector<int64_t> sizes;
+  for (const SizeSymbol& s : def_.symbols) sizes.push_back(s.min);
+  const int32_t count = derived_sizes_(sizes.data());
+  if (count < 0 || static_cast<size_t>(count) != num_derived_) {
+    throw_engine_error(def_.name, "the .so derives " + std::to_string(count) + " size symbols, the manifest has " +
+                                      std::to_string(num_derived_) + " that no input binds (from '" + first + "')");
+  }
+}
+
+template <class Sizes>
+void Engine::derive_sizes(Sizes& sizes) const {
+  derived_sizes_(sizes.data());
+  for (size_t k = sizes.size() - num_derived_; k < sizes.size(); ++k) {
+    const SizeSymbol& s = def_.symbols[k];
+    if (sizes[k] < s.min || sizes[k] > s.max) {  // the engine would write outside what was planned
+      throw_engine_error(def_.name, "derived size symbol '" + s.name + "' is " + std::to_string(sizes[k]) +
+                                        ", outside its range [" + std::to_string(s.min) + ", " +
+                                        std::to_string(s.max) + "]");
+    }
+  }
 }
 
 void Engine::pack_weights(WeightGemmsFn weight_gemms) {
@@ -294,6 +328,7 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
 
   c10::SmallVector<int64_t, 4> sizes(def_.symbols.size(), -1);
   if (!sizes.empty()) bind_sizes(inputs, sizes);
+  if (num_derived_ > 0) derive_sizes(sizes);
   c10::SmallVector<const void*, 8> input_data(num_inputs);
   c10::SmallVector<at::Tensor, 2> contiguous_copies;  // keep copies alive through the run
   for (size_t i = 0; i < num_inputs; ++i) {

@@ -86,10 +86,16 @@ class Engine : public torch::CustomClassHolder {
   using ProfileFn = int32_t (*)(const char* const** names, int64_t* ns, int32_t capacity, int64_t* runs);
   // Exported by engines with GEMMs on constant weights (blade/engine/render.py).
   using WeightGemmsFn = decltype(&blade_engine_weight_gemms);
+  using DerivedSizesFn = decltype(&blade_engine_derived_sizes);
 
   void load();
   // Checks the .so's weight GEMMs against the constants and lets the runtime pack them (pack_weight_gemms).
   void pack_weights(WeightGemmsFn weight_gemms);
+  // Finds blade_engine_derived_sizes when some symbols are derived (throws if the .so lacks it or
+  // derives another number of them); derive_sizes fills them after bind_sizes and checks their ranges.
+  void load_derived_sizes();
+  template <class Sizes>
+  void derive_sizes(Sizes& sizes) const;
   std::vector<at::Tensor> execute_checked(const std::vector<at::Tensor>& inputs) const;
   std::vector<at::Tensor> fall_back(const std::vector<at::Tensor>& inputs, const std::string& reason) const;
   [[noreturn]] void throw_input_count(size_t got) const;
@@ -104,6 +110,8 @@ class Engine : public torch::CustomClassHolder {
   std::unique_ptr<SharedLibrary> library_;
   RunFn run_ = nullptr;
   ProfileFn profile_ = nullptr;
+  DerivedSizesFn derived_sizes_ = nullptr;  // set when the last num_derived_ symbols are no input's dims
+  size_t num_derived_ = 0;
   mutable std::atomic<int64_t> call_ns_{0};  // time in run_engine, counted only when profiling
   std::vector<const void*> constant_data_;  // data pointers of def_.constants, fixed at load
   mutable PackedWeights packed_weights_;     // constants the runtime re-laid out (made on first use)

@@ -90,14 +90,17 @@ class Emitter:
         rows_on_stack = keep_rows_on_stack(self.kernels.blocks)
         scratch_bytes = plan_arena([b for b in memory.scratch if b not in rows_on_stack])
         graph = plan.graph
-        names = {var: name for name, var in graph.symbols}
+        # derived symbols (output dims no input binds) follow the bound ones in `sizes`
+        symbols = graph.symbols + graph.derived
+        names = {var: name for name, var in symbols}
         return Program(render_source(self.kernels.blocks, memory.inline_consts, rows_on_stack,
-                                     [var for _, var in graph.symbols], self.weight_gemms),
+                                     [var for _, var in graph.symbols], self.weight_gemms,
+                                     [expr for _, expr in graph.derived]),
                        [_spec(n.name, n, names) for n in graph.inputs],
                        [_spec(name, n, names) for name, n in graph.outputs],
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in memory.runtime_consts],
                        scratch_bytes,
-                       [SizeSymbol(name, *var.bounds()) for name, var in graph.symbols])
+                       [SizeSymbol(name, *var.bounds()) for name, var in symbols])
 
 
 def generate(plan: Plan) -> Program:

@@ -25,6 +25,7 @@ import json
 import math
 import operator
 from dataclasses import dataclass, field
+from functools import reduce
 
 import numpy as np
 import onnx
@@ -36,6 +37,16 @@ from .symbolic import Expr, Var, as_expr, constant, floordiv, maximum, minimum, 
 # ONNX model metadata naming the ranges of its dim_params: {"seq": [1, 512], ...} as JSON. A graph
 # input dim that is a dim_param becomes a size symbol of the engine (a run-time dim in that range).
 SIZE_RANGES_KEY = "blade.size_ranges"
+# Metadata naming the dim_params of outputs that no input binds, each as a tree over the input-bound
+# ones: {"2*s0": ["mul", 2, "s0"], ...} (ints, names, [op, *args] with an op of DERIVED_OPS). The
+# engine computes them from the bound sizes when it is called (blade_engine_derived_sizes).
+SIZE_DERIVED_KEY = "blade.size_derived"
+DERIVED_OPS = {
+    "add": lambda *a: reduce(operator.add, a),
+    "mul": lambda *a: reduce(operator.mul, a),
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+}
 
 
 class UnsupportedOnnxOp(Exception):
@@ -81,6 +92,7 @@ class Graph:
     outputs: list       # (onnx name, Node), in ONNX graph-output order
     nodes: list         # every IR node, topologically sorted
     symbols: list = field(default_factory=list)   # (dim_param name, Var) of each size symbol
+    derived: list = field(default_factory=list)   # (dim_param name, Expr over symbols) of output dims no input binds
 
 
 # ONNX elementwise op -> result dtype rule ("same": the first argument's, "bool", "cast": attrs["to"]).
@@ -807,6 +819,8 @@ def _pool(kind):
         # the divisor of each window: its taps inside x, or with count_include_pad inside x and
         # its explicit pads (never the extra end that ceil_mode adds)
         include = attrs.get("count_include_pad", 0)
+        if not any(pads) and ends == list(pads[spatial:]):  # every window is whole: a constant count
+            return [b.ew("Div", total, b.const(np.array(math.prod(kernel)), x.dtype))]  # (run-time sizes too)
         inside = np.zeros(padded.shape[-spatial:])
         inside[tuple(slice(0 if include else lo, lo + n + (hi if include else 0))
                      for lo, n, hi in zip(pads[:spatial], size, pads[spatial:]))] = 1
@@ -949,7 +963,9 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
     if any(node.op == "size" for _, node in outputs):
         raise UnsupportedOnnxOp("a run-time size as a graph output")
     used = {d for node in inputs for d in node.shape if isinstance(d, Var)}
-    return Graph(inputs, outputs, [n for n in b.nodes if n.op != "size"], [(name, var) for name, var in symbols.items() if var in used])
+    derived = _derived_symbols(model, symbols, used, {d for _, node in outputs for d in node.shape})
+    return Graph(inputs, outputs, [n for n in b.nodes if n.op != "size"],
+                 [(name, var) for name, var in symbols.items() if var in used], derived)
 
 
 def _size_symbols(model: onnx.ModelProto) -> dict:
@@ -957,12 +973,39 @@ def _size_symbols(model: onnx.ModelProto) -> dict:
     metadata (SIZE_RANGES_KEY)."""
     props = {p.key: p.value for p in model.metadata_props}
     ranges = json.loads(props.get(SIZE_RANGES_KEY, "{}"))
+    derived = json.loads(props.get(SIZE_DERIVED_KEY, "{}"))
     symbols = {}
     for k, (name, (lo, hi)) in enumerate(ranges.items()):
         if not 0 <= lo <= hi:
             raise ValueError(f"size symbol {name!r} has the range [{lo}, {hi}]")
-        symbols[name] = Var(f"size{k}", int(lo), int(hi))
+        if name not in derived:
+            symbols[name] = Var(f"size{k}", int(lo), int(hi))
+
+    def build(tree):  # a derived size's tree (SIZE_DERIVED_KEY) as an Expr over the bound symbols
+        if isinstance(tree, int):
+            return tree
+        if isinstance(tree, str) and tree in symbols and tree not in derived:
+            return symbols[tree]
+        if isinstance(tree, list) and tree and tree[0] in DERIVED_OPS:
+            return DERIVED_OPS[tree[0]](*map(build, tree[1:]))
+        raise ValueError(f"derived size symbol tree {tree!r} is not over the bound size symbols")
+
+    for name, tree in derived.items():
+        if name not in ranges:
+            raise ValueError(f"derived size symbol {name!r} has no range ({SIZE_RANGES_KEY})")
+        symbols[name] = as_expr(build(tree))
     return symbols
+
+
+def _derived_symbols(model: onnx.ModelProto, symbols: dict, bound: set, output_dims: set) -> list:
+    """(name, Expr) of each derived size symbol an output has; its variables must be sizes the inputs
+    bind, or the engine could not compute it before the run."""
+    names = json.loads({p.key: p.value for p in model.metadata_props}.get(SIZE_DERIVED_KEY, "{}"))
+    derived = [(name, symbols[name]) for name in names if symbols[name] in output_dims]
+    for name, expr in derived:
+        if not expr.free_vars() <= bound:
+            raise UnsupportedOnnxOp(f"output dim {name!r} is over size symbols no input binds")
+    return derived
 
 
 def _input_shape(value_info, symbols: dict) -> tuple:

@@ -166,9 +166,12 @@ class NumpyEngine:
                 raise ValueError(f"input {spec.name!r}: shape {list(value.shape)}, expected {spec.shape} "
                                  f"(size symbols {ranges}, bound {sizes})")
             args.append(value)
+        size_values = (ctypes.c_int64 * max(len(ranges), 1))(*[sizes.get(name, -1) for name in ranges])
+        if len(sizes) < len(ranges):  # derived symbols (output dims no input binds): the .so computes them
+            self.lib.blade_engine_derived_sizes(size_values)
+            sizes = dict(zip(ranges, size_values))
         outputs = [np.empty([sizes[d] if isinstance(d, str) else d for d in s.shape], s.dtype)
                    for s in self.manifest.outputs]
-        size_values = (ctypes.c_int64 * max(len(ranges), 1))(*[sizes[name] for name in ranges])
         # 64-byte aligned scratch, poisoned so that reads of never-written scratch show up as NaNs.
         raw = np.full(self.manifest.scratch_bytes + 64, 0xFF, np.uint8)
         start = (-raw.ctypes.data) % 64

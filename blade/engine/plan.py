@@ -27,7 +27,7 @@ from . import views
 from .buffers import CHANNELS_LAST, channels_last_order, same_strides, strides_in_order
 from .ir import Graph, Node
 from .optable import ARG_REDUCE, EXPENSIVE_OPS
-from .symbolic import as_expr, proves_less, proves_nonnegative
+from .symbolic import proves_at_least, proves_less
 from .views import contiguous_strides
 
 COMPUTED = ("ew", "gather", "pad")       # computed per element: inlined into consumers or stored
@@ -130,8 +130,7 @@ def stored_pad(node: Node) -> bool:
     read inline, every element pays a bounds check whose clamped index g++ cannot vectorize,
     and pooling windows read each element several times."""
     return (node.op == "pad" and node.attrs["mode"] == "constant" and min(node.attrs["begins"]) >= 0
-            and all(proves_nonnegative(as_expr(o) - i - b)
-                    for o, i, b in zip(node.shape, node.args[0].shape, node.attrs["begins"])))
+            and all(proves_at_least(o, i + b) for o, i, b in zip(node.shape, node.args[0].shape, node.attrs["begins"])))
 
 
 def window_form(node: Node) -> bool:

@@ -82,10 +82,12 @@ def keep_rows_on_stack(blocks: list) -> dict:
     return rows
 
 
-def render_source(blocks: list, inline_consts: list, rows_on_stack: dict, symbols=(), weight_gemms=()) -> str:
+def render_source(blocks: list, inline_consts: list, rows_on_stack: dict, symbols=(), weight_gemms=(),
+                  derived=()) -> str:
     """The engine's C++: blocks are (comment, lines) of call kernels and RowGroups; symbols: the
     size symbols (Vars) whose values sizes[] holds, in order; weight_gemms: the GEMMs on constant
-    weights blade_engine_weight_gemms lists (calls._weight_gemm)."""
+    weights blade_engine_weight_gemms lists (calls._weight_gemm); derived: the Exprs over symbols
+    blade_engine_derived_sizes computes into the slots after them."""
     rendered = [render_group(b, {buf: rows_on_stack[buf] for buf in b.written if buf in rows_on_stack})
                 if isinstance(b, RowGroup) else b for b in blocks]
     lines = [HEADER, *_profile_table([comment for comment, _ in rendered]), "namespace {"]
@@ -94,7 +96,7 @@ def render_source(blocks: list, inline_consts: list, rows_on_stack: dict, symbol
             continue
         values = ", ".join(literal(v, buf.dtype) for v in np.asarray(buf.values).reshape(-1))
         lines.append(f"constexpr {buf.element_ctype} {buf.ident}[{max(buf.numel, 1)}] = {{{values}}};")
-    lines += ["}  // namespace", *_weight_gemm_table(weight_gemms), "", ENTRY_BEGIN]
+    lines += ["}  // namespace", *_weight_gemm_table(weight_gemms), *_derived_sizes(symbols, derived), "", ENTRY_BEGIN]
     lines += [f"  const int64_t {var.render()} = sizes[{k}];  // in [{var.lo}, {var.hi}]"
               for k, var in enumerate(symbols)]
     for number, (comment, body) in enumerate(rendered):
@@ -121,6 +123,17 @@ def _profile_table(comments) -> list:
             "  *runs = blade_profile_runs.load();",
             "  return count;",
             "}", "#endif", ""]
+
+
+def _derived_sizes(symbols, derived) -> list:
+    """blade_engine_derived_sizes() (blade_abi.h), when some output dim is no input's: the runtime
+    calls it after binding the inputs' sizes, to allocate those outputs."""
+    if not derived:
+        return []
+    return ["", "extern \"C\" int32_t blade_engine_derived_sizes(int64_t* sizes) {",
+            *[f"  [[maybe_unused]] const int64_t {var.render()} = sizes[{k}];" for k, var in enumerate(symbols)],
+            *[f"  sizes[{len(symbols) + k}] = {expr.render()};" for k, expr in enumerate(derived)],
+            f"  return {len(derived)};", "}"]
 
 
 def _weight_gemm_table(weight_gemms) -> list:

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from blade.engine.compiler import compile_onnx, load_constants
-from blade.engine.ir import SIZE_RANGES_KEY, UnsupportedOnnxOp
+from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY, UnsupportedOnnxOp
 from blade.engine.npruntime import NumpyEngine
 
 F = TensorProto.FLOAT
@@ -343,3 +343,54 @@ def test_engines_sharing_a_constant_share_its_pack_until_the_last_is_gone(compil
             assert _testing.packed_weight_count() == before + 3
     finally:
         _testing.set_gemm_backend("")
+
+
+def derived_model(derived: dict, batch="batch"):
+    """Concat(x, x) along seq and a Pad of seq by 3: output dims no input has, each a derived size
+    (ir.SIZE_DERIVED_KEY) the engine computes from the bound ones."""
+    model = dynamic_model(
+        [helper.make_node("Concat", ["x", "x"], ["twice"], axis=1),
+         helper.make_node("Pad", ["x", "pads"], ["padded"])],
+        {"x": [batch, "seq", 16]}, {"twice": [batch, "2*seq", 16], "padded": [batch, "seq+3", 16]},
+        {"pads": np.array([0, 1, 0, 0, 2, 0], np.int64)},
+        ranges={**RANGES, "2*seq": [2, 64], "seq+3": [4, 35]})
+    model.metadata_props.add(key=SIZE_DERIVED_KEY, value=json.dumps(derived))
+    return model
+
+
+DERIVED = {"2*seq": ["mul", 2, "seq"], "seq+3": ["add", "seq", 3]}
+
+
+def test_output_dims_no_input_has_are_derived_by_the_engine(tmp_path):
+    """One engine; the derived sizes follow the bound ones in the manifest, and both the numpy
+    harness and the torch-side Engine allocate the outputs from what the .so derives."""
+    from blade.runtime import make_engine
+    model = derived_model(DERIVED)
+    manifest = compile_onnx(model, tmp_path)
+    assert [(s.name, s.min, s.max) for s in manifest.symbols] == [
+        ("batch", 1, 16), ("seq", 1, 32), ("2*seq", 2, 64), ("seq+3", 4, 35)]
+    assert "sizes[2] = 2 * size1;" in (tmp_path / "engine.cpp").read_text()
+    engine = NumpyEngine(tmp_path / "engine.so", manifest, load_constants(model, manifest))
+    torch_engine = make_engine("cluster_derived", (tmp_path / "engine.so").read_bytes(), manifest, model, {})
+    for batch, seq in [(1, 1), (3, 7), (16, 32)]:
+        feeds = feeds_at(model, {"batch": batch, "seq": seq})
+        want = ReferenceEvaluator(model).run(None, feeds)
+        for got in (engine(feeds["x"]), [t.numpy() for t in torch_engine.execute([torch.from_numpy(feeds["x"])])]):
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("derived, reason", [
+    ({**DERIVED, "2*seq": ["mul", 2, "cols"]}, "derived size symbol tree 'cols' is not over the bound size symbols"),
+    ({**DERIVED, "2*seq": ["pow", "seq", 2]}, "derived size symbol tree"),
+])
+def test_a_derived_size_not_over_the_bound_ones_is_refused(tmp_path, derived, reason):
+    with pytest.raises((UnsupportedOnnxOp, ValueError), match=re.escape(reason)):
+        compile_onnx(derived_model(derived), tmp_path)
+
+
+def test_a_derived_size_that_disagrees_with_the_graph_fails_the_compile(tmp_path):
+    """The tree says 2 * batch where the Concat makes 2 * seq: never an engine allocating by the tree."""
+    model = derived_model({**DERIVED, "2*seq": ["mul", 2, "batch"]})
+    with pytest.raises(AssertionError, match=re.escape("Concat rule for 'twice' gives")):
+        compile_onnx(model, tmp_path)

@@ -80,3 +80,44 @@ def test_symbols_survive_save_and_load(rows_engine):
     torch.testing.assert_close(loaded(x, y)[0], x + y)
     with pytest.raises(RuntimeError, match=r"range \[1, 16\], got 20"):
         loaded(torch.randn(20, 4), torch.randn(20, 4))
+
+
+# An output dim no input binds (a concatenation's 2 * rows): a derived symbol after the bound ones,
+# which the .so computes (blade_engine_derived_sizes) before the host allocates the outputs.
+TWICE = SizeSymbol("2*rows", 2, 32)
+CAT = dict(inputs=[TensorSpec("x", "float32", ["rows", 4])], outputs=[TensorSpec("out", "float32", ["2*rows", 4])],
+           symbols=[ROWS, TWICE])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_derived_sizes_allocate_outputs_no_input_has(engine_dir, rows):
+    engine = make_engine("cat", compile_engine("cat_rows", engine_dir).read_bytes(), **CAT)
+    x = torch.randn(rows, 4)
+    (out,) = engine.execute([x])
+    torch.testing.assert_close(out, torch.cat([x, x]))
+
+
+@pytest.mark.parametrize("defines, message", [
+    ({"NO_DERIVED": "1"}, r"size symbol '2\*rows' is no input's dim, and the \.so does not export "
+                          r"blade_engine_derived_sizes"),
+    ({"DERIVED_COUNT": "2"}, r"the \.so derives 2 size symbols, the manifest has 1 that no input binds"),
+])
+def test_an_engine_that_does_not_derive_its_unbound_symbols_is_refused(engine_dir, defines, message):
+    so = compile_engine("cat_rows", engine_dir, defines).read_bytes()
+    with pytest.raises(RuntimeError, match=message):
+        make_engine("cat", so, **CAT)
+
+
+def test_a_derived_size_outside_its_range_is_refused_before_allocating(engine_dir):
+    """The engine planned its scratch and indexing at the range: a value outside is never run."""
+    engine = make_engine("cat", compile_engine("cat_rows", engine_dir, {"TWICE": "(3*sizes[0])"}).read_bytes(), **CAT)
+    with pytest.raises(RuntimeError, match=r"derived size symbol '2\*rows' is 33, outside its range \[2, 32\]"):
+        engine.execute([torch.randn(11, 4)])
+    torch.testing.assert_close(engine.execute([torch.randn(2, 4)])[0].shape, torch.Size([6, 4]))
+
+
+def test_only_trailing_symbols_may_be_derived(engine_dir):
+    """Derived symbols follow the bound ones: an unbound symbol before a bound one is refused."""
+    so = compile_engine("cat_rows", engine_dir).read_bytes()
+    with pytest.raises(RuntimeError, match="size symbol '2\\*rows' is no input's dim, so no call could bind it"):
+        make_engine("cat", so, CAT["inputs"], CAT["outputs"], symbols=[TWICE, ROWS])
