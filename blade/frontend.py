@@ -452,11 +452,23 @@ def _prepare(scripted, inputs: list, written: list, probes: list) -> torch.jit.S
         _forget_run_time_sizes(frozen, inputs, probes)
     _specialize_sizes(frozen.graph)
     torch._C._jit_pass_constant_propagation(frozen.graph)
+    _unroll_constant_loops(frozen.graph)
     if probes:
         _sizes_per_use(frozen.graph, inputs, probes)
     torch._C._jit_pass_dce(frozen.graph)
     _assign_types(frozen, inputs)  # again: constant propagation made new, untyped values
     return frozen
+
+
+def _unroll_constant_loops(graph: torch.Graph) -> None:
+    """Loops whose trip count the sizes fixed (a scripted F.interpolate appends its scale factor
+    once per spatial dim) unrolled, and the lists they built by appends made plain lists of
+    constants a lowering rule reads; loops left in the graph stay in TorchScript anyway."""
+    if not any(node.kind() == "prim::Loop" for node in graph.nodes()):
+        return
+    torch._C._jit_pass_loop_unrolling(graph)
+    torch._C._jit_pass_remove_mutation(graph)
+    torch._C._jit_pass_constant_propagation(graph)
 
 
 def _sizes_per_use(graph: torch.Graph, inputs: list, probes: list) -> None:

@@ -74,10 +74,25 @@ def constant_value(value: torch.Value):
     node = value.node()
     if node.kind() == "prim::Constant":
         return value.toIValue()
-    if node.kind() == "prim::ListConstruct" and not is_tensor_list(value):
+    if node.kind() == "prim::ListConstruct" and not is_tensor_list(value) and not _written(value):
         items = [constant_value(v) for v in node.inputs()]
         return _NOT_CONSTANT if any(i is _NOT_CONSTANT for i in items) else items
     return _NOT_CONSTANT
+
+
+def _written(value: torch.Value) -> bool:
+    """Whether an op writes the list in place: a scripted F.interpolate builds its scale_factors by
+    aten::append in a loop onto an empty ListConstruct, whose items are no longer its inputs (read
+    as [], the resize took its positions from the sizes instead of the given scale)."""
+    for use in value.uses():
+        schema = use.user.schema()
+        if schema == "(no schema)":
+            continue  # prim ops read lists (ListUnpack, a Loop's or If's carried value)
+        arguments = torch._C.parse_schema(schema).arguments
+        alias = arguments[use.offset].alias_info if use.offset < len(arguments) else None
+        if alias is not None and alias.is_write:
+            return True
+    return False
 
 
 def is_constant(value: torch.Value) -> bool:
@@ -1084,23 +1099,39 @@ def _upsample(ctx: LowerCtx, node):
     shape, out_shape = ctx.shape(x), ctx.shape(node.output())
     dtype = ctx.dtype(x)
     align = bool(ctx.const(named["align_corners"])) if "align_corners" in named else False
-    factors = ctx.const(named["scale_factors"]) if "scale_factors" in named else None
     spatial = len(shape) - 2
+    factors = _resize_factors(ctx, named, spatial)
     name = ctx.tensor(x)
     for k in reversed(range(spatial)):   # the last axis first, as torch's kernel nests its sums
         axis, n_in, n_out = 2 + k, shape[2 + k], out_shape[2 + k]
-        scale = 1.0 / factors[k] if factors else n_in / n_out
+        scale = 1.0 / factors[k] if factors[k] else n_in / n_out
         dst = np.arange(n_out, dtype=np.float64)
         if "nearest" in node.kind():
             index = np.minimum(np.floor(dst * np.float32(scale)).astype(np.int64), n_in - 1)
             name = ctx.b.op("Gather", [name, ctx.b.constant(index, "index")], axis=axis)
             continue
-        low, high, weight = _linear_taps(n_in, n_out, factors[k] if factors else None, align, dtype)
+        low, high, weight = _linear_taps(n_in, n_out, factors[k], align, dtype)
         weight = weight.reshape([n_out] + [1] * (spatial - 1 - k))
         gathered = [ctx.b.op("Gather", [name, ctx.b.constant(i, "index")], axis=axis) for i in (low, high)]
         name = ctx.b.op("Add", [ctx.b.op("Mul", [gathered[0], ctx.b.constant(1 - weight, "w")]),
                                 ctx.b.op("Mul", [gathered[1], ctx.b.constant(weight, "w")])])
     return [name]
+
+
+# The scale arguments of the overloads with an output size, per spatial axis (scripted F.interpolate
+# calls these with the scale_factor the user gave).
+RESIZE_SCALE_ARGS = {1: ("scales",), 2: ("scales_h", "scales_w"), 3: ("scales_d", "scales_h", "scales_w")}
+
+
+def _resize_factors(ctx: LowerCtx, named: dict, spatial: int) -> list:
+    """Per spatial axis the scale factor torch's kernel takes its source positions from (output over
+    input), or None where it takes them from the sizes: the given factor wins over the sizes' ratio
+    (a scale of 1.7 resizes 243 to 413, and 1/1.7 is not 243/413)."""
+    if "scale_factors" in named:
+        given = ctx.const(named["scale_factors"])
+        return list(given) if given else [None] * spatial
+    given = [ctx.const(named[arg]) if arg in named else None for arg in RESIZE_SCALE_ARGS[spatial]]
+    return [f if f is not None and f > 0 else None for f in given]
 
 
 def _linear_taps(n_in: int, n_out: int, factor, align: bool, dtype):
