@@ -126,6 +126,7 @@ struct Choice {
   ShapeKey sampled{};                       // the exact shape of the latest sample
   const float* sampling_b = nullptr;        // B constant: the one weight whose calls sample
   uint64_t sampling_b_call = 0;             // the engine call (call_epoch) that last ran it
+  std::set<const float*> since_sampling_b;  // the bucket's other weights called since it last ran
   std::set<std::array<int64_t, 4>> ran;     // (kernel, m, n, k) run so far: a repeat is warm
   std::array<int, kKernels> cold{};         // first calls (packing, JIT-compiling) left unrecorded
   std::map<ShapeKey, uint64_t> met;         // exact shapes of the bucket -> the engine call that first met it
@@ -283,6 +284,12 @@ constexpr int kSamples = 5, kMaxSamples = 12;
 // Engine calls (of any engine, process-wide) after which a sampling weight that did not run is
 // replaced: far more than the engine calls one model call makes.
 constexpr uint64_t kSamplerIdleCalls = 64;
+// A weight of the bucket called a second time since the sampling weight last ran shows the
+// calls cycling without it: gone (its pack freed, a new one made at another address) even where
+// no engine call is counted (a conv's packs in _testing.conv lived for one call: which process
+// then settled depended on whether the next pack landed at the old address, 1 in 3 ran MKL's
+// pack-free kernel on every Winograd GEMM for good, 2x slower). At most this many weights noted.
+constexpr size_t kMaxWeightsNoted = 512;
 constexpr double kSuspectUs = 1000, kSuspectGflops = 20;
 // A candidate whose best of kRejectSamples calls is over kRejectRatio times the leader's best cannot
 // win: it is sampled no more. Sampled to kSamples, such a candidate (MKL on attention's batched
@@ -306,8 +313,17 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, const ShapeK
     // it, the weight at hand samples instead, or the bucket would never settle and every weight
     // would run the unmeasured pack-free kernel for good.
     const uint64_t now = call_epoch.load(std::memory_order_relaxed);
-    if (choice.sampling_b == nullptr || now - choice.sampling_b_call > kSamplerIdleCalls) choice.sampling_b = g.b;
-    if (choice.sampling_b == g.b) choice.sampling_b_call = now;
+    if (choice.sampling_b != g.b) {
+      if (choice.since_sampling_b.size() >= kMaxWeightsNoted) choice.since_sampling_b.clear();
+      const bool cycled = !choice.since_sampling_b.insert(g.b).second;
+      if (choice.sampling_b == nullptr || now - choice.sampling_b_call > kSamplerIdleCalls || cycled) {
+        choice.sampling_b = g.b;
+      }
+    }
+    if (choice.sampling_b == g.b) {
+      choice.sampling_b_call = now;
+      choice.since_sampling_b.clear();
+    }
     if (choice.sampling_b != g.b) {
       measured = measured_without_jit_locked(choice);
       return met ? -2 : -3;

@@ -87,6 +87,7 @@ void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tens
   const PackingScope scope(pack ? &weights : nullptr);
   const BladeActivation act{static_cast<int32_t>(activation), static_cast<float>(lo), static_cast<float>(hi)};
   for (int64_t i = 0; i < repeat; ++i) {
+    gemm_new_call();  // each repetition is one engine call's conv (a GEMM's JIT kernels run from its second)
     runtime()->conv(spatial, x.sizes().data(), x.const_data_ptr<float>(), w.sizes().data(), w.const_data_ptr<float>(),
                     b ? b->const_data_ptr<float>() : nullptr, strides.data(), pads.data(), dilations.data(), groups,
                     out.mutable_data_ptr<float>(), static_cast<int32_t>(layout),

@@ -220,6 +220,46 @@ def test_a_bucket_settles_when_its_sampling_weight_stops_running():
     assert len(choices) == 1 and choices[0]["timings"] >= FEWEST_TIMINGS, choices
 
 
+@needs_onednn
+def test_a_bucket_settles_when_its_other_weights_cycle_without_its_sampling_weight():
+    """A weight of the bucket called twice since the sampling weight last ran shows the sampler
+    gone well before 64 engine calls (a conv's transformed weight packed per _testing.conv call
+    moved to a new address: where it did, the bucket never settled and its Winograd GEMMs all ran
+    MKL's pack-free kernel, a 64-channel 56x56 conv at 2x its time in 1 process of 3)."""
+    gone, kept = FixedGemm(), FixedGemm()
+    kept.b = kept.b.flip(0).contiguous()
+    _testing.set_gemm_backend("auto")
+    try:
+        gone(40)  # samples first: the bucket's sampling weight
+        for _ in range(1 + 8 * CANDIDATES):  # fewer than the 64 engine calls of the idle rule
+            kept(40)
+        choices = choices_serving("rows 33-64")
+    finally:
+        _testing.set_gemm_backend("")
+    assert len(choices) == 1 and choices[0]["timings"] >= FEWEST_TIMINGS, choices
+
+
+@needs_onednn
+def test_a_bucket_keeps_its_sampling_weight_while_it_runs_between_the_others():
+    """Weights that each run once between the sampling weight's calls (a Winograd conv's 16 GEMMs,
+    the first one sampling) leave the sampling to it: the others' calls record nothing."""
+    sampler, others = FixedGemm(), [FixedGemm() for _ in range(3)]
+    for i, other in enumerate(others):
+        other.b = other.b.roll(i + 1, 0).contiguous()
+    _testing.set_gemm_backend("auto")
+    try:
+        sampler(40)
+        for _ in range(2 * CANDIDATES):
+            for other in others:
+                other(40)
+            sampler(40)
+        choices = choices_serving("rows 33-64")
+    finally:
+        _testing.set_gemm_backend("")
+    # the sampler's calls but each candidate's first (it packs or compiles); none of the others'
+    assert len(choices) == 1 and choices[0]["timings"] == 1 + 2 * CANDIDATES - CANDIDATES, choices
+
+
 KERNELS = ("mkl", "onednn-matmul", "onednn-packed", "panels")
 JIT_KERNELS = ("onednn-matmul", "onednn-packed")  # a primitive compiled per exact shape
 
