@@ -202,36 +202,20 @@ def test_auto_samples_on_one_weight_of_a_bucket():
 
 
 @needs_onednn
-def test_a_bucket_settles_when_its_sampling_weight_stops_running():
-    """The weight that samples may never run again (its module freed, or dynamo recompiled the
-    graph into a new module with its own weights): another weight takes over its sampling after
-    64 engine calls without it, and the bucket settles; before, it never did, and every weight ran
-    the unmeasured pack-free kernel for good (a 2.5x slower MLP in bench/run.py)."""
+@pytest.mark.parametrize("calls", [64 + 8 * CANDIDATES, 1 + 8 * CANDIDATES], ids=["past the idle rule", "cycling"])
+def test_a_bucket_settles_when_its_sampling_weight_stops_running(calls):
+    """The weight that samples may never run again (its module freed, dynamo recompiled the graph
+    into a new module with its own weights, or a conv's transformed weight packed per _testing.conv
+    call moved to a new address): another weight takes over its sampling, after 64 engine calls
+    without it or as soon as it runs twice since the sampler last ran, and the bucket settles.
+    Before, it never did, and every weight ran the unmeasured pack-free kernel for good (a 2.5x
+    slower MLP in bench/run.py; a 64-channel 56x56 Winograd conv at 2x its time in 1 process of 3)."""
     gone, kept = FixedGemm(), FixedGemm()
     kept.b = kept.b.flip(0).contiguous()
     _testing.set_gemm_backend("auto")
     try:
         gone(40)  # samples first: the bucket's sampling weight
-        for _ in range(64 + 8 * CANDIDATES):
-            kept(40)
-        choices = choices_serving("rows 33-64")
-    finally:
-        _testing.set_gemm_backend("")
-    assert len(choices) == 1 and choices[0]["timings"] >= FEWEST_TIMINGS, choices
-
-
-@needs_onednn
-def test_a_bucket_settles_when_its_other_weights_cycle_without_its_sampling_weight():
-    """A weight of the bucket called twice since the sampling weight last ran shows the sampler
-    gone well before 64 engine calls (a conv's transformed weight packed per _testing.conv call
-    moved to a new address: where it did, the bucket never settled and its Winograd GEMMs all ran
-    MKL's pack-free kernel, a 64-channel 56x56 conv at 2x its time in 1 process of 3)."""
-    gone, kept = FixedGemm(), FixedGemm()
-    kept.b = kept.b.flip(0).contiguous()
-    _testing.set_gemm_backend("auto")
-    try:
-        gone(40)  # samples first: the bucket's sampling weight
-        for _ in range(1 + 8 * CANDIDATES):  # fewer than the 64 engine calls of the idle rule
+        for _ in range(calls):
             kept(40)
         choices = choices_serving("rows 33-64")
     finally:
