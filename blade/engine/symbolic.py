@@ -556,6 +556,13 @@ def floordiv(a, b) -> Expr:
             return floordiv(a, k // g)
         if isinstance(a, FloorDiv) and constant(a.den) is not None:   # (x // m) // k = x // (m k)
             return floordiv(a.num, constant(a.den) * k)
+        terms, c = _linear(a)
+        (inner, coefficient), = terms.items() if len(terms) == 1 else ((None, 0),)
+        if coefficient == 1 and isinstance(inner, FloorDiv) and constant(inner.den) is not None:
+            # (x // m + c) // k = (x + c m) // (m k): strided convs and pools chained (ceil(ceil(s/2)/2)
+            # as ONNX infers it, (s + 3) // 4 as the rules compute it) render as one expression
+            m = constant(inner.den)
+            return floordiv(add(inner.num, Const(c * m)), m * k)
     quotient, remainder = _split(a, b)
     if proves_nonnegative(remainder) and proves_less(remainder, b):
         return quotient

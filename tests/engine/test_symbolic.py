@@ -197,3 +197,15 @@ def test_reshape_strides_with_sizes_that_may_be_one():
                                                                       [at(d) for d in old_strides])
             want = base.view(shape).stride()
             assert all(n == 1 or at(got) == w for n, got, w in zip(shape, strides, want)), (bv, sv)
+
+
+def test_chained_floor_divisions_of_a_size_are_one_expression():
+    """(x // m + c) // k is (x + c m) // (m k): three stride-2 convs' output width as ONNX infers it
+    (ceil(ceil(ceil(s/2)/2)/2)) and as the rules compute it ((s + 7) // 8) compare equal, or the
+    engine compile's shape check fails the whole cluster (a dynamic-size ResNet compiled nothing)."""
+    s = Var("s", 1, 512)
+    nested = (((s + 1) // 2 + 1) // 2 + 1) // 2
+    assert nested == (s + 7) // 8
+    for value in range(1, 600):
+        assert (((value + 1) // 2 + 1) // 2 + 1) // 2 == (value + 7) // 8
+    assert ((s // 3 - 2) // 5) == (s - 6) // 15
