@@ -39,7 +39,7 @@ from torch.utils._sympy.functions import FloorDiv, PythonMod
 
 from blade.cluster.lower import lower_cluster
 from blade.cluster.support import LoweringError
-from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY
+from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY, lower_onnx
 from blade.frontend import is_frozen_input, measure_types, stamp
 
 PROBES = 3              # the example's sizes and two others
@@ -353,8 +353,12 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
                     raise SymbolicRefusal(f"{group} {k} dim {axis} ({seen} at the probe sizes) is no size "
                                           f"expression of the graph")
                 if group == "output" and symbols.names[expr] not in used:
-                    derived[symbols.names[expr]] = _derived_tree(expr, symbols.names, used, f"output {k} dim {axis}",
-                                                                 _producer(cluster, k))
+                    try:
+                        derived[symbols.names[expr]] = _derived_tree(expr, symbols.names, used, f"output {k} dim {axis}",
+                                                                     _producer(cluster, k))
+                    except SymbolicRefusal as err:
+                        err.node = _first_with_dim(cluster, seen, probe_types) or err.node
+                        raise
                 used[symbols.names[expr]] = symbols.range_of(expr)
                 dim.ClearField("dim_value")
                 dim.dim_param = symbols.names[expr]
@@ -362,7 +366,26 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
         model.metadata_props.add(key=SIZE_RANGES_KEY, value=json.dumps(dict(sorted(used.items()))))
     if derived:
         model.metadata_props.add(key=SIZE_DERIVED_KEY, value=json.dumps(dict(sorted(derived.items()))))
+    if used:
+        _engine_takes(model, origins)
     return model
+
+
+def _engine_takes(model: onnx.ModelProto, origins: list) -> None:
+    """Run the engine compiler's first stage (ONNX -> IR, torch-free and g++-free) on a cluster with
+    run-time sizes: its shape rules meet the symbols there (a Slice bound clamped at some sizes
+    only, a dim the rules derive otherwise than ONNX infers), and a refusal there used to fail the
+    whole cluster's compile. A refusal naming its ONNX node blames the cluster node that made it,
+    so only that op stays in TorchScript (``exclusions``); one naming none is left to the compile
+    to report, as before."""
+    try:
+        lower_onnx(model)
+    except Exception as err:  # noqa: BLE001 - any refusal of the stage; the compile would fail the same way
+        index = getattr(err, "onnx_node", None)
+        blamed = None if index is None else next((n for n, nodes, _ in origins if index < nodes), None)
+        if blamed is None:
+            return
+        raise SymbolicRefusal(f"the engine refuses it ({type(err).__name__}: {err})", blamed) from err
 
 
 # sympy function -> the operator of the derived size's tree (ir.DERIVED_OPS). Sizes are >= 0, so
@@ -387,6 +410,22 @@ def _derived_tree(expr, names: dict, used: dict, where: str, producer):
                                   f"compute ({type(e).__name__})", producer)
         return [op, *map(tree, e.args)]
     return tree(sympy.sympify(expr))
+
+
+def _first_with_dim(cluster, seen: list, probe_types: list):
+    """The first cluster node with an output dim of the sizes ``seen`` at the probe points: the op
+    that made a size the engine cannot compute (a slice's Max(0, s - 2)), which the ops after it
+    only pass on; None when no node's output has it."""
+    for node in cluster.nodes:
+        for value in node.outputs():
+            if value not in probe_types[0] or not isinstance(probe_types[0][value], torch.TensorType):
+                continue
+            shapes = [types[value].sizes() if value in types else None for types in probe_types]
+            if any(shape is None for shape in shapes):
+                continue
+            if any([shape[d] for shape in shapes] == seen for d in range(len(shapes[0]))):
+                return node
+    return None
 
 
 def _producer(cluster, k: int):

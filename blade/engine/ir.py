@@ -942,23 +942,16 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
             raise UnsupportedOnnxOp(f"graph input {value.name!r} of dtype {dtype}")
         env[value.name] = b.input(value.name, _input_shape(value, symbols), dtype)
         inputs.append(env[value.name])
-    for node in graph.node:
+    for index, node in enumerate(graph.node):
         if node.op_type == "Constant":
             continue
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_RULES:
-            raise UnsupportedOnnxOp(f"ONNX op {node.domain + '::' if node.domain else ''}{node.op_type} "
-                                    f"(node {node.name or node.output[0]!r}) is not supported by the engine")
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-        args = [env[name] for name in node.input]
-        sizes_only = any(_is_sizes(a) for a in args) and all(a is None or _is_sizes(a) or a.op == "const" for a in args)
-        rule = SIZE_RULES.get(node.op_type) if sizes_only else None
-        outs = (rule or ONNX_RULES[node.op_type])(b, attrs, *args)
-        for name, out in zip(node.output, outs):
-            if not name:
-                continue
-            _check_against_inference(node, name, out, typed.get(name), symbols)
-            env[name] = out
+        try:
+            _lower_node(b, node, env, typed, symbols)
+        except Exception as err:
+            # which ONNX node failed: the frontend (blade/dynamic.py) leaves the op that made it
+            # out of the cluster rather than the whole cluster
+            err.onnx_node = index
+            raise
     outputs = [(v.name, env[v.name]) for v in graph.output]
     if any(node.op == "size" for _, node in outputs):
         raise UnsupportedOnnxOp("a run-time size as a graph output")
@@ -966,6 +959,24 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
     derived = _derived_symbols(model, symbols, used, {d for _, node in outputs for d in node.shape})
     return Graph(inputs, outputs, [n for n in b.nodes if n.op != "size"],
                  [(name, var) for name, var in symbols.items() if var in used], derived)
+
+
+def _lower_node(b: Builder, node, env: dict, typed: dict, symbols: dict) -> None:
+    """One ONNX node's IR, its outputs checked against ONNX's inference and bound in env."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_RULES:
+        raise UnsupportedOnnxOp(f"ONNX op {node.domain + '::' if node.domain else ''}{node.op_type} "
+                                f"(node {node.name or node.output[0]!r}) is not supported by the engine")
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    args = [env[name] for name in node.input]
+    sizes_only = any(_is_sizes(a) for a in args) and all(a is None or _is_sizes(a) or a.op == "const" for a in args)
+    rule = SIZE_RULES.get(node.op_type) if sizes_only else None
+    outs = (rule or ONNX_RULES[node.op_type])(b, attrs, *args)
+    for name, out in zip(node.output, outs):
+        if not name:
+            continue
+        _check_against_inference(node, name, out, typed.get(name), symbols)
+        env[name] = out
 
 
 def _size_symbols(model: onnx.ModelProto) -> dict:
