@@ -468,11 +468,14 @@ def _point_text(point: dict) -> str:
 
 
 def run_time_dims(probe_types: list) -> dict:
-    """value -> the dims whose size differs between probe points (its run-time dims)."""
+    """value -> {dim: its sizes at the probe points} for the dims whose size differs between probe
+    points (its run-time dims). Rules compare run-time dims by these columns, not by one probe's
+    sizes: at a probe where seq is 1, batch * seq equals batch there only (LowerCtx.target_shape)."""
     dims = {}
     for value, vtype in probe_types[0].items():
         sizes = [list(types[value].sizes()) if value in types else None for types in probe_types]
-        varying = {d for d in range(len(sizes[0])) if any(s is None or s[d] != sizes[0][d] for s in sizes)}
+        varying = {d: tuple(None if s is None else s[d] for s in sizes) for d in range(len(sizes[0]))
+                   if any(s is None or s[d] != sizes[0][d] for s in sizes)}
         if varying:
             dims[value] = varying
     return dims

@@ -160,9 +160,16 @@ class LowerCtx:
     def __init__(self, builder: OnnxBuilder, names: dict, run_time: dict | None = None):
         self.b = builder
         self.names = names  # torch.Value -> ONNX name (or list of names for Tensor[])
-        # value -> the dims that are run-time sizes (blade/dynamic.py); a rule writing a shape into
-        # the ONNX graph writes those so that the graph holds at every size (target_shape)
+        # value -> {dim: its sizes at every probe point} for the dims that are run-time sizes
+        # (blade/dynamic.py); a rule writing a shape into the ONNX graph writes those so that the
+        # graph holds at every size (target_shape). Two run-time dims are the same size when they
+        # agree at every probe, not at the one being lowered (seq 1 makes batch * seq = batch).
         self.run_time = run_time or {}
+
+    def same_run_time_dim(self, a: torch.Value, da: int, b: torch.Value, db: int) -> bool:
+        """Whether dim da of a and dim db of b are run-time dims of equal sizes at every probe."""
+        column = self.run_time.get(a, {}).get(da)
+        return column is not None and column == self.run_time.get(b, {}).get(db)
 
     def tensor(self, value: torch.Value) -> str:
         """ONNX name of a tensor value; constant tensors become initializers on first use."""
@@ -226,10 +233,10 @@ class LowerCtx:
         varying = self.run_time.get(value, set())
         if not varying:
             return out, 1
-        src, src_varying = self.shape(source), self.run_time.get(source, set())
+        src = self.shape(source)
         target, rest = list(out), []
         for d in sorted(varying):
-            if d in src_varying and d < len(src) and src[d] == out[d]:
+            if d < len(src) and self.same_run_time_dim(value, d, source, d):
                 target[d] = 0
             else:
                 rest.append(d)
@@ -244,11 +251,11 @@ class LowerCtx:
         already has is 1 (broadcasting keeps the source's), so the constant holds at every size."""
         out = self.shape(value)
         varying = self.run_time.get(value, set())
-        src, src_varying = self.shape(source), self.run_time.get(source, set())
+        src = self.shape(source)
         target = list(out)
         for d in varying:
             s = d - (len(out) - len(src))
-            if s < 0 or s not in src_varying or src[s] != out[d]:
+            if s < 0 or not self.same_run_time_dim(value, d, source, s):
                 raise LoweringError(f"an expand to run-time dim {d} of {out} from {src}")
             target[d] = 1
         return target
