@@ -520,10 +520,36 @@ def softmax(onnx_op: str):
 def _layer_norm(ctx: LowerCtx, node):
     x, normalized_shape, weight, bias, eps = _args(node)[:5]
     dtype = ctx.dtype(x)
-    norm_shape = ctx.const(normalized_shape)
-    scale = ctx.tensor(weight) if is_tensor(weight) else ctx.b.constant(np.ones(norm_shape, dtype))
+    items = run_time_size_list(normalized_shape)
+    if items is None:
+        norm_shape = ctx.const(normalized_shape)
+        ones = np.ones(norm_shape, dtype)
+    else:  # x.shape[-k:] over run-time dims: ONNX normalizes over the last k, whatever their sizes
+        _check_trailing_dims(ctx, x, items)
+        norm_shape, ones = items, np.ones([1] * len(items), dtype)  # (a scale broadcast over them)
+    scale = ctx.tensor(weight) if is_tensor(weight) else ctx.b.constant(ones)
     inputs = [ctx.tensor(x), scale] + ([ctx.tensor(bias)] if is_tensor(bias) else [])
     return [ctx.b.op("LayerNormalization", inputs, axis=-len(norm_shape), epsilon=float(ctx.const(eps)))]
+
+
+def _check_trailing_dims(ctx: LowerCtx, x: torch.Value, items: list) -> None:
+    """layer_norm's normalized_shape as a list of sizes must be x's last dims, as eager checks (an
+    engine normalizes over the last len(items) dims without looking at the values): each item a
+    constant equal to a static dim of x, or the size of a dim that has x's sizes at every probe."""
+    shape, first = ctx.shape(x), len(ctx.shape(x)) - len(items)
+    for i, item in enumerate(items):
+        d = first + i
+        static = d >= 0 and d not in ctx.run_time.get(x, {})
+        if is_constant(item):
+            same = static and ctx.const(item) == shape[d]
+        else:
+            of, dim = item.node().inputsAt(0), item.node().inputsAt(1)
+            dim = ctx.const(dim) % len(ctx.shape(of)) if d >= 0 else None
+            same = d >= 0 and item.node().kind() == "aten::size" and (
+                ctx.same_run_time_dim(of, dim, x, d) or
+                static and dim not in ctx.run_time.get(of, {}) and ctx.shape(of)[dim] == shape[d])
+        if not same:
+            raise LoweringError(f"layer_norm's normalized_shape item {i} is not provably dim {d} of its input")
 
 
 def _transpose_last2(ctx: LowerCtx, name: str, rank: int) -> str:
@@ -1707,7 +1733,7 @@ LOWERING: dict[str, Rule] = {
     "aten::amin": Rule(reduce("ReduceMin")),
     "aten::softmax": Rule(softmax("Softmax")),
     "aten::log_softmax": Rule(softmax("LogSoftmax")),
-    "aten::layer_norm": Rule(_layer_norm),
+    "aten::layer_norm": Rule(_layer_norm, size_args=True),
     "aten::prod": Rule(reduce("ReduceProd")),
     "aten::max": Rule(_min_max("ReduceMax"), _min_max_check),
     "aten::min": Rule(_min_max("ReduceMin"), _min_max_check),
