@@ -1338,10 +1338,24 @@ def _roll(ctx: LowerCtx, node):
     dims = [dims] if isinstance(dims, int) else dims
     if not dims:  # roll of the flattened tensor
         flat = ctx.b.op("Reshape", [name, ctx.b.ints([-1])])
-        return [reshape_exact(ctx, _roll_axis(ctx, flat, 0, shifts[0], int(np.prod(shape))), shape)]
+        if not ctx.run_time.get(x):
+            return [reshape_exact(ctx, _roll_axis(ctx, flat, 0, shifts[0], int(np.prod(shape))), shape)]
+        # with run-time dims, the element count and the shape back are read at run time
+        rolled = _roll_axis(ctx, flat, 0, shifts[0], _element_count(ctx, x))
+        return [ctx.b.op("Reshape", [rolled, ctx.b.op("Shape", [name])], allowzero=1)]
     for shift, dim in zip(shifts, dims):
         name = _roll_axis(ctx, name, dim % len(shape), shift, ctx.dim_size(x, dim % len(shape)))
     return [name]
+
+
+def _element_count(ctx: LowerCtx, x: torch.Value) -> str:
+    """x's element count as a 0-d int64 ONNX size: the product of its dims, run-time ones read
+    from its shape (size arithmetic the engine computes from its size symbols)."""
+    static = int(np.prod([n for d, n in enumerate(ctx.shape(x)) if d not in ctx.run_time.get(x, {})]))
+    count = ctx.scalar(static, np.int64)
+    for d in sorted(ctx.run_time.get(x, {})):
+        count = ctx.b.op("Mul", [count, ctx.read_dim(x, d)])
+    return count
 
 
 def _flip(ctx: LowerCtx, node):
