@@ -330,7 +330,8 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
             try:
                 models.append(lower_cluster(cluster, name, run_time, failing))
             except LoweringError as err:
-                blamed = cluster.nodes[len(failing)] if len(failing) < len(cluster.nodes) else None
+                blamed = cluster.nodes[len(failing)] if len(failing) < len(cluster.nodes) else \
+                    _origin(failing, getattr(err, "onnx_node", None))  # (the whole cluster's ONNX check)
                 raise SymbolicRefusal(f"it does not lower at {_point_text(point)}: {err}", blamed) from err
     finally:
         stamp(probe_types[0])
@@ -381,8 +382,7 @@ def _engine_takes(model: onnx.ModelProto, origins: list) -> None:
     try:
         lower_onnx(model)
     except Exception as err:  # noqa: BLE001 - any refusal of the stage; the compile would fail the same way
-        index = getattr(err, "onnx_node", None)
-        blamed = None if index is None else next((n for n, nodes, _ in origins if index < nodes), None)
+        blamed = _origin(origins, getattr(err, "onnx_node", None))
         if blamed is None:
             return
         raise SymbolicRefusal(f"the engine refuses it ({type(err).__name__}: {err})", blamed) from err
@@ -410,6 +410,12 @@ def _derived_tree(expr, names: dict, used: dict, where: str, producer):
                                   f"compute ({type(e).__name__})", producer)
         return [op, *map(tree, e.args)]
     return tree(sympy.sympify(expr))
+
+
+def _origin(origins: list, onnx_node):
+    """The cluster node whose rule made ONNX node number ``onnx_node`` (lower_cluster's origins),
+    None when not known."""
+    return None if onnx_node is None else next((n for n, nodes, _ in origins if onnx_node < nodes), None)
 
 
 def _first_with_dim(cluster, seen: list, probe_types: list):

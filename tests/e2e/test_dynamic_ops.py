@@ -84,3 +84,38 @@ def test_a_roll_of_the_flattened_tensor_computes_in_an_engine(shift):
     assert "aten::roll" in engine_kinds(report), report.left_out
     assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
     check_sizes(model, result, SIZES)
+
+
+def test_an_engine_rule_disagreeing_with_onnx_inference_costs_only_its_op(monkeypatch):
+    """A deliberately inconsistent engine rule (Relu's IR of another shape than ONNX infers, the
+    check blade/engine/ir.py _check_against_inference makes): relu alone stays in TorchScript,
+    named with the engine's reason, and the ops around it compute in engines."""
+    import numpy as np
+    from blade.engine import ir
+    monkeypatch.setitem(ir.ONNX_RULES, "Relu", lambda b, attrs, x: [b.const(np.zeros(3, x.dtype))])
+    model, result = compiled(lambda x: (x * 2).relu() + 1, BATCH_SEQ)
+    report = result.report
+    left = [(kind, reason) for kind, reason in report.left_out if kind.startswith("aten::")]
+    assert len(left) == 1 and left[0][0] == "aten::relu" and "ONNX infers" in left[0][1], left
+    assert {"aten::mul", "aten::add"} <= engine_kinds(report), report.left_out
+    check_sizes(model, result, SIZES)
+
+
+def test_the_onnx_contract_check_names_the_node_it_refuses():
+    """check_contract's output mismatch carries the index of the ONNX node whose rule disagrees,
+    which blade/dynamic.py maps back to the cluster op it blames."""
+    import onnx
+    from onnx import TensorProto, helper
+    from blade.cluster.lower import check_contract
+    from blade.cluster.support import LoweringError
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Transpose", ["a"], ["b"], perm=[1, 0]),
+             helper.make_node("Identity", ["b"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    with pytest.raises(LoweringError, match="Inferred shape and existing shape differ") as caught:
+        check_contract(model)
+    assert caught.value.onnx_node == 1
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 3
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 2
+    check_contract(model)  # (consistent now)
