@@ -35,7 +35,7 @@ import onnx
 import sympy
 import torch
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
-from torch.utils._sympy.functions import FloorDiv, PythonMod
+from torch.utils._sympy.functions import FloorDiv, Max, Min, PythonMod
 
 from blade.cluster.lower import lower_cluster
 from blade.cluster.support import LoweringError
@@ -382,7 +382,8 @@ def _engine_takes(model: onnx.ModelProto, origins: list) -> None:
     try:
         lower_onnx(model)
     except Exception as err:  # noqa: BLE001 - any refusal of the stage; the compile would fail the same way
-        blamed = _origin(origins, getattr(err, "onnx_node", None))
+        index = getattr(err, "onnx_node", None)
+        blamed = _origin(origins, _output_producer(model, index))
         if blamed is None:
             return
         raise SymbolicRefusal(f"the engine refuses it ({type(err).__name__}: {err})", blamed) from err
@@ -390,7 +391,8 @@ def _engine_takes(model: onnx.ModelProto, origins: list) -> None:
 
 # sympy function -> the operator of the derived size's tree (ir.DERIVED_OPS). Sizes are >= 0, so
 # FloorDiv and PythonMod agree with the engine's floor division and remainder.
-_DERIVED_OPS = {sympy.Add: "add", sympy.Mul: "mul", FloorDiv: "floordiv", PythonMod: "mod"}
+_DERIVED_OPS = {sympy.Add: "add", sympy.Mul: "mul", FloorDiv: "floordiv", PythonMod: "mod",
+                Max: "max", Min: "min", sympy.Max: "max", sympy.Min: "min"}
 
 
 def _derived_tree(expr, names: dict, used: dict, where: str, producer):
@@ -410,6 +412,16 @@ def _derived_tree(expr, names: dict, used: dict, where: str, producer):
                                   f"compute ({type(e).__name__})", producer)
         return [op, *map(tree, e.args)]
     return tree(sympy.sympify(expr))
+
+
+def _output_producer(model: onnx.ModelProto, index):
+    """The ONNX node index to blame for node ``index``: itself, or for an output's Identity (which
+    lower_cluster appends after every op, e.g. where the engine's dims for an output disagree with
+    the ones the probes gave it) the node computing the output."""
+    if index is None or index >= len(model.graph.node) or model.graph.node[index].op_type != "Identity":
+        return index
+    source = model.graph.node[index].input[0]
+    return next((k for k, node in enumerate(model.graph.node) if source in node.output), index)
 
 
 def _origin(origins: list, onnx_node):

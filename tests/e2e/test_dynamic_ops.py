@@ -119,3 +119,23 @@ def test_the_onnx_contract_check_names_the_node_it_refuses():
     model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 3
     model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 2
     check_contract(model)  # (consistent now)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("shift_left", lambda x: (x * 2)[:, :-1] + 1),
+    ("shift_right", lambda x: (x * 2)[:, 1:] + 1),
+    ("inner", lambda x: (x * 2)[:, 1:-1] + 1),
+    ("inner_sum", lambda x: (x * 2)[:, 1:-1].sum(1) + 1)])
+def test_slices_empty_at_the_smallest_lengths_compute_in_engines(name, fn):
+    """A language model's shifted logits x[:, :-1] / x[:, 1:] and x[:, 1:-1] with seq from 1: their
+    length s - 1 or max(s - 2, 0) is 0 at the smallest sizes. The engine's row loops take such a
+    dim (a divisor max(n, 1) where rows run, and memory order decided where the tensor has
+    elements), the Slice's length is max(.., 0), and an output dim may be a max of sizes. Before:
+    the memory-order and divisor refusals failed each whole cluster (0 of 4 aten ops in engines),
+    x[:, 1:-1] was refused."""
+    model, result = compiled(fn, BATCH_SEQ)
+    report = result.report
+    assert "aten::slice" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, \
+        (report.left_out, report.symbolic_refusals)
+    check_sizes(model, result, SIZES + [(3, 2, 5)])
