@@ -22,7 +22,9 @@ example. This module keeps the symbols:
 
 An op a refusing cluster blames stays in TorchScript (``exclusions``, reason in blade.explain)
 and the rest is partitioned again, so the graph still compiles once and serves every size in
-range. When the engine compiler itself refuses a cluster's run-time sizes, or the graph cannot be
+range. The engine compiler's first stage (ONNX -> IR, whose shape rules meet the size symbols)
+runs here too, so an op it refuses, or whose dims it derives otherwise than ONNX infers, is
+blamed the same way instead of failing its whole cluster's compile (``_engine_takes``). When the engine compiler itself refuses a cluster's run-time sizes, or the graph cannot be
 scripted with its symbols, tt_infer falls back to one static compile per input signature
 (blade/specialize.py), with the reason logged.
 """

@@ -104,7 +104,6 @@ def test_an_engine_rule_disagreeing_with_onnx_inference_costs_only_its_op(monkey
 def test_the_onnx_contract_check_names_the_node_it_refuses():
     """check_contract's output mismatch carries the index of the ONNX node whose rule disagrees,
     which blade/dynamic.py maps back to the cluster op it blames."""
-    import onnx
     from onnx import TensorProto, helper
     from blade.cluster.lower import check_contract
     from blade.cluster.support import LoweringError
