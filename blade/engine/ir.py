@@ -587,7 +587,7 @@ def _run_time_slice(n: Expr, start: int, end: int, step: int) -> tuple:
     lo, hi = n.bounds()
     if step == -1 and start == -1 and end < -hi:  # the whole dim reversed (torch.flip): from n - 1 down
         return n - 1, n
-    if step != 1:
+    if step < 1:
         raise UnsupportedOnnxOp(f"Slice with step {step} along a run-time dim")
 
     def position(i: int, clamp_high: bool):
@@ -605,6 +605,8 @@ def _run_time_slice(n: Expr, start: int, end: int, step: int) -> tuple:
     length = last - first
     if not proves_nonnegative(length):  # empty at some sizes (x[:, 1:-1] of a length from 1: max(n - 2, 0))
         length = maximum(length, 0)
+    if step > 1:  # every step-th element from the first (x[:, ::2]): ceil(length / step) of them
+        length = floordiv(length + (step - 1), step)
     return first, length
 
 

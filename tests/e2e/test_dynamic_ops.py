@@ -138,3 +138,18 @@ def test_slices_empty_at_the_smallest_lengths_compute_in_engines(name, fn):
     assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, \
         (report.left_out, report.symbolic_refusals)
     check_sizes(model, result, SIZES + [(3, 2, 5)])
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("every_second", lambda x: (x * 2)[:, ::2] + 1),
+    ("every_third_from_1", lambda x: (x * 2)[:, 1::3] + 1),
+    ("every_second_sum", lambda x: (x * 2)[:, ::2].sum(1) + 1)])
+def test_stepped_slices_along_a_run_time_dim_compute_in_engines(name, fn):
+    """x[:, ::2] and x[:, 1::3] with seq from 1: ceil(max(s - start, 0) / step) elements, a stepped
+    view (before: 'Slice with step 2 along a run-time dim', the slice in TorchScript)."""
+    model, result = compiled(fn, BATCH_SEQ)
+    report = result.report
+    assert "aten::slice" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, \
+        (report.left_out, report.symbolic_refusals)
+    check_sizes(model, result, SIZES + [(3, 2, 5), (2, 4, 5)])
