@@ -22,7 +22,9 @@ example. This module keeps the symbols:
 
 An op a refusing cluster blames stays in TorchScript (``exclusions``, reason in blade.explain)
 and the rest is partitioned again, so the graph still compiles once and serves every size in
-range. When the engine compiler itself refuses a cluster's run-time sizes, or the graph cannot be
+range. The engine compiler's first stage (ONNX -> IR, whose shape rules meet the size symbols)
+runs here too, so an op it refuses, or whose dims it derives otherwise than ONNX infers, is
+blamed the same way instead of failing its whole cluster's compile (``_engine_takes``). When the engine compiler itself refuses a cluster's run-time sizes, or the graph cannot be
 scripted with its symbols, tt_infer falls back to one static compile per input signature
 (blade/specialize.py), with the reason logged.
 """
@@ -35,11 +37,11 @@ import onnx
 import sympy
 import torch
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
-from torch.utils._sympy.functions import FloorDiv, PythonMod
+from torch.utils._sympy.functions import FloorDiv, Max, Min, PythonMod
 
 from blade.cluster.lower import lower_cluster
 from blade.cluster.support import LoweringError
-from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY
+from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY, lower_onnx
 from blade.frontend import is_frozen_input, measure_types, stamp
 
 PROBES = 3              # the example's sizes and two others
@@ -330,7 +332,8 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
             try:
                 models.append(lower_cluster(cluster, name, run_time, failing))
             except LoweringError as err:
-                blamed = cluster.nodes[len(failing)] if len(failing) < len(cluster.nodes) else None
+                blamed = cluster.nodes[len(failing)] if len(failing) < len(cluster.nodes) else \
+                    _origin(failing, getattr(err, "onnx_node", None))  # (the whole cluster's ONNX check)
                 raise SymbolicRefusal(f"it does not lower at {_point_text(point)}: {err}", blamed) from err
     finally:
         stamp(probe_types[0])
@@ -353,8 +356,12 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
                     raise SymbolicRefusal(f"{group} {k} dim {axis} ({seen} at the probe sizes) is no size "
                                           f"expression of the graph")
                 if group == "output" and symbols.names[expr] not in used:
-                    derived[symbols.names[expr]] = _derived_tree(expr, symbols.names, used, f"output {k} dim {axis}",
-                                                                 _producer(cluster, k))
+                    try:
+                        derived[symbols.names[expr]] = _derived_tree(expr, symbols.names, used, f"output {k} dim {axis}",
+                                                                     _producer(cluster, k))
+                    except SymbolicRefusal as err:
+                        err.node = _first_with_dim(cluster, seen, probe_types) or err.node
+                        raise
                 used[symbols.names[expr]] = symbols.range_of(expr)
                 dim.ClearField("dim_value")
                 dim.dim_param = symbols.names[expr]
@@ -362,12 +369,32 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
         model.metadata_props.add(key=SIZE_RANGES_KEY, value=json.dumps(dict(sorted(used.items()))))
     if derived:
         model.metadata_props.add(key=SIZE_DERIVED_KEY, value=json.dumps(dict(sorted(derived.items()))))
+    if used:
+        _engine_takes(model, origins)
     return model
+
+
+def _engine_takes(model: onnx.ModelProto, origins: list) -> None:
+    """Run the engine compiler's first stage (ONNX -> IR, torch-free and g++-free) on a cluster with
+    run-time sizes: its shape rules meet the symbols there (a Slice bound clamped at some sizes
+    only, a dim the rules derive otherwise than ONNX infers), and a refusal there used to fail the
+    whole cluster's compile. A refusal naming its ONNX node blames the cluster node that made it,
+    so only that op stays in TorchScript (``exclusions``); one naming none is left to the compile
+    to report, as before."""
+    try:
+        lower_onnx(model)
+    except Exception as err:  # noqa: BLE001 - any refusal of the stage; the compile would fail the same way
+        index = getattr(err, "onnx_node", None)
+        blamed = _origin(origins, _output_producer(model, index))
+        if blamed is None:
+            return
+        raise SymbolicRefusal(f"the engine refuses it ({type(err).__name__}: {err})", blamed) from err
 
 
 # sympy function -> the operator of the derived size's tree (ir.DERIVED_OPS). Sizes are >= 0, so
 # FloorDiv and PythonMod agree with the engine's floor division and remainder.
-_DERIVED_OPS = {sympy.Add: "add", sympy.Mul: "mul", FloorDiv: "floordiv", PythonMod: "mod"}
+_DERIVED_OPS = {sympy.Add: "add", sympy.Mul: "mul", FloorDiv: "floordiv", PythonMod: "mod",
+                Max: "max", Min: "min", sympy.Max: "max", sympy.Min: "min"}
 
 
 def _derived_tree(expr, names: dict, used: dict, where: str, producer):
@@ -387,6 +414,38 @@ def _derived_tree(expr, names: dict, used: dict, where: str, producer):
                                   f"compute ({type(e).__name__})", producer)
         return [op, *map(tree, e.args)]
     return tree(sympy.sympify(expr))
+
+
+def _output_producer(model: onnx.ModelProto, index):
+    """The ONNX node index to blame for node ``index``: itself, or for an output's Identity (which
+    lower_cluster appends after every op, e.g. where the engine's dims for an output disagree with
+    the ones the probes gave it) the node computing the output."""
+    if index is None or index >= len(model.graph.node) or model.graph.node[index].op_type != "Identity":
+        return index
+    source = model.graph.node[index].input[0]
+    return next((k for k, node in enumerate(model.graph.node) if source in node.output), index)
+
+
+def _origin(origins: list, onnx_node):
+    """The cluster node whose rule made ONNX node number ``onnx_node`` (lower_cluster's origins),
+    None when not known."""
+    return None if onnx_node is None else next((n for n, nodes, _ in origins if onnx_node < nodes), None)
+
+
+def _first_with_dim(cluster, seen: list, probe_types: list):
+    """The first cluster node with an output dim of the sizes ``seen`` at the probe points: the op
+    that made a size the engine cannot compute (a slice's Max(0, s - 2)), which the ops after it
+    only pass on; None when no node's output has it."""
+    for node in cluster.nodes:
+        for value in node.outputs():
+            if value not in probe_types[0] or not isinstance(probe_types[0][value], torch.TensorType):
+                continue
+            shapes = [types[value].sizes() if value in types else None for types in probe_types]
+            if any(shape is None for shape in shapes):
+                continue
+            if any([shape[d] for shape in shapes] == seen for d in range(len(shapes[0]))):
+                return node
+    return None
 
 
 def _producer(cluster, k: int):
@@ -429,11 +488,14 @@ def _point_text(point: dict) -> str:
 
 
 def run_time_dims(probe_types: list) -> dict:
-    """value -> the dims whose size differs between probe points (its run-time dims)."""
+    """value -> {dim: its sizes at the probe points} for the dims whose size differs between probe
+    points (its run-time dims). Rules compare run-time dims by these columns, not by one probe's
+    sizes: at a probe where seq is 1, batch * seq equals batch there only (LowerCtx.target_shape)."""
     dims = {}
     for value, vtype in probe_types[0].items():
         sizes = [list(types[value].sizes()) if value in types else None for types in probe_types]
-        varying = {d for d in range(len(sizes[0])) if any(s is None or s[d] != sizes[0][d] for s in sizes)}
+        varying = {d: tuple(None if s is None else s[d] for s in sizes) for d in range(len(sizes[0]))
+                   if any(s is None or s[d] != sizes[0][d] for s in sizes)}
         if varying:
             dims[value] = varying
     return dims

@@ -326,11 +326,22 @@ def _forget_run_time_sizes(module: torch.jit.ScriptModule, inputs: list, probes:
 
 def _clean(graph: torch.Graph) -> None:
     torch._C._jit_pass_inline(graph)
+    _drop_size_copies(graph)
     torch._C._jit_pass_constant_propagation(graph)
     torch._C._jit_pass_peephole(graph)
     torch._C._jit_pass_remove_mutation(graph)
     torch._C._jit_pass_dce(graph)
     torch._C._jit_pass_cse(graph)
+
+
+def _drop_size_copies(graph: torch.Graph) -> None:
+    """``aten::Size`` of a list built in the graph (``x.shape[-1:]`` under dynamo: torch.Size of
+    [s]) is the list itself: without the copy, an op taking it (layer_norm's normalized_shape)
+    sees the list of run-time sizes its rule reads (support.run_time_size_list)."""
+    for node in list(graph.nodes()):
+        if node.kind() == "aten::Size" and node.inputsAt(0).node().kind() == "prim::ListConstruct":
+            node.output().replaceAllUsesWith(node.inputsAt(0))
+            node.destroy()
 
 
 def _assign_types(module: torch.jit.ScriptModule, inputs: list) -> None:

@@ -56,17 +56,31 @@ _FLOATING = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.F
 
 
 def check_contract(model: onnx.ModelProto) -> None:
-    """onnx.checker plus strict shape inference; the declared outputs must be what ONNX infers."""
+    """onnx.checker plus strict shape inference; the declared outputs must be what ONNX infers.
+    A LoweringError for an output's shape or dtype carries ``onnx_node``: the index of the node
+    computing it, whose rule disagrees (blade/dynamic.py leaves that op out, not the cluster)."""
+    checked = _without_weight_values(model)
     try:
-        checked = _without_weight_values(model)
         onnx.checker.check_model(checked)
         inferred = onnx.shape_inference.infer_shapes(checked, strict_mode=True, data_prop=True)
     except Exception as err:  # noqa: BLE001 - onnx raises several types
-        raise LoweringError(f"ONNX contract check failed: {err}") from err
+        error = LoweringError(f"ONNX contract check failed: {err}")
+        error.onnx_node = _disagreeing_node(checked)
+        raise error from err
+    disagreement = _first_disagreement(model, inferred)
+    if disagreement is not None:
+        error = LoweringError(disagreement[0])
+        error.onnx_node = disagreement[1]
+        raise error
+
+
+def _first_disagreement(model: onnx.ModelProto, inferred: onnx.ModelProto):
+    """(message, index of the node computing it) of the first graph output whose declared type is
+    not what ONNX infers, else None."""
     known = {v.name: v for v in inferred.graph.value_info}
-    producers = {out: node for node in model.graph.node for out in node.output}
+    producers = {out: k for k, node in enumerate(model.graph.node) for out in node.output}
     for output in model.graph.output:
-        source = producers[output.name].input[0]
+        source = model.graph.node[producers[output.name]].input[0]
         info = known.get(source)
         if info is None:
             continue  # it is a graph input or initializer: declared types already match
@@ -75,7 +89,24 @@ def check_contract(model: onnx.ModelProto) -> None:
         # a dim ONNX leaves unknown (a Range or Expand to sizes read from shapes) is not compared
         if got[0] != want[0] or len(got[1]) != len(want[1]) or any(
                 g is not None and g != w for g, w in zip(got[1], want[1])):
-            raise LoweringError(f"ONNX infers {got} for {output.name}, torch has {want}")
+            return f"ONNX infers {got} for {output.name}, torch has {want}", producers.get(source)
+    return None
+
+
+def _disagreeing_node(checked: onnx.ModelProto):
+    """After strict inference failed: the node computing an output whose declared shape is not
+    what ONNX infers without the declared shapes (strict mode names only the output's Identity),
+    None when that is not why."""
+    loose = onnx.ModelProto()
+    loose.CopyFrom(checked)
+    for output in loose.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(loose, strict_mode=True, data_prop=True)
+    except Exception:  # noqa: BLE001 - it fails for another reason
+        return None
+    disagreement = _first_disagreement(checked, inferred)
+    return None if disagreement is None else disagreement[1]
 
 
 def _without_weight_values(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -160,9 +160,16 @@ class LowerCtx:
     def __init__(self, builder: OnnxBuilder, names: dict, run_time: dict | None = None):
         self.b = builder
         self.names = names  # torch.Value -> ONNX name (or list of names for Tensor[])
-        # value -> the dims that are run-time sizes (blade/dynamic.py); a rule writing a shape into
-        # the ONNX graph writes those so that the graph holds at every size (target_shape)
+        # value -> {dim: its sizes at every probe point} for the dims that are run-time sizes
+        # (blade/dynamic.py); a rule writing a shape into the ONNX graph writes those so that the
+        # graph holds at every size (target_shape). Two run-time dims are the same size when they
+        # agree at every probe, not at the one being lowered (seq 1 makes batch * seq = batch).
         self.run_time = run_time or {}
+
+    def same_run_time_dim(self, a: torch.Value, da: int, b: torch.Value, db: int) -> bool:
+        """Whether dim da of a and dim db of b are run-time dims of equal sizes at every probe."""
+        column = self.run_time.get(a, {}).get(da)
+        return column is not None and column == self.run_time.get(b, {}).get(db)
 
     def tensor(self, value: torch.Value) -> str:
         """ONNX name of a tensor value; constant tensors become initializers on first use."""
@@ -226,10 +233,10 @@ class LowerCtx:
         varying = self.run_time.get(value, set())
         if not varying:
             return out, 1
-        src, src_varying = self.shape(source), self.run_time.get(source, set())
+        src = self.shape(source)
         target, rest = list(out), []
         for d in sorted(varying):
-            if d in src_varying and d < len(src) and src[d] == out[d]:
+            if d < len(src) and self.same_run_time_dim(value, d, source, d):
                 target[d] = 0
             else:
                 rest.append(d)
@@ -244,11 +251,11 @@ class LowerCtx:
         already has is 1 (broadcasting keeps the source's), so the constant holds at every size."""
         out = self.shape(value)
         varying = self.run_time.get(value, set())
-        src, src_varying = self.shape(source), self.run_time.get(source, set())
+        src = self.shape(source)
         target = list(out)
         for d in varying:
             s = d - (len(out) - len(src))
-            if s < 0 or s not in src_varying or src[s] != out[d]:
+            if s < 0 or not self.same_run_time_dim(value, d, source, s):
                 raise LoweringError(f"an expand to run-time dim {d} of {out} from {src}")
             target[d] = 1
         return target
@@ -513,10 +520,36 @@ def softmax(onnx_op: str):
 def _layer_norm(ctx: LowerCtx, node):
     x, normalized_shape, weight, bias, eps = _args(node)[:5]
     dtype = ctx.dtype(x)
-    norm_shape = ctx.const(normalized_shape)
-    scale = ctx.tensor(weight) if is_tensor(weight) else ctx.b.constant(np.ones(norm_shape, dtype))
+    items = run_time_size_list(normalized_shape)
+    if items is None:
+        norm_shape = ctx.const(normalized_shape)
+        ones = np.ones(norm_shape, dtype)
+    else:  # x.shape[-k:] over run-time dims: ONNX normalizes over the last k, whatever their sizes
+        _check_trailing_dims(ctx, x, items)
+        norm_shape, ones = items, np.ones([1] * len(items), dtype)  # (a scale broadcast over them)
+    scale = ctx.tensor(weight) if is_tensor(weight) else ctx.b.constant(ones)
     inputs = [ctx.tensor(x), scale] + ([ctx.tensor(bias)] if is_tensor(bias) else [])
     return [ctx.b.op("LayerNormalization", inputs, axis=-len(norm_shape), epsilon=float(ctx.const(eps)))]
+
+
+def _check_trailing_dims(ctx: LowerCtx, x: torch.Value, items: list) -> None:
+    """layer_norm's normalized_shape as a list of sizes must be x's last dims, as eager checks (an
+    engine normalizes over the last len(items) dims without looking at the values): each item a
+    constant equal to a static dim of x, or the size of a dim that has x's sizes at every probe."""
+    shape, first = ctx.shape(x), len(ctx.shape(x)) - len(items)
+    for i, item in enumerate(items):
+        d = first + i
+        static = d >= 0 and d not in ctx.run_time.get(x, {})
+        if is_constant(item):
+            same = static and ctx.const(item) == shape[d]
+        else:
+            of, dim = item.node().inputsAt(0), item.node().inputsAt(1)
+            dim = ctx.const(dim) % len(ctx.shape(of)) if d >= 0 else None
+            same = d >= 0 and item.node().kind() == "aten::size" and (
+                ctx.same_run_time_dim(of, dim, x, d) or
+                static and dim not in ctx.run_time.get(of, {}) and ctx.shape(of)[dim] == shape[d])
+        if not same:
+            raise LoweringError(f"layer_norm's normalized_shape item {i} is not provably dim {d} of its input")
 
 
 def _transpose_last2(ctx: LowerCtx, name: str, rank: int) -> str:
@@ -1305,10 +1338,24 @@ def _roll(ctx: LowerCtx, node):
     dims = [dims] if isinstance(dims, int) else dims
     if not dims:  # roll of the flattened tensor
         flat = ctx.b.op("Reshape", [name, ctx.b.ints([-1])])
-        return [reshape_exact(ctx, _roll_axis(ctx, flat, 0, shifts[0], int(np.prod(shape))), shape)]
+        if not ctx.run_time.get(x):
+            return [reshape_exact(ctx, _roll_axis(ctx, flat, 0, shifts[0], int(np.prod(shape))), shape)]
+        # with run-time dims, the element count and the shape back are read at run time
+        rolled = _roll_axis(ctx, flat, 0, shifts[0], _element_count(ctx, x))
+        return [ctx.b.op("Reshape", [rolled, ctx.b.op("Shape", [name])], allowzero=1)]
     for shift, dim in zip(shifts, dims):
         name = _roll_axis(ctx, name, dim % len(shape), shift, ctx.dim_size(x, dim % len(shape)))
     return [name]
+
+
+def _element_count(ctx: LowerCtx, x: torch.Value) -> str:
+    """x's element count as a 0-d int64 ONNX size: the product of its dims, run-time ones read
+    from its shape (size arithmetic the engine computes from its size symbols)."""
+    static = int(np.prod([n for d, n in enumerate(ctx.shape(x)) if d not in ctx.run_time.get(x, {})]))
+    count = ctx.scalar(static, np.int64)
+    for d in sorted(ctx.run_time.get(x, {})):
+        count = ctx.b.op("Mul", [count, ctx.read_dim(x, d)])
+    return count
 
 
 def _flip(ctx: LowerCtx, node):
@@ -1700,7 +1747,7 @@ LOWERING: dict[str, Rule] = {
     "aten::amin": Rule(reduce("ReduceMin")),
     "aten::softmax": Rule(softmax("Softmax")),
     "aten::log_softmax": Rule(softmax("LogSoftmax")),
-    "aten::layer_norm": Rule(_layer_norm),
+    "aten::layer_norm": Rule(_layer_norm, size_args=True),
     "aten::prod": Rule(reduce("ReduceProd")),
     "aten::max": Rule(_min_max("ReduceMax"), _min_max_check),
     "aten::min": Rule(_min_max("ReduceMin"), _min_max_check),

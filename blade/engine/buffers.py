@@ -103,6 +103,28 @@ def unpermuted(idx, order) -> list:
     return logical
 
 
+def _at_least_unless_empty(a, b, shape) -> bool:
+    """a >= b wherever a tensor of this shape has elements: a = b * q exactly, q a product of
+    consecutive dims of the shape (a contiguous stride over a dim that may be 0, as [b, s - 1, 5]
+    from x[:, :-1] with s from 1 has: 0 only where the tensor is empty, so no loop runs)."""
+    a, b = as_expr(a), as_expr(b)
+    if b.bounds()[0] < 1:
+        return False
+    try:
+        q = a // b
+    except ValueError:
+        return False
+    if q * b != a or q.bounds()[0] < 0:
+        return False
+    for i in range(len(shape)):
+        run = as_expr(1)
+        for n in shape[i:]:
+            run = run * n
+            if run == q:
+                return True
+    return False
+
+
 def memory_order(s: Strided) -> tuple:
     """s's dims from the largest stride to the smallest (the order of a loop nest that walks its
     memory forward); size-1 dims keep their place."""
@@ -114,9 +136,9 @@ def memory_order(s: Strided) -> tuple:
             sa, sb = s.layout.strides[a], s.layout.strides[b]
             if as_expr(sa) == sb:
                 return 0
-            if proves_at_least(sa, sb):
+            if proves_at_least(sa, sb) or _at_least_unless_empty(sa, sb, s.shape):
                 return -1
-            if proves_at_least(sb, sa):
+            if proves_at_least(sb, sa) or _at_least_unless_empty(sb, sa, s.shape):
                 return 1
             raise TypeError(f"the memory order of strides {strides} depends on run-time sizes")
         moving.sort(key=functools.cmp_to_key(larger_first))

@@ -46,6 +46,8 @@ DERIVED_OPS = {
     "mul": lambda *a: reduce(operator.mul, a),
     "floordiv": operator.floordiv,
     "mod": operator.mod,
+    "max": lambda *a: reduce(maximum, a),   # x[:, 1:-1] of a length from 1: Max(0, s - 2)
+    "min": lambda *a: reduce(minimum, a),
 }
 
 
@@ -585,7 +587,7 @@ def _run_time_slice(n: Expr, start: int, end: int, step: int) -> tuple:
     lo, hi = n.bounds()
     if step == -1 and start == -1 and end < -hi:  # the whole dim reversed (torch.flip): from n - 1 down
         return n - 1, n
-    if step != 1:
+    if step < 1:
         raise UnsupportedOnnxOp(f"Slice with step {step} along a run-time dim")
 
     def position(i: int, clamp_high: bool):
@@ -595,12 +597,16 @@ def _run_time_slice(n: Expr, start: int, end: int, step: int) -> tuple:
             return i
         if i < 0 and -i <= lo:
             return n + i                  # from the end, never before the start
+        # (a bound clamped at some sizes only would be a min/max the probes seldom tell apart from
+        # n itself: x[:, :10] at probe lengths below 10 declares its output dim n)
         raise UnsupportedOnnxOp(f"Slice bound {i} of a run-time dim in [{lo}, {hi}] (clamped at some sizes only)")
 
     first, last = position(start, False), position(end, True)
     length = last - first
-    if not proves_nonnegative(length):
-        raise UnsupportedOnnxOp(f"Slice [{start}:{end}] of a run-time dim in [{lo}, {hi}] (empty at some sizes)")
+    if not proves_nonnegative(length):  # empty at some sizes (x[:, 1:-1] of a length from 1: max(n - 2, 0))
+        length = maximum(length, 0)
+    if step > 1:  # every step-th element from the first (x[:, ::2]): ceil(length / step) of them
+        length = floordiv(length + (step - 1), step)
     return first, length
 
 
@@ -942,23 +948,16 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
             raise UnsupportedOnnxOp(f"graph input {value.name!r} of dtype {dtype}")
         env[value.name] = b.input(value.name, _input_shape(value, symbols), dtype)
         inputs.append(env[value.name])
-    for node in graph.node:
+    for index, node in enumerate(graph.node):
         if node.op_type == "Constant":
             continue
-        if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_RULES:
-            raise UnsupportedOnnxOp(f"ONNX op {node.domain + '::' if node.domain else ''}{node.op_type} "
-                                    f"(node {node.name or node.output[0]!r}) is not supported by the engine")
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
-        args = [env[name] for name in node.input]
-        sizes_only = any(_is_sizes(a) for a in args) and all(a is None or _is_sizes(a) or a.op == "const" for a in args)
-        rule = SIZE_RULES.get(node.op_type) if sizes_only else None
-        outs = (rule or ONNX_RULES[node.op_type])(b, attrs, *args)
-        for name, out in zip(node.output, outs):
-            if not name:
-                continue
-            _check_against_inference(node, name, out, typed.get(name), symbols)
-            env[name] = out
+        try:
+            _lower_node(b, node, env, typed, symbols)
+        except Exception as err:
+            # which ONNX node failed: the frontend (blade/dynamic.py) leaves the op that made it
+            # out of the cluster rather than the whole cluster
+            err.onnx_node = index
+            raise
     outputs = [(v.name, env[v.name]) for v in graph.output]
     if any(node.op == "size" for _, node in outputs):
         raise UnsupportedOnnxOp("a run-time size as a graph output")
@@ -966,6 +965,24 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
     derived = _derived_symbols(model, symbols, used, {d for _, node in outputs for d in node.shape})
     return Graph(inputs, outputs, [n for n in b.nodes if n.op != "size"],
                  [(name, var) for name, var in symbols.items() if var in used], derived)
+
+
+def _lower_node(b: Builder, node, env: dict, typed: dict, symbols: dict) -> None:
+    """One ONNX node's IR, its outputs checked against ONNX's inference and bound in env."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ONNX_RULES:
+        raise UnsupportedOnnxOp(f"ONNX op {node.domain + '::' if node.domain else ''}{node.op_type} "
+                                f"(node {node.name or node.output[0]!r}) is not supported by the engine")
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    args = [env[name] for name in node.input]
+    sizes_only = any(_is_sizes(a) for a in args) and all(a is None or _is_sizes(a) or a.op == "const" for a in args)
+    rule = SIZE_RULES.get(node.op_type) if sizes_only else None
+    outs = (rule or ONNX_RULES[node.op_type])(b, attrs, *args)
+    for name, out in zip(node.output, outs):
+        if not name:
+            continue
+        _check_against_inference(node, name, out, typed.get(name), symbols)
+        env[name] = out
 
 
 def _size_symbols(model: onnx.ModelProto) -> dict:

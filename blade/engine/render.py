@@ -17,7 +17,7 @@ from .buffers import ALIGN
 from .lines import DECLS, declare, for_loop, indent, line_text
 from .loops import RowGroup, stack_row_numel, stack_rows
 from .optable import literal
-from .symbolic import Expr, Var
+from .symbolic import Expr, Var, maximum
 
 PARALLEL_WORK = 16384          # elements of work below which a loop is not worth a thread
 STACK_ROW_BYTES = 64 * 1024    # per row group: rows of group-local scratch kept on each thread's stack
@@ -44,6 +44,13 @@ extern "C" int32_t blade_engine_run(const BladeRuntime* rt, const void* const* i
   (void)arena;"""
 
 
+def _at_least_one(n):
+    """A row dim as a divisor: a run-time dim that may be 0 (x[:, :-1] of a length from 1) as
+    max(n, 1), equal to it wherever a row runs (the loop over the rows' product runs none when a
+    dim is 0), and a divisor the index arithmetic can take."""
+    return maximum(n, 1) if isinstance(n, Expr) and n.bounds()[0] < 1 else n
+
+
 def render_group(group: RowGroup, stack: dict) -> tuple:
     """(comment, lines) of a row group: one parallel loop over its rows running every kernel.
     stack: the group's scratch kept a row per thread (loops.stack_rows)."""
@@ -55,8 +62,9 @@ def render_group(group: RowGroup, stack: dict) -> tuple:
     row_dims = [d for d, n in enumerate(group.rows) if n != 1]
     for d in reversed(row_dims):
         q = row // step
-        unflatten.insert(0, f"const int64_t i{d} = {q if d == row_dims[0] else q % group.rows[d]};")
-        step *= group.rows[d]
+        n = _at_least_one(group.rows[d])
+        unflatten.insert(0, f"const int64_t i{d} = {q if d == row_dims[0] else q % n};")
+        step *= n
     rows_body = unflatten
     for kernel in group.kernels:
         rows_body += [f"// {kernel.comment}"] * (len(group.kernels) > 1) + kernel.body

@@ -13,14 +13,16 @@ from blade_testing import Capture, assert_close
 
 SEQ_MAX, BATCH_MAX, WIDTH = 24, 6, 5
 
-# name -> (forward, the smallest sequence: eager's for pooling; for "rows", a probe at seq 1 makes
-# batch * seq equal batch, and the reshape's lowering (support.target_shape) then keeps that dim
-# as the input's (0) at that probe only: its ONNX differs between probes and it stays in TorchScript)
+# name -> (forward, the smallest sequence: eager's for pooling). The [batch * seq, 5] patterns from
+# seq 1: at a probe where seq is 1, batch * seq equals batch, and the reshape's lowering compares
+# run-time dims by their sizes at every probe (support.LowerCtx.same_run_time_dim), not at that one
 PATTERNS = {
     "cat": (lambda x: torch.cat([x * 2, x + 1], 1) * 3, 1),
     "pad": (lambda x: F.pad(x * 2, (0, 0, 1, 2)) + 1, 1),
     "flatten": (lambda x: (x * 2).reshape(x.shape[0], -1) + 1, 1),
-    "rows": (lambda x: (x * 2).reshape(-1, WIDTH) + 1, 2),
+    "rows": (lambda x: (x * 2).reshape(-1, WIDTH) + 1, 1),
+    "view_rows": (lambda x: (x * 2).view(-1, WIDTH) + 1, 1),
+    "flatten_rows": (lambda x: (x * 2).flatten(0, 1) + 1, 1),
     "avg_pool1d": (lambda x: F.avg_pool1d((x * 2).transpose(1, 2), 2) + 1, 2),
     "arange_step": (lambda x: ((x * 2).relu(), torch.arange(0, x.shape[1], 2) * 3), 1),
 }

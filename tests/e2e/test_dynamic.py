@@ -5,6 +5,7 @@ Config(dynamic_shapes="specialize") compile per shape. Engine compiles are count
 blade.pipeline.compile_many (one job = one engine = one g++ run on a cache miss)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import blade.pipeline
 from blade.config import Config
@@ -133,16 +134,19 @@ def test_sizes_past_the_cap_compile_per_shape(model, engine_compiles):
         assert isinstance(capture.compiled[0]._outside, ShapeSpecialized)
 
 
-def test_an_op_that_computes_from_a_size_stays_in_torchscript():
-    """A roll of the flattened tensor (its Slice bounds are the run-time element count): the ops
-    whose ONNX would bake the count in stay in TorchScript, named with the reason; the rest still
-    compiles once. (A roll along a dim and a causal mask over the length compute in engines:
-    test_dynamic_sizes.py.)"""
-    class Rolled(torch.nn.Module):
-        def forward(self, x):
-            return torch.softmax(torch.roll(x, 1) * 2.0, -1).relu()
+class Resized(torch.nn.Module):
+    """A nearest resize by 1.5 along a run-time length: its rule writes the source positions as a
+    constant of the output's length. (A roll, flattened or along a dim, and a causal mask over the
+    length compute in engines: test_dynamic_ops.py, test_dynamic_sizes.py.)"""
 
-    capture = compile_dynamic_and_check(Rolled().eval(), [(2, 6, 6), (3, 9, 9), (5, 4, 4)])
+    def forward(self, x):
+        return torch.softmax(F.interpolate(x * 2.0, scale_factor=1.5), -1).relu()
+
+
+def test_an_op_that_computes_from_a_size_stays_in_torchscript():
+    """The op the engine refuses at run-time sizes stays in TorchScript, named with the reason; the
+    rest still compiles once."""
+    capture = compile_dynamic_and_check(Resized().eval(), [(2, 6, 6), (3, 9, 9), (5, 4, 4)])
     report = capture.report
     assert report.size_symbols and 0 < report.aten_in_engines < report.aten_total
     assert report.left_out
@@ -245,9 +249,5 @@ def test_specialize_mode_compiles_per_shape():
 def test_explain_names_the_size_symbols_and_what_stays_in_torchscript():
     import blade
 
-    class Rolled(torch.nn.Module):
-        def forward(self, x):
-            return torch.softmax(torch.roll(x, 1) * 2.0, -1).relu()
-
-    text = str(blade.explain(Rolled().eval(), torch.randn(2, 6, 6), dynamic=True))
+    text = str(blade.explain(Resized().eval(), torch.randn(2, 6, 6), dynamic=True))
     assert "size symbols: s" in text and "computes from a run-time size" in text, text

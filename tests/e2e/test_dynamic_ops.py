@@ -1,0 +1,155 @@
+"""Ops under run-time sizes that once cost more than themselves (issue 12): an op the engine
+compiler refuses at run-time sizes (a slice whose bound clamps at some sizes only) used to fail
+its whole cluster's compile, so every op of it stayed in TorchScript; now that op alone stays out
+(its reason in blade.explain) and the rest computes in engines. layer_norm over x.shape[-k:] of
+run-time dims and a roll of the flattened tensor compute in engines. Each checked against eager
+at size 1, small sizes and the maxima, with one compile (blade.compile_model, dims from 1)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blade_testing import assert_close
+
+SEQ_MAX, BATCH_MAX, WIDTH_MAX = 24, 6, 16
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def compiled(fn, dims: dict, example=(3, 7, 5)):
+    import blade
+    model = Fn(fn).eval()
+    declared = {d: torch.export.Dim(name, min=1, max=hi) for d, (name, hi) in dims.items()}
+    return model, blade.compile_model(model, (torch.randn(*example),), blade.Config(min_cluster_size=1),
+                                      dynamic_shapes={"x": declared})
+
+
+def check_sizes(model, compiled_model, shapes):
+    with torch.no_grad():
+        for shape in shapes:
+            x = torch.randn(*shape)
+            assert_close(compiled_model.signature.outputs(compiled_model(x)), model(x))
+
+
+def engine_kinds(report) -> set:
+    return {kind for c in report.clusters if c.status == "compiled" for kind in c.op_kinds}
+
+
+BATCH_SEQ = {0: ("batch", BATCH_MAX), 1: ("seq", SEQ_MAX)}
+SIZES = [(1, 1, 5), (BATCH_MAX, 1, 5), (1, SEQ_MAX, 5), (2, 3, 5), (3, 10, 5), (4, 11, 5), (BATCH_MAX, SEQ_MAX, 5)]
+
+
+def test_an_op_the_engine_refuses_stays_out_and_the_rest_of_its_cluster_computes_in_engines():
+    """x[:, :10] with seq in [1, 24]: the engine's Slice refuses a bound clamped at some sizes only.
+    It stays in TorchScript with the engine's reason; the multiply before it and the add after it
+    are engines (before: the one cluster failed to compile, 0 of 4 aten ops in engines)."""
+    model, result = compiled(lambda x: (x * 2)[:, :10] + 1, BATCH_SEQ)
+    report = result.report
+    assert not [c.name for c in report.clusters if c.status != "compiled"], report.left_out
+    left = [(kind, reason) for kind, reason in report.left_out if kind.startswith("aten::")]
+    assert len(left) == 1 and left[0][0] == "aten::slice" and "Slice bound 10" in left[0][1], left
+    assert {"aten::mul", "aten::add"} <= engine_kinds(report)
+    assert report.aten_in_engines == report.aten_total - 1, report.left_out
+    check_sizes(model, result, SIZES)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("last", lambda x: F.layer_norm(x * 2, x.shape[-1:]) + 1),
+    ("last_two", lambda x: F.layer_norm(x * 2, x.shape[-2:]) - 1),
+    ("weighted", lambda x: F.layer_norm(x * 2, x.shape[-1:], torch.ones(x.shape[-1]) * 3, torch.ones(x.shape[-1])))])
+def test_layer_norm_over_run_time_trailing_dims_computes_in_an_engine(name, fn):
+    """normalized_shape = x.shape[-k:] with every dim run-time (width 1 too: a normalization over
+    one element)."""
+    dims = {**BATCH_SEQ, 2: ("width", WIDTH_MAX)}
+    model, result = compiled(fn, dims)
+    report = result.report
+    assert "aten::layer_norm" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
+    check_sizes(model, result, [(1, 1, 1), (BATCH_MAX, 1, 3), (1, SEQ_MAX, WIDTH_MAX), (2, 3, 4), (3, 7, 5),
+                                (2, 5, 1), (BATCH_MAX, SEQ_MAX, WIDTH_MAX)])
+
+
+@pytest.mark.parametrize("shift", [3, -7, 40])
+def test_a_roll_of_the_flattened_tensor_computes_in_an_engine(shift):
+    """torch.roll without dims over run-time dims: the element count read at run time, shifts below
+    and past it (40 > 1 * 1 * 5)."""
+    model, result = compiled(lambda x: torch.roll(x * 2, shift) + 1, BATCH_SEQ)
+    report = result.report
+    assert "aten::roll" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
+    check_sizes(model, result, SIZES)
+
+
+def test_an_engine_rule_disagreeing_with_onnx_inference_costs_only_its_op(monkeypatch):
+    """A deliberately inconsistent engine rule (Relu's IR of another shape than ONNX infers, the
+    check blade/engine/ir.py _check_against_inference makes): relu alone stays in TorchScript,
+    named with the engine's reason, and the ops around it compute in engines."""
+    import numpy as np
+    from blade.engine import ir
+    monkeypatch.setitem(ir.ONNX_RULES, "Relu", lambda b, attrs, x: [b.const(np.zeros(3, x.dtype))])
+    model, result = compiled(lambda x: (x * 2).relu() + 1, BATCH_SEQ)
+    report = result.report
+    left = [(kind, reason) for kind, reason in report.left_out if kind.startswith("aten::")]
+    assert len(left) == 1 and left[0][0] == "aten::relu" and "ONNX infers" in left[0][1], left
+    assert {"aten::mul", "aten::add"} <= engine_kinds(report), report.left_out
+    check_sizes(model, result, SIZES)
+
+
+def test_the_onnx_contract_check_names_the_node_it_refuses():
+    """check_contract's output mismatch carries the index of the ONNX node whose rule disagrees,
+    which blade/dynamic.py maps back to the cluster op it blames."""
+    from onnx import TensorProto, helper
+    from blade.cluster.lower import check_contract
+    from blade.cluster.support import LoweringError
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Transpose", ["a"], ["b"], perm=[1, 0]),
+             helper.make_node("Identity", ["b"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    with pytest.raises(LoweringError, match="Inferred shape and existing shape differ") as caught:
+        check_contract(model)
+    assert caught.value.onnx_node == 1
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 3
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 2
+    check_contract(model)  # (consistent now)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("shift_left", lambda x: (x * 2)[:, :-1] + 1),
+    ("shift_right", lambda x: (x * 2)[:, 1:] + 1),
+    ("inner", lambda x: (x * 2)[:, 1:-1] + 1),
+    ("inner_sum", lambda x: (x * 2)[:, 1:-1].sum(1) + 1)])
+def test_slices_empty_at_the_smallest_lengths_compute_in_engines(name, fn):
+    """A language model's shifted logits x[:, :-1] / x[:, 1:] and x[:, 1:-1] with seq from 1: their
+    length s - 1 or max(s - 2, 0) is 0 at the smallest sizes. The engine's row loops take such a
+    dim (a divisor max(n, 1) where rows run, and memory order decided where the tensor has
+    elements), the Slice's length is max(.., 0), and an output dim may be a max of sizes. Before:
+    the memory-order and divisor refusals failed each whole cluster (0 of 4 aten ops in engines),
+    x[:, 1:-1] was refused."""
+    model, result = compiled(fn, BATCH_SEQ)
+    report = result.report
+    assert "aten::slice" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, \
+        (report.left_out, report.symbolic_refusals)
+    check_sizes(model, result, SIZES + [(3, 2, 5)])
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("every_second", lambda x: (x * 2)[:, ::2] + 1),
+    ("every_third_from_1", lambda x: (x * 2)[:, 1::3] + 1),
+    ("every_second_sum", lambda x: (x * 2)[:, ::2].sum(1) + 1)])
+def test_stepped_slices_along_a_run_time_dim_compute_in_engines(name, fn):
+    """x[:, ::2] and x[:, 1::3] with seq from 1: ceil(max(s - start, 0) / step) elements, a stepped
+    view (before: 'Slice with step 2 along a run-time dim', the slice in TorchScript)."""
+    model, result = compiled(fn, BATCH_SEQ)
+    report = result.report
+    assert "aten::slice" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, \
+        (report.left_out, report.symbolic_refusals)
+    check_sizes(model, result, SIZES + [(3, 2, 5), (2, 4, 5)])
