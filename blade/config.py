@@ -72,6 +72,9 @@ class Config:
     # of live tensor bytes at the maxima fits dynamic_memory_budget. Larger sizes compile per shape.
     dynamic_max_size: int = _env_or("dynamic_max_size", 4096)
     dynamic_memory_budget: int = _env_or("dynamic_memory_budget", 1 << 30)
+    # blade.load: glibc maps blocks of at least this many bytes and unmaps them on free, so a
+    # server's peak RSS stays at the largest shape's (blade/malloc.py); 0 leaves malloc alone
+    mmap_threshold: int = _env_or("mmap_threshold", 128 << 10)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACK_MODES:
@@ -126,6 +129,7 @@ ENV_VARS = {
     "dynamic_shapes": ("BLADE_DYNAMIC_SHAPES", str),
     "dynamic_max_size": ("BLADE_DYNAMIC_MAX_SIZE", int),
     "dynamic_memory_budget": ("BLADE_DYNAMIC_MEMORY_BUDGET", int),
+    "mmap_threshold": ("BLADE_MMAP_THRESHOLD", int),
 }
 
 _local = threading.local()

@@ -42,6 +42,7 @@ from blade.aot import CorruptArtifact, check_stamps, make_stamps
 from blade.config import Config, current
 from blade.dynamic import NotSymbolic, SizeSymbols, arguments_at
 from blade.heap import frozen_heap
+from blade.malloc import bound_large_blocks
 from blade.pipeline import CompiledModule, compile_fx
 from blade.shared_constants import sharing_constants
 from blade.signature import SIGNATURE_FILE, ExportedModule, Signature
@@ -379,6 +380,7 @@ def load(path: str) -> ExportedModule:
         raise ValueError(f"{path} is not a blade archive (no {METADATA_FILE}); use torch.jit.load")
     check_stamps(stamps, f"blade archive {path}")
     check_records(path)
+    bound_large_blocks(current().mmap_threshold)  # a server's peak stays the largest shape's
     signature = read_extra(path, SIGNATURE_FILE)
     what = f"blade archive {path}"
     return ExportedModule(torch.jit.load(path), Signature.loads(signature, what) if signature else None, what)

@@ -30,6 +30,7 @@ import torch.fx
 from blade.cluster.aliasing import written_attributes, written_constants
 from blade.cluster.support import is_size_arithmetic
 from blade.guards import wrapped_scalars
+from blade.executor import unoptimized
 
 log = logging.getLogger("blade")
 
@@ -383,7 +384,9 @@ def measure_types(module: torch.jit.ScriptModule, inputs: list) -> dict:
     for value in values:
         probe.registerOutput(probe_values[value])
     probe.makeMultiOutputIntoTuple()
-    fn = torch._C._create_function_from_graph("blade_type_probe", probe)
+    # run once: the graph executor's profiling and optimization (most of a call's time on a
+    # fresh function) would buy nothing (blade/executor.py)
+    fn = unoptimized(torch._C._create_function_from_graph("blade_type_probe", probe))
     with torch.no_grad():  # on copies: the graph may write its inputs and the module's state
         results = fn(copy.deepcopy(module)._c, *copied_tensors(inputs))
     if not isinstance(results, tuple):
