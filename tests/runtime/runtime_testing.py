@@ -18,16 +18,19 @@ from blade.engine.manifest import Manifest, SizeSymbol, TensorSpec
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _avx512() -> bool:
+def _cpu_flags() -> set:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return " avx512f" in cpuinfo.read()
+            return {flag for line in cpuinfo if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
     except OSError:
-        return False
+        return set()
 
 
+_FLAGS = _cpu_flags()
 # The runtime's own GEMM (cpp/gemm_panels.cpp) runs on AVX-512 CPUs: there "auto" has one more candidate.
-PANELS_USABLE = _avx512()
+PANELS_USABLE = "avx512f" in _FLAGS
+# On AVX2 CPUs it runs a constant B (a packed weight) only.
+PANELS_PACKED_USABLE = PANELS_USABLE or {"avx2", "fma"} <= _FLAGS
 ENGINE_SOURCES = Path(__file__).resolve().parent / "engines"
 CXX_FLAGS = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-I{REPO / 'cpp'}"]
 

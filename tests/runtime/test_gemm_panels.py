@@ -1,5 +1,6 @@
 """The runtime's own GEMM on B in 32-column panels (cpp/gemm_panels.cpp): a constant B packed once, a
-computed one (any batch) read in place or packed per call. Against
+computed one (any batch) read in place or packed per call; without AVX-512, an AVX2 kernel (blocks
+of 6 rows x 16 columns) for a constant B only. Against
 float64 numpy over the sgemm contract where it applies: row counts around its register blocks of 8
 (and their remainders) and its row chunks, column counts around the panel width (the last panel's
 padding is computed and must not be stored), K down to 1, transposed and padded operands, alpha
@@ -11,10 +12,15 @@ import torch
 
 import blade._C
 from blade._C import _testing
-from runtime_testing import PANELS_USABLE, run_sgemm
+from runtime_testing import PANELS_PACKED_USABLE, PANELS_USABLE, run_sgemm
 
 
 needs_avx512 = pytest.mark.skipif(not PANELS_USABLE, reason="the panels kernel needs AVX-512 (MKL runs instead)")
+needs_avx2 = pytest.mark.skipif(not PANELS_PACKED_USABLE, reason="the panels kernel needs AVX2 and FMA (MKL runs instead)")
+
+
+def _panels_calls():
+    return _testing.gemm_kernel_calls("panels")
 
 
 @pytest.fixture
@@ -24,11 +30,15 @@ def panels():
     _testing.set_gemm_backend("")
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 17, 32, 129])
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 9, 13, 17, 32, 129])
+@pytest.mark.parametrize("n", [1, 8, 15, 16, 17, 24, 32, 33, 100])
 def test_rows_and_columns(panels, m, n):
+    """Around both register blocks (8 rows x 32 columns with AVX-512, 6 x 16 with AVX2) and their
+    remainders; the kernel really runs where the CPU has it."""
+    before = _panels_calls()
     run_sgemm(1, m, n, 37, 1.0, 0.0, False, True, pack=True, pad=0)
     run_sgemm(1, m, n, 37, -1.5, 0.5, True, False, pack=True, pad=3, seed=1)
+    assert _panels_calls() == before + 2 * PANELS_PACKED_USABLE
 
 
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False), (True, True)])
@@ -36,10 +46,6 @@ def test_rows_and_columns(panels, m, n):
 @pytest.mark.parametrize("k", [1, 3, 256, 1024])
 def test_transposes_and_scales(panels, trans_a, trans_b, alpha, beta, k):
     run_sgemm(1, 8, 40, k, alpha, beta, trans_a, trans_b, pack=True)
-
-
-def _panels_calls():
-    return _testing.gemm_kernel_calls("panels")
 
 
 @needs_avx512
@@ -99,8 +105,9 @@ def _nonfinite_gemm(m, n, k, trans_b=False, pack=True):
     return c.double().numpy(), want
 
 
-@needs_avx512
-@pytest.mark.parametrize("trans_b, pack", [(False, True), (False, False), (True, False)])
+@pytest.mark.parametrize("trans_b, pack", [pytest.param(False, True, marks=needs_avx2),
+                                           pytest.param(False, False, marks=needs_avx512),
+                                           pytest.param(True, False, marks=needs_avx512)])
 def test_nan_and_infinities(panels, trans_b, pack):
     """A constant B, and a computed one read in place or packed per call."""
     got, want = _nonfinite_gemm(9, 35, 20, trans_b, pack)
@@ -122,7 +129,7 @@ def _gemm(backend, m=8, n=96, k=1024):
         _testing.set_gemm_backend("")
 
 
-@needs_avx512
+@needs_avx2
 def test_pinned_kernel_really_runs():
     """Over K = 1024 the kernel's sum order (one FMA chain per output) rounds unlike MKL's."""
     few, _ = _gemm("panels")
@@ -131,7 +138,7 @@ def test_pinned_kernel_really_runs():
     assert not torch.equal(few, mkl)
 
 
-@needs_avx512
+@needs_avx2
 def test_auto_times_it():
     """8 rows x a constant [1024, 128]: above auto's 2 MFLOP, so the bucket's calls sample every
     kernel, this one too (each kernel's first call at the shape is no sample)."""
@@ -148,19 +155,20 @@ def test_auto_times_it():
     assert "panels" in dict(choice["microseconds"])
 
 
-@needs_avx512
+@needs_avx2
 @pytest.mark.parametrize("m, n", [(8, 2048), (197, 40), (61, 33)])
 def test_threads_split_the_tasks(m, n):
     """Two threads: many panels (whole panels per task), or two panels or fewer (row chunks too,
-    the last one short): the same result, for a constant B and a computed batch."""
+    the last one short): the same result, for a constant B and (AVX-512) a computed batch."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         _testing.set_gemm_backend("panels")
         run_sgemm(1, m, n, 1024, 1.0, 0.0, False, True, pack=True, pad=1)
         run_sgemm(1, m, n, 64, 0.5, 1.0, True, False, pack=True, pad=2, seed=1)
-        run_sgemm(3, m, n, 64, 1.0, 0.0, False, True, pad=1, seed=2)
-        run_sgemm(3, m, n, 64, 0.5, 1.0, False, False, pad=0, seed=3)
+        if PANELS_USABLE:
+            run_sgemm(3, m, n, 64, 1.0, 0.0, False, True, pad=1, seed=2)
+            run_sgemm(3, m, n, 64, 0.5, 1.0, False, False, pad=0, seed=3)
     finally:
         _testing.set_gemm_backend("")
         torch.set_num_threads(threads)
