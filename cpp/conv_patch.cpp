@@ -13,7 +13,11 @@
 namespace blade {
 namespace {
 
-// 16 floats, unaligned (as in depthwise.cpp): one AVX-512 register, two AVX2 ones in their clone.
+// The kernels are templates on the vector type V, instantiated once per ISA (the block functions'
+// versions below): 16 floats (one AVX-512 register) where AVX-512 is, 8 (one AVX2 register)
+// elsewhere. A 16-float vector in an AVX2 function is no pair of registers to g++: it keeps the
+// accumulators on the stack and broadcasts through it (ResNet-18's 3x3/2 128->256 at 28x28 ran
+// 69 ms instead of ~1 ms on an AVX2-only EPYC). Unaligned, as in depthwise.cpp.
 typedef float Floats16 __attribute__((vector_size(64), aligned(4)));
 constexpr int64_t kPanel = 32;       // output channels per weight panel: two vectors
 constexpr int64_t kTileRows = 6;     // pixels per register tile: 12 accumulators, 2 weights, 1 broadcast
@@ -24,6 +28,23 @@ __attribute__((always_inline)) inline void store16(float* p, Floats16 v) { *rein
 typedef float Floats8 __attribute__((vector_size(32), aligned(4)));
 __attribute__((always_inline)) inline Floats8 load8(const float* p) { return *reinterpret_cast<const Floats8*>(p); }
 __attribute__((always_inline)) inline void store8(float* p, Floats8 v) { *reinterpret_cast<Floats8*>(p) = v; }
+template <typename V>
+constexpr int kLanes = sizeof(V) / sizeof(float);
+// Unaligned through memcpy: a typedef's aligned(4) does not survive as a template argument (V is
+// then the naturally aligned vector, and its loads fault on unaligned rows).
+template <typename V>
+__attribute__((always_inline)) inline V load(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <typename V>
+__attribute__((always_inline)) inline void store(float* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
+// Output channels one tile covers: a whole panel in two AVX-512 vectors a pixel (6 x 2 accumulators
+// of 32 registers), half a panel in two AVX2 ones (6 x 2 of 16 registers; a whole panel, 6 x 4,
+// would not fit).
+template <typename V>
+constexpr int64_t kTileChannels = 2 * kLanes<V>;
 
 // The last panel's channels past the output's are not read or written: its last vector (past a
 // half vector, finish_tile) goes through the short array y (an array, not a vector argument: this function is not cloned per
@@ -44,62 +65,65 @@ __attribute__((noinline)) void partial_store(float* y, const float* bias, const 
   std::memcpy(out, y, width * sizeof(float));
 }
 
-template <int Rows, int Vectors>
-__attribute__((always_inline)) inline void zero_tile(Floats16 (&acc)[Rows][Vectors]) {
+template <typename V, int Rows, int Vectors>
+__attribute__((always_inline)) inline void zero_tile(V (&acc)[Rows][Vectors]) {
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
 #pragma GCC unroll 2
-    for (int v = 0; v < Vectors; ++v) acc[r][v] = Floats16{};
+    for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
   }
 }
 
 // One step over the depth: acc[r] += a[r * lda] * the panel row `w` (kPanel floats).
-template <int Rows, int Vectors>
-__attribute__((always_inline)) inline void multiply_add(Floats16 (&acc)[Rows][Vectors], const float* a, int64_t lda,
+template <typename V, int Rows, int Vectors>
+__attribute__((always_inline)) inline void multiply_add(V (&acc)[Rows][Vectors], const float* a, int64_t lda,
                                                         const float* w) {
-  Floats16 weight[Vectors];
+  V weight[Vectors];
 #pragma GCC unroll 2
-  for (int v = 0; v < Vectors; ++v) weight[v] = load16(w + 16 * v);
+  for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
-    const Floats16 x = a[r * lda] - Floats16{};  // broadcast (x - 0 is x, -0 included)
+    const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
 #pragma GCC unroll 2
     for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
   }
 }
 
 // A tile's sums + bias + residual (rows ldc floats apart, like out's), then the clamp, stored once.
-template <int Rows, int Vectors>
-__attribute__((always_inline)) inline void finish_tile(Floats16 (&acc)[Rows][Vectors], const float* bias,
+template <typename V, int Rows, int Vectors>
+__attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], const float* bias,
                                                        const float* sum, Clamp clamp, float* out, int64_t ldc,
                                                        int64_t width) {
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
 #pragma GCC unroll 2
     for (int v = 0; v < Vectors; ++v) {
-      if (16 * (v + 1) <= width) {
-        Floats16 y = acc[r][v];
-        if (bias != nullptr) y += load16(bias + 16 * v);
-        if (sum != nullptr) y += load16(sum + r * ldc + 16 * v);
+      constexpr int lanes = kLanes<V>;
+      if (lanes * (v + 1) <= width) {
+        V y = acc[r][v];
+        if (bias != nullptr) y += load<V>(bias + lanes * v);
+        if (sum != nullptr) y += load<V>(sum + r * ldc + lanes * v);
         if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
-        store16(out + r * ldc + 16 * v, y);
+        store<V>(out + r * ldc + lanes * v, y);
       } else {
         // A partial vector's first 8 lanes, when it has them, as a half vector (24 channels, 16 + 8:
         // MobileNetV2's projections to 24 stored a third of their outputs float by float); the
         // rest, if any, float by float.
-        const int64_t j = 16 * v, rest = width - j;
+        const int64_t j = lanes * v, rest = width - j;
         int64_t half = 0;
-        if (rest >= 8) {
-          Floats8 y = __builtin_shufflevector(acc[r][v], acc[r][v], 0, 1, 2, 3, 4, 5, 6, 7);
-          if (bias != nullptr) y += load8(bias + j);
-          if (sum != nullptr) y += load8(sum + r * ldc + j);
-          if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
-          store8(out + r * ldc + j, y);
-          half = 8;
+        if constexpr (lanes == 16) {
+          if (rest >= 8) {
+            Floats8 y = __builtin_shufflevector(acc[r][v], acc[r][v], 0, 1, 2, 3, 4, 5, 6, 7);
+            if (bias != nullptr) y += load8(bias + j);
+            if (sum != nullptr) y += load8(sum + r * ldc + j);
+            if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+            store8(out + r * ldc + j, y);
+            half = 8;
+          }
         }
         if (rest > half) {
-          float y[16];
-          store16(y, acc[r][v]);
+          float y[lanes];
+          store<V>(y, acc[r][v]);
           partial_store(y + half, bias != nullptr ? bias + j + half : nullptr,
                         sum != nullptr ? sum + r * ldc + j + half : nullptr, clamp, out + r * ldc + j + half,
                         rest - half);
@@ -109,15 +133,15 @@ __attribute__((always_inline)) inline void finish_tile(Floats16 (&acc)[Rows][Vec
   }
 }
 
-// A tile of Rows pixels x `width` (<= 16 * Vectors) output channels: the sums over the depth in
+// A tile of Rows pixels x `width` (<= kLanes<V> * Vectors) output channels: the sums over the depth in
 // registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
 // lda (ldc) floats apart. With Prefetch, each step over the depth also prefetches that step's
 // row of the next panel (`next`, depth x kPanel floats like `panel`; see panel_rows).
-template <int Rows, int Vectors, bool Prefetch>
+template <typename V, int Rows, int Vectors, bool Prefetch>
 __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                 const float* bias, const float* sum, Clamp clamp, float* out,
                                                 int64_t ldc, int64_t width, const float* next) {
-  Floats16 acc[Rows][Vectors];
+  V acc[Rows][Vectors];
   zero_tile(acc);
   for (int64_t k = 0; k < depth; ++k) {
     if constexpr (Prefetch) {
@@ -127,18 +151,18 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
     }
     multiply_add(acc, a + k, lda, panel + k * kPanel);
   }
-  finish_tile<Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
+  finish_tile<V, Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
 }
 
-template <int Rows, int Vectors>
+template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void tile_prefetching(const float* a, int64_t lda, const float* panel,
                                                             int64_t depth, const float* bias, const float* sum,
                                                             Clamp clamp, float* out, int64_t ldc, int64_t width,
                                                             const float* next) {
   if (next != nullptr) {
-    tile<Rows, Vectors, true>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+    tile<V, Rows, Vectors, true>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
   } else {
-    tile<Rows, Vectors, false>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr);
+    tile<V, Rows, Vectors, false>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr);
   }
 }
 
@@ -148,7 +172,7 @@ __attribute__((always_inline)) inline void tile_prefetching(const float* a, int6
 // the cache: a panel of a large weight (MobileNetV2's 320 -> 1280 at 5x5: 1.6 MB, cold in the
 // model) otherwise arrives at the memory's pace during its first tile, and that conv took twice
 // its cache-hot time.
-template <int Vectors>
+template <typename V, int Vectors>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,
                                                       int64_t ldc, int64_t width, int64_t rows, const float* next) {
@@ -160,12 +184,12 @@ __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t ld
     const float* ta = a + r * lda;
     float* tout = out + r * ldc;
     switch (end - r) {
-      case 1: tile_prefetching<1, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      case 2: tile_prefetching<2, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      case 3: tile_prefetching<3, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      case 4: tile_prefetching<4, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      case 5: tile_prefetching<5, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      default: tile_prefetching<6, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 1: tile_prefetching<V, 1, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 2: tile_prefetching<V, 2, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 3: tile_prefetching<V, 3, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 4: tile_prefetching<V, 4, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      case 5: tile_prefetching<V, 5, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
+      default: tile_prefetching<V, 6, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
     }
     r = end;
   }
@@ -185,11 +209,11 @@ struct ImageRows {
 // The image-row counterpart of tile (no prefetch: it serves first convolutions, whose weights are
 // a few KB). Its own function so that tile, which every 1x1 convolution runs, stays as it was (one
 // tile for both, reading through a per-source callback, made the 1x1 convolutions 1.7-2x slower).
-template <int Rows, int Vectors>
+template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void image_tile(const ImageRows& src, const float* panel, const float* bias,
                                                       const float* sum, Clamp clamp, float* out, int64_t ldc,
                                                       int64_t width) {
-  Floats16 acc[Rows][Vectors];
+  V acc[Rows][Vectors];
   zero_tile(acc);
   const int64_t lda = src.lda, run = src.run;
   for (int64_t i = 0; i < src.kernel_rows; ++i) {
@@ -197,11 +221,11 @@ __attribute__((always_inline)) inline void image_tile(const ImageRows& src, cons
     const float* p = panel + i * run * kPanel;
     for (int64_t k = 0; k < run; ++k) multiply_add(acc, a + k, lda, p + k * kPanel);
   }
-  finish_tile<Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
+  finish_tile<V, Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
 }
 
 // panel_rows for image rows: `rows` pixels in even tiles of at most kTileRows.
-template <int Vectors>
+template <typename V, int Vectors>
 __attribute__((always_inline)) inline void image_panel_rows(const ImageRows& src, const float* panel,
                                                             const float* bias, const float* sum, Clamp clamp,
                                                             float* out, int64_t ldc, int64_t width, int64_t rows) {
@@ -213,14 +237,50 @@ __attribute__((always_inline)) inline void image_panel_rows(const ImageRows& src
     ta.a += r * src.lda;
     float* tout = out + r * ldc;
     switch (end - r) {
-      case 1: image_tile<1, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
-      case 2: image_tile<2, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
-      case 3: image_tile<3, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
-      case 4: image_tile<4, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
-      case 5: image_tile<5, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
-      default: image_tile<6, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 1: image_tile<V, 1, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 2: image_tile<V, 2, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 3: image_tile<V, 3, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 4: image_tile<V, 4, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 5: image_tile<V, 5, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      default: image_tile<V, 6, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
     }
     r = end;
+  }
+}
+
+__attribute__((always_inline)) inline const float* shifted(const float* p, int64_t by) { return p != nullptr ? p + by : nullptr; }
+
+// `rows` pixels of one panel's `width` channels, as tiles of kTileChannels<V> channels (a whole
+// panel with AVX-512, its two halves with AVX2); only the first slice prefetches `next`.
+template <typename V>
+__attribute__((always_inline)) inline void panel_slices(const float* a, int64_t lda, const float* panel, int64_t depth,
+                                                        const float* bias, const float* sum, Clamp clamp, float* out,
+                                                        int64_t ldc, int64_t width, int64_t rows, const float* next) {
+  for (int64_t j = 0; j < width; j += kTileChannels<V>) {
+    const int64_t w = std::min(kTileChannels<V>, width - j);
+    const float* slice_next = j == 0 ? next : nullptr;
+    if (w > kLanes<V>) {
+      panel_rows<V, 2>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
+                       slice_next);
+    } else {
+      panel_rows<V, 1>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
+                       slice_next);
+    }
+  }
+}
+
+// panel_slices for image rows.
+template <typename V>
+__attribute__((always_inline)) inline void image_panel_slices(const ImageRows& src, const float* panel, const float* bias,
+                                                              const float* sum, Clamp clamp, float* out, int64_t ldc,
+                                                              int64_t width, int64_t rows) {
+  for (int64_t j = 0; j < width; j += kTileChannels<V>) {
+    const int64_t w = std::min(kTileChannels<V>, width - j);
+    if (w > kLanes<V>) {
+      image_panel_rows<V, 2>(src, panel + j, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows);
+    } else {
+      image_panel_rows<V, 1>(src, panel + j, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows);
+    }
   }
 }
 
@@ -231,25 +291,29 @@ __attribute__((always_inline)) inline void image_panel_rows(const ImageRows& src
 // the input (`limit` is its end), else the tail goes float by float.
 constexpr int64_t kGatherSlack = 16;
 
+template <typename V>
 __attribute__((always_inline)) inline void copy_run(float* dest, const float* from, int64_t count, const float* limit) {
+  constexpr int lanes = kLanes<V>;
   int64_t i = 0;
-  for (; i + 16 <= count; i += 16) store16(dest + i, load16(from + i));
+  for (; i + lanes <= count; i += lanes) store<V>(dest + i, load<V>(from + i));
   if (i == count) return;
-  if (from + i + 16 <= limit) {
-    store16(dest + i, load16(from + i));
+  if (from + i + lanes <= limit) {
+    store<V>(dest + i, load<V>(from + i));
   } else {
     for (; i < count; ++i) dest[i] = from[i];
   }
 }
 
+template <typename V>
 __attribute__((always_inline)) inline void zero_run(float* dest, int64_t count) {
-  for (int64_t i = 0; i < count; i += 16) store16(dest + i, Floats16{});
+  for (int64_t i = 0; i < count; i += kLanes<V>) store<V>(dest + i, V{});
 }
 
 // The receptive fields of output pixels [begin, end) as rows of dest ([kh][kw][channel] each,
 // zeros where a tap falls into the padding), from a channels-last image batch. An undilated
 // kernel row inside the image is one run of kernel_w * channels floats. dest holds
 // kGatherSlack floats past the rows.
+template <typename V>
 __attribute__((always_inline)) inline void gather(const PatchConvShape& s, const float* input, int64_t begin,
                                                   int64_t end, float* dest) {
   const int64_t channels = s.in_channels, depth = s.depth(), run = s.kernel_w * channels;
@@ -263,17 +327,17 @@ __attribute__((always_inline)) inline void gather(const PatchConvShape& s, const
     for (int64_t kh = 0; kh < s.kernel_h; ++kh, d += run) {
       const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
       if (ih < 0 || ih >= s.in_h) {
-        zero_run(d, run);
+        zero_run<V>(d, run);
       } else if (whole_rows) {
-        copy_run(d, image + (ih * s.in_w + iw0) * channels, run, limit);
+        copy_run<V>(d, image + (ih * s.in_w + iw0) * channels, run, limit);
       } else {
         for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
           const int64_t iw = iw0 + kw * s.dilation_w;
           float* tap = d + kw * channels;
           if (iw < 0 || iw >= s.in_w) {
-            zero_run(tap, channels);
+            zero_run<V>(tap, channels);
           } else {
-            copy_run(tap, image + (ih * s.in_w + iw) * channels, channels, limit);
+            copy_run<V>(tap, image + (ih * s.in_w + iw) * channels, channels, limit);
           }
         }
       }
@@ -347,27 +411,29 @@ __attribute__((always_inline)) inline void scatter_panel(const PatchConvShape& s
   }
 }
 
+// The block functions' parameters (each has a version per ISA, BLADE_BLOCK_VERSIONS).
+#define BLADE_BLOCK_PARAMS                                                                                        \
+  const PatchConvShape &s, const float *input, const float *panels, const float *bias, const float *sum,          \
+      Clamp clamp, float *output, int64_t begin, int64_t end, int64_t panel_begin, int64_t panel_end,             \
+      float *gathered, float *staged, bool prefetch
+#define BLADE_BLOCK_ARGS \
+  s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end, gathered, staged, prefetch
+
 // Output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered (or a 1x1's input
 // read in place).
-BLADE_ISA_CLONES void patch_block(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
-                                  const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end,
-                                  int64_t panel_begin, int64_t panel_end, float* gathered, float* staged,
-                                  bool prefetch) {
+template <typename V>
+__attribute__((always_inline)) inline void patch_block_for(BLADE_BLOCK_PARAMS) {
   const int64_t depth = s.depth(), channels = s.out_channels;
   const float* a = input + begin * depth;
   if (!s.direct()) {
-    gather(s, input, begin, end, gathered);
+    gather<V>(s, input, begin, end, gathered);
     a = gathered;
   }
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
     // The next panel even past this item's (its neighbour's, or this thread's next item's).
     const float* next = prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
-    if (t.width > 16) {
-      panel_rows<2>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next);
-    } else {
-      panel_rows<1>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next);
-    }
+    panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next);
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
 }
@@ -433,17 +499,16 @@ inline ImageRows image_rows(const PatchConvShape& s, const float* input, int64_t
 // patch_block for convolutions that read image rows in place (PatchConvShape::image_rows): the
 // pixels whose taps lie inside the width from the image, the others gathered. Gathering every
 // pixel cost MobileNetV2's stem (3 channels, runs of 9 floats) as much as its multiply-adds.
-BLADE_ISA_CLONES void image_block(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
-                                  const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end,
-                                  int64_t panel_begin, int64_t panel_end, float* gathered, float* staged,
-                                  bool /* prefetch: a few KB of weight */) {
+// (No prefetch: a first convolution's weight is a few KB.)
+template <typename V>
+__attribute__((always_inline)) inline void image_block_for(BLADE_BLOCK_PARAMS) {
   const int64_t depth = s.depth();
   Segment segments[kBlockRows];
   const int count = image_segments(s, begin, end, segments);
   // In increasing order: a gathered run's last store may run into the rows after it.
   for (int i = 0; i < count; ++i) {
     if (!segments[i].from_image) {
-      gather(s, input, segments[i].begin, segments[i].end, gathered + (segments[i].begin - begin) * depth);
+      gather<V>(s, input, segments[i].begin, segments[i].end, gathered + (segments[i].begin - begin) * depth);
     }
   }
   for (int64_t p = panel_begin; p < panel_end; ++p) {
@@ -457,23 +522,31 @@ BLADE_ISA_CLONES void image_block(const PatchConvShape& s, const float* input, c
         int64_t first = 0;
         const ImageRows src = image_rows(s, input, segment.begin, first);
         const float* panel = t.panel + first * src.run * kPanel;
-        if (t.width > 16) {
-          image_panel_rows<2>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
-        } else {
-          image_panel_rows<1>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
-        }
+        image_panel_slices<V>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
       } else {
         const float* a = gathered + offset * depth;
-        if (t.width > 16) {
-          panel_rows<2>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr);
-        } else {
-          panel_rows<1>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr);
-        }
+        panel_slices<V>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr);
       }
     }
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
 }
+
+// The block functions, one version per ISA picked when the extension loads (g++'s function
+// multiversioning; the kernels above inline into each): 16-float vectors with AVX-512, 8-float
+// ones with AVX2 and below.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BLADE_BLOCK_VERSIONS(name)                                                                              \
+  __attribute__((target("arch=x86-64-v4"))) void name(BLADE_BLOCK_PARAMS) { name##_for<Floats16>(BLADE_BLOCK_ARGS); } \
+  __attribute__((target("arch=x86-64-v3"))) void name(BLADE_BLOCK_PARAMS) { name##_for<Floats8>(BLADE_BLOCK_ARGS); }  \
+  __attribute__((target("default"))) void name(BLADE_BLOCK_PARAMS) { name##_for<Floats8>(BLADE_BLOCK_ARGS); }
+#else
+#define BLADE_BLOCK_VERSIONS(name) \
+  void name(BLADE_BLOCK_PARAMS) { name##_for<Floats8>(BLADE_BLOCK_ARGS); }
+#endif
+BLADE_BLOCK_VERSIONS(patch_block)
+BLADE_BLOCK_VERSIONS(image_block)
+using BlockKernel = void (*)(BLADE_BLOCK_PARAMS);
 
 // Image rows [begin, end) (over the batch) of an NCHW input as channels-last pixels. Three
 // channels (an RGB image, every stem) get their own loop: with the count fixed g++ interleaves
@@ -591,7 +664,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   // A work item worth a thread wake-up: about 64K multiply-adds.
   const int64_t item_work = block_rows * s.depth() * kPanel * ((panel_count + splits - 1) / splits);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
-  const auto block_kernel = s.image_rows() ? image_block : patch_block;
+  const BlockKernel block_kernel = s.image_rows() ? BlockKernel(image_block) : BlockKernel(patch_block);
   at::parallel_for(0, blocks * splits, grain, [&](int64_t item_begin, int64_t item_end) {
     thread_local std::vector<float> gathered;
     if (!s.direct()) gathered.resize(block_rows * s.depth() + kGatherSlack);

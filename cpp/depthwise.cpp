@@ -1,6 +1,5 @@
 #include "depthwise.h"
 #include "activation.h"
-#include "isa_clones.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -10,15 +9,27 @@
 namespace blade {
 namespace {
 
-// 16 floats, unaligned: GCC lowers it to one AVX-512 register, two AVX2 ones or four SSE ones in
-// each clone, and keeps a block's sums in registers across the taps (an array with `omp simd`
-// went through the stack on every tap).
-typedef float Floats16 __attribute__((vector_size(64), aligned(4)));
-constexpr int64_t kVectors = 4;               // accumulators per block
-constexpr int64_t kBlock = 16 * kVectors;     // channels per block
+// The kernels are templates on the vector type V, one AVX-512 register (16 floats) in the
+// x86-64-v4 version of depthwise_rows and one AVX2 register (8 floats) in the others: g++ keeps a
+// block's sums in registers across the taps (an array with `omp simd` went through the stack on
+// every tap). A 16-float vector in an AVX2 function is no register pair to g++: it went through
+// the stack (MobileNetV2's 32-channel 3x3 at 80x80: 509 us on an AVX2-only EPYC, one core).
+typedef float Floats16 __attribute__((vector_size(64)));
+typedef float Floats8 __attribute__((vector_size(32)));
+template <typename V>
+constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+constexpr int64_t kVectors = 4;  // accumulators per block of pixel_vectors
+constexpr int64_t kMaxLanes = 16;
 
-__attribute__((always_inline)) inline Floats16 load16(const float* p) { return *reinterpret_cast<const Floats16*>(p); }
-__attribute__((always_inline)) inline void store16(float* p, Floats16 v) { *reinterpret_cast<Floats16*>(p) = v; }
+// Unaligned, through memcpy (an aligned(4) typedef loses its attribute as a template argument).
+template <typename V>
+__attribute__((always_inline)) inline V load(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <typename V>
+__attribute__((always_inline)) inline void store(float* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
 
 // Calls tap(x, w) for each tap of output pixel (oh, ow) that falls inside the image, with the
 // input pixel's and the tap's weights' channels from c0.
@@ -36,33 +47,34 @@ __attribute__((always_inline)) inline void for_each_tap(const DepthwiseShape& s,
   }
 }
 
-// One output pixel's channels [c0, c0 + 16 * Vectors): the taps inside the image, then the
+// One output pixel's channels [c0, c0 + kLanes<V> * Vectors): the taps inside the image, then the
 // epilogue.
-template <int64_t Vectors>
+template <typename V, int64_t Vectors>
 __attribute__((always_inline)) inline void pixel_vectors(const DepthwiseShape& s, const float* image,
                                                           const float* taps, const float* bias, const float* sum,
                                                           Clamp clamp, int64_t oh, int64_t ow, int64_t c0, float* out) {
-  Floats16 acc[Vectors];
+  constexpr int64_t lanes = kLanes<V>;
+  V acc[Vectors];
 #pragma GCC unroll 4
-  for (int64_t v = 0; v < Vectors; ++v) acc[v] = bias != nullptr ? load16(bias + c0 + 16 * v) : Floats16{};
+  for (int64_t v = 0; v < Vectors; ++v) acc[v] = bias != nullptr ? load<V>(bias + c0 + lanes * v) : V{};
   for_each_tap(s, image, taps, oh, ow, c0, [&](const float* x, const float* w) {
 #pragma GCC unroll 4
-    for (int64_t v = 0; v < Vectors; ++v) acc[v] += load16(x + 16 * v) * load16(w + 16 * v);
+    for (int64_t v = 0; v < Vectors; ++v) acc[v] += load<V>(x + lanes * v) * load<V>(w + lanes * v);
   });
 #pragma GCC unroll 4
   for (int64_t v = 0; v < Vectors; ++v) {
-    if (sum != nullptr) acc[v] += load16(sum + 16 * v);
+    if (sum != nullptr) acc[v] += load<V>(sum + lanes * v);
     if (clamp.on) acc[v] = clamp_value(acc[v], clamp.lo, clamp.hi);
-    store16(out + 16 * v, acc[v]);
+    store<V>(out + lanes * v, acc[v]);
   }
 }
 
-// The last `width` (< 16) channels from c0, the same way with a short array.
+// The last `width` (< kMaxLanes) channels from c0, the same way with a short array.
 __attribute__((always_inline)) inline void pixel_remainder(const DepthwiseShape& s, const float* image,
                                                             const float* taps, const float* bias, const float* sum,
                                                             Clamp clamp, int64_t oh, int64_t ow, int64_t c0,
                                                             int64_t width, float* out) {
-  float acc[16];
+  float acc[kMaxLanes];
   // The bias branch outside the loop too (a masked load through the null pointer otherwise).
   if (bias != nullptr) {
     for (int64_t c = 0; c < width; ++c) acc[c] = bias[c0 + c];
@@ -90,17 +102,17 @@ constexpr int64_t kPixels = 4;      // the shorter run: rows are cut into runs o
 constexpr int64_t kLongPixels = 8;  // the longer run, taken first
 
 // kPixels adjacent output pixels of an undilated row of stride Stride whose taps all lie inside the
-// image width, for one vector of 16 channels: along a kernel row, input pixel Stride * ow0 + i
+// image width, for one vector of channels: along a kernel row, input pixel Stride * ow0 + i
 // serves output pixel ow0 + p through tap i - Stride * p, so each input vector is loaded once for
 // up to Width taps (stride 1; ceil(Width / 2) at stride 2) instead of once per tap, and a kernel
 // row's weights stay in registers (a depthwise convolution is otherwise bound by loads, two per
 // multiply-add).
-template <int64_t Width, int64_t Stride, int64_t kPixels>
+template <typename V, int64_t Width, int64_t Stride, int64_t kPixels>
 __attribute__((always_inline)) inline void pixel_run(const DepthwiseShape& s, const float* image, const float* taps,
                                                       const float* bias, const float* sum, Clamp clamp, int64_t oh,
                                                       int64_t ow0, int64_t c0, float* out) {
-  Floats16 acc[kPixels];
-  const Floats16 initial = bias != nullptr ? load16(bias + c0) : Floats16{};
+  V acc[kPixels];
+  const V initial = bias != nullptr ? load<V>(bias + c0) : V{};
 #pragma GCC unroll 8
   for (int64_t p = 0; p < kPixels; ++p) acc[p] = initial;
   for (int64_t kh = 0; kh < s.kernel_h; ++kh) {
@@ -108,12 +120,12 @@ __attribute__((always_inline)) inline void pixel_run(const DepthwiseShape& s, co
     if (ih < 0 || ih >= s.in_h) continue;
     const float* x = image + (ih * s.in_w + ow0 * Stride - s.pad_left) * s.channels + c0;
     const float* w = taps + kh * Width * s.channels + c0;
-    Floats16 weight[Width];
+    V weight[Width];
 #pragma GCC unroll 8
-    for (int64_t kw = 0; kw < Width; ++kw) weight[kw] = load16(w + kw * s.channels);
+    for (int64_t kw = 0; kw < Width; ++kw) weight[kw] = load<V>(w + kw * s.channels);
 #pragma GCC unroll 16
     for (int64_t i = 0; i < Stride * (kPixels - 1) + Width; ++i) {
-      const Floats16 xi = load16(x + i * s.channels);
+      const V xi = load<V>(x + i * s.channels);
 #pragma GCC unroll 8
       for (int64_t p = 0; p < kPixels; ++p) {
         const int64_t tap = i - Stride * p;
@@ -124,13 +136,14 @@ __attribute__((always_inline)) inline void pixel_run(const DepthwiseShape& s, co
 #pragma GCC unroll 8
   for (int64_t p = 0; p < kPixels; ++p) {
     const int64_t at = p * s.channels;
-    if (sum != nullptr) acc[p] += load16(sum + at);
+    if (sum != nullptr) acc[p] += load<V>(sum + at);
     if (clamp.on) acc[p] = clamp_value(acc[p], clamp.lo, clamp.hi);
-    store16(out + at, acc[p]);
+    store<V>(out + at, acc[p]);
   }
 }
 
 // Output pixels [ow_begin, ow_end) of row `oh` one at a time, every channel.
+template <typename V>
 __attribute__((always_inline)) inline void pixels(const DepthwiseShape& s, const float* image, const float* taps,
                                                    const float* bias, const float* sum_row, Clamp clamp, int64_t oh,
                                                    int64_t ow_begin, int64_t ow_end, float* out_row) {
@@ -138,11 +151,12 @@ __attribute__((always_inline)) inline void pixels(const DepthwiseShape& s, const
     const int64_t at = ow * s.channels;
     const auto sum_from = [&](int64_t c0) { return sum_row != nullptr ? sum_row + at + c0 : nullptr; };
     int64_t c0 = 0;
-    for (; c0 + kBlock <= s.channels; c0 += kBlock) {
-      pixel_vectors<kVectors>(s, image, taps, bias, sum_from(c0), clamp, oh, ow, c0, out_row + at + c0);
+    constexpr int64_t lanes = kLanes<V>, block = lanes * kVectors;
+    for (; c0 + block <= s.channels; c0 += block) {
+      pixel_vectors<V, kVectors>(s, image, taps, bias, sum_from(c0), clamp, oh, ow, c0, out_row + at + c0);
     }
-    for (; c0 + 16 <= s.channels; c0 += 16) {
-      pixel_vectors<1>(s, image, taps, bias, sum_from(c0), clamp, oh, ow, c0, out_row + at + c0);
+    for (; c0 + lanes <= s.channels; c0 += lanes) {
+      pixel_vectors<V, 1>(s, image, taps, bias, sum_from(c0), clamp, oh, ow, c0, out_row + at + c0);
     }
     if (c0 < s.channels) {
       pixel_remainder(s, image, taps, bias, sum_from(c0), clamp, oh, ow, c0, s.channels - c0, out_row + at + c0);
@@ -151,22 +165,23 @@ __attribute__((always_inline)) inline void pixels(const DepthwiseShape& s, const
 }
 
 // Output pixels [ow_begin, ow_end) (a multiple of kPixels, all taps inside the width) of a row of
-// stride Stride with kernel width Width: runs of kPixels per 16 channels, the last channels
-// (fewer than 16) pixel by pixel.
-template <int64_t Width, int64_t Stride>
+// stride Stride with kernel width Width: runs of kPixels per vector of channels, the last channels
+// (fewer than a vector) pixel by pixel.
+template <typename V, int64_t Width, int64_t Stride>
 __attribute__((always_inline)) inline void pixel_runs(const DepthwiseShape& s, const float* image, const float* taps,
                                                        const float* bias, const float* sum_row, Clamp clamp,
                                                        int64_t oh, int64_t ow_begin, int64_t ow_end, float* out_row) {
-  const int64_t vector_channels = s.channels / 16 * 16;
+  constexpr int64_t lanes = kLanes<V>;
+  const int64_t vector_channels = s.channels / lanes * lanes;
   for (int64_t ow0 = ow_begin, run = kLongPixels; ow0 < ow_end; ow0 += run) {
     run = ow0 + kLongPixels <= ow_end ? kLongPixels : kPixels;
     const int64_t at = ow0 * s.channels;
-    for (int64_t c0 = 0; c0 < vector_channels; c0 += 16) {
+    for (int64_t c0 = 0; c0 < vector_channels; c0 += lanes) {
       const float* sum_at = sum_row != nullptr ? sum_row + at + c0 : nullptr;
       if (run == kLongPixels) {
-        pixel_run<Width, Stride, kLongPixels>(s, image, taps, bias, sum_at, clamp, oh, ow0, c0, out_row + at + c0);
+        pixel_run<V, Width, Stride, kLongPixels>(s, image, taps, bias, sum_at, clamp, oh, ow0, c0, out_row + at + c0);
       } else {
-        pixel_run<Width, Stride, kPixels>(s, image, taps, bias, sum_at, clamp, oh, ow0, c0, out_row + at + c0);
+        pixel_run<V, Width, Stride, kPixels>(s, image, taps, bias, sum_at, clamp, oh, ow0, c0, out_row + at + c0);
       }
     }
     if (vector_channels < s.channels) {
@@ -183,9 +198,10 @@ __attribute__((always_inline)) inline void pixel_runs(const DepthwiseShape& s, c
 // 3, 5 or 7 wide kernel, or of stride 2 with a 3 or 5 wide one, take the runs of pixel_run between
 // their borders (MobileNetV2's stride-2 3x3 ones ran pixel by pixel, 96 channels at 80x80: 59 us
 // against ONNX Runtime's 44, one core).
-BLADE_ISA_CLONES void depthwise_rows(const DepthwiseShape& s, const float* input, const float* taps,
-                                     const float* bias, const float* sum, Clamp clamp, float* output, int64_t begin,
-                                     int64_t end) {
+template <typename V>
+__attribute__((always_inline)) inline void depthwise_rows_for(const DepthwiseShape& s, const float* input,
+                                                              const float* taps, const float* bias, const float* sum,
+                                                              Clamp clamp, float* output, int64_t begin, int64_t end) {
   const int64_t row_floats = s.out_w * s.channels;
   const int64_t kind = s.dilation_w == 1 ? s.stride_w * 10 + s.kernel_w : 0;  // stride and width, as in the switch
   const bool runs = kind == 13 || kind == 15 || kind == 17 || kind == 23 || kind == 25;
@@ -199,18 +215,37 @@ BLADE_ISA_CLONES void depthwise_rows(const DepthwiseShape& s, const float* input
     const float* image = input + n * s.in_h * s.in_w * s.channels;
     const float* sum_row = sum != nullptr ? sum + row * row_floats : nullptr;
     float* out_row = output + row * row_floats;
-    pixels(s, image, taps, bias, sum_row, clamp, oh, 0, first, out_row);
+    pixels<V>(s, image, taps, bias, sum_row, clamp, oh, 0, first, out_row);
     switch (runs ? kind : 0) {
-      case 13: pixel_runs<3, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
-      case 15: pixel_runs<5, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
-      case 17: pixel_runs<7, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
-      case 23: pixel_runs<3, 2>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
-      case 25: pixel_runs<5, 2>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
+      case 13: pixel_runs<V, 3, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
+      case 15: pixel_runs<V, 5, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
+      case 17: pixel_runs<V, 7, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
+      case 23: pixel_runs<V, 3, 2>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
+      case 25: pixel_runs<V, 5, 2>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row); break;
       default: break;
     }
-    pixels(s, image, taps, bias, sum_row, clamp, oh, run_end, s.out_w, out_row);
+    pixels<V>(s, image, taps, bias, sum_row, clamp, oh, run_end, s.out_w, out_row);
   }
 }
+
+// depthwise_rows per ISA, picked when the extension loads (g++'s function multiversioning).
+#define BLADE_DEPTHWISE_PARAMS                                                                          \
+  const DepthwiseShape &s, const float *input, const float *taps, const float *bias, const float *sum, \
+      Clamp clamp, float *output, int64_t begin, int64_t end
+#define BLADE_DEPTHWISE_ARGS s, input, taps, bias, sum, clamp, output, begin, end
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("arch=x86-64-v4"))) void depthwise_rows(BLADE_DEPTHWISE_PARAMS) {
+  depthwise_rows_for<Floats16>(BLADE_DEPTHWISE_ARGS);
+}
+__attribute__((target("arch=x86-64-v3"))) void depthwise_rows(BLADE_DEPTHWISE_PARAMS) {
+  depthwise_rows_for<Floats8>(BLADE_DEPTHWISE_ARGS);
+}
+__attribute__((target("default"))) void depthwise_rows(BLADE_DEPTHWISE_PARAMS) {
+  depthwise_rows_for<Floats8>(BLADE_DEPTHWISE_ARGS);
+}
+#else
+void depthwise_rows(BLADE_DEPTHWISE_PARAMS) { depthwise_rows_for<Floats8>(BLADE_DEPTHWISE_ARGS); }
+#endif
 
 }  // namespace
 
