@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "blade_abi.h"
+#include "float_vectors.h"
 #include "isa_clones.h"
 
 namespace blade {
@@ -17,29 +18,12 @@ namespace {
 // versions below): 16 floats (one AVX-512 register) where AVX-512 is, 8 (one AVX2 register)
 // elsewhere. A 16-float vector in an AVX2 function is no pair of registers to g++: it keeps the
 // accumulators on the stack and broadcasts through it (ResNet-18's 3x3/2 128->256 at 28x28 ran
-// 69 ms instead of ~1 ms on an AVX2-only EPYC). Unaligned, as in depthwise.cpp.
-typedef float Floats16 __attribute__((vector_size(64), aligned(4)));
+// 69 ms instead of ~1 ms on an AVX2-only EPYC). The vector types and their loads: float_vectors.h.
+using namespace float_vectors;
 constexpr int64_t kPanel = 32;       // output channels per weight panel: two vectors
 constexpr int64_t kTileRows = 6;     // pixels per register tile: 12 accumulators, 2 weights, 1 broadcast
 constexpr int64_t kBlockRows = 48;   // pixels per work item (gathered together), a multiple of kTileRows
 
-__attribute__((always_inline)) inline Floats16 load16(const float* p) { return *reinterpret_cast<const Floats16*>(p); }
-__attribute__((always_inline)) inline void store16(float* p, Floats16 v) { *reinterpret_cast<Floats16*>(p) = v; }
-typedef float Floats8 __attribute__((vector_size(32), aligned(4)));
-__attribute__((always_inline)) inline Floats8 load8(const float* p) { return *reinterpret_cast<const Floats8*>(p); }
-__attribute__((always_inline)) inline void store8(float* p, Floats8 v) { *reinterpret_cast<Floats8*>(p) = v; }
-template <typename V>
-constexpr int kLanes = sizeof(V) / sizeof(float);
-// Unaligned through memcpy: a typedef's aligned(4) does not survive as a template argument (V is
-// then the naturally aligned vector, and its loads fault on unaligned rows).
-template <typename V>
-__attribute__((always_inline)) inline V load(const float* p) {
-  V v;
-  __builtin_memcpy(&v, p, sizeof(V));
-  return v;
-}
-template <typename V>
-__attribute__((always_inline)) inline void store(float* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
 // Output channels one tile covers: a whole panel in two AVX-512 vectors a pixel (6 x 2 accumulators
 // of 32 registers), half a panel in two AVX2 ones (6 x 2 of 16 registers; a whole panel, 6 x 4,
 // would not fit).
@@ -114,10 +98,10 @@ __attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], 
         if constexpr (lanes == 16) {
           if (rest >= 8) {
             Floats8 y = __builtin_shufflevector(acc[r][v], acc[r][v], 0, 1, 2, 3, 4, 5, 6, 7);
-            if (bias != nullptr) y += load8(bias + j);
-            if (sum != nullptr) y += load8(sum + r * ldc + j);
+            if (bias != nullptr) y += load<Floats8>(bias + j);
+            if (sum != nullptr) y += load<Floats8>(sum + r * ldc + j);
             if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
-            store8(out + r * ldc + j, y);
+            store<Floats8>(out + r * ldc + j, y);
             half = 8;
           }
         }

@@ -1,5 +1,6 @@
 #include "depthwise.h"
 #include "activation.h"
+#include "float_vectors.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -14,22 +15,9 @@ namespace {
 // block's sums in registers across the taps (an array with `omp simd` went through the stack on
 // every tap). A 16-float vector in an AVX2 function is no register pair to g++: it went through
 // the stack (MobileNetV2's 32-channel 3x3 at 80x80: 509 us on an AVX2-only EPYC, one core).
-typedef float Floats16 __attribute__((vector_size(64)));
-typedef float Floats8 __attribute__((vector_size(32)));
-template <typename V>
-constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+using namespace float_vectors;
 constexpr int64_t kVectors = 4;  // accumulators per block of pixel_vectors
 constexpr int64_t kMaxLanes = 16;
-
-// Unaligned, through memcpy (an aligned(4) typedef loses its attribute as a template argument).
-template <typename V>
-__attribute__((always_inline)) inline V load(const float* p) {
-  V v;
-  __builtin_memcpy(&v, p, sizeof(V));
-  return v;
-}
-template <typename V>
-__attribute__((always_inline)) inline void store(float* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
 
 // Calls tap(x, w) for each tap of output pixel (oh, ow) that falls inside the image, with the
 // input pixel's and the tap's weights' channels from c0.
