@@ -9,6 +9,8 @@ backends absorbs that, not ORT's settings), Inductor as `torch.compile`'s defaul
 from __future__ import annotations
 
 import io
+import os
+import platform
 import statistics
 import time
 import warnings
@@ -83,6 +85,15 @@ def _ort_runner(onnx_bytes: bytes):
         feeds = {name: arg.numpy() for name, arg in zip(names, args)}
         return [torch.from_numpy(out) for out in session.run(None, feeds)]
     return run
+
+
+def machine() -> str:
+    """The machine a table was measured on, with the vector ISA blade's engines compile for: whole
+    tables change between an AVX-512 and an AVX2-only CPU (blade's own kernels and oneDNN's
+    matmul differ there), so a reader must see which one."""
+    from blade.engine.compiler import native_isa
+    vectors = {"x86-64-v4": "AVX-512", "x86-64-v3": "AVX2, no AVX-512"}.get(native_isa(), "no AVX2")
+    return f"{platform.processor() or platform.machine()} ({native_isa()}: {vectors}), {os.cpu_count()} cores"
 
 
 def median_call_s(fn, inputs, calls: int) -> float:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backends import median_call_s  # noqa: E402
+from backends import machine, median_call_s  # noqa: E402
 from run import first_tensor, rel_err, wait_for_quiet  # noqa: E402
 
 BATCHES, SEQS = (1, 4, 16), (16, 64, 128, 256, 512)
@@ -342,7 +342,7 @@ COLUMNS = ("eager", "tt_infer static", "tt_infer dynamic", "tt_infer torch.compi
 def markdown(results, args) -> str:
     lines = ["# Dynamic shapes: one compile over batch x sequence", "",
              f"`python bench/dynamic.py{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-             f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds per "
+             f"{machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.rounds} interleaved rounds per "
              f"point, 1-minute load {os.getloadavg()[0]:.1f} at the end). Milliseconds per call (best round's "
              f"median; every backend first gets up to {WARM_UP_CALLS} calls within {WARM_UP_S:.0f} s at the point, "
              f"the calls that settle blade's GEMM choices); \"dyn/static\" = tt_infer dynamic over tt_infer static at that point (1.00 = as fast).", ""]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from blade import _C
 from blade.cluster.support import LOWERING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backends import median_call_s  # noqa: E402
+from backends import machine, median_call_s  # noqa: E402
 
 SHAPES = ([64, 4096], [8, 256])
 # The timing method (bench_case): SAMPLES short samples per side, the sides interleaved (the order
@@ -273,7 +272,7 @@ def bench_op(kind, shapes=SHAPES, variants=("alone", "chain")) -> list[dict]:
 def markdown(rows, skipped) -> str:
     lines = [
         "# blade per-op benchmark", "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; torch "
+        f"Machine: {machine()}; torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, float32 inputs. tt_infer with "
         f"min_cluster_size=1 (a single op gets an engine). Columns: eager; \"eager via dynamo\" is "
         f"torch.compile with a backend that runs the captured graph itself, i.e. eager plus the per-call "

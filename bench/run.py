@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 import blade._C as blade_C  # noqa: E402  (thread_stalls, for the notes)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backends import BACKENDS, ORT_CHOSEN, TT_INFER_REPORTS, median_call_s  # noqa: E402
+from backends import BACKENDS, machine, ORT_CHOSEN, TT_INFER_REPORTS, median_call_s  # noqa: E402
 from models import MODELS  # noqa: E402
 
 MEASURE_S = 0.05   # target duration of one measurement (calls of one backend in one round)
@@ -262,7 +261,7 @@ def markdown(rows, rounds) -> str:
     loads = [r["load"] for r in rows]
     lines = [
         "# blade benchmark results", "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+        f"Machine: {machine()}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32. "
         f"{rounds} interleaved rounds; per backend per round {WARMUP_CALLS} warm-up calls, then "
         f"{MIN_CALLS}-{MAX_CALLS} timed calls (about {1e3 * MEASURE_S:.0f} ms), then a "
