@@ -73,8 +73,9 @@ class Config:
     dynamic_max_size: int = _env_or("dynamic_max_size", 4096)
     dynamic_memory_budget: int = _env_or("dynamic_memory_budget", 1 << 30)
     # blade.load: glibc maps blocks of at least this many bytes and unmaps them on free, so a
-    # server's peak RSS stays at the largest shape's (blade/malloc.py); 0 leaves malloc alone
-    mmap_threshold: int = _env_or("mmap_threshold", 128 << 10)
+    # server's peak RSS stays at the largest shape's, at the price of page faults on every call
+    # for every large tensor in the process (blade/malloc.py); 0 (the default) leaves malloc alone
+    mmap_threshold: int = _env_or("mmap_threshold", 0)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACK_MODES:

@@ -380,7 +380,7 @@ def load(path: str) -> ExportedModule:
         raise ValueError(f"{path} is not a blade archive (no {METADATA_FILE}); use torch.jit.load")
     check_stamps(stamps, f"blade archive {path}")
     check_records(path)
-    bound_large_blocks(current().mmap_threshold)  # a server's peak stays the largest shape's
+    bound_large_blocks(current().mmap_threshold)  # opt-in: a flat peak for page faults per call
     signature = read_extra(path, SIGNATURE_FILE)
     what = f"blade archive {path}"
     return ExportedModule(torch.jit.load(path), Signature.loads(signature, what) if signature else None, what)
