@@ -1,13 +1,12 @@
 #include "conv_gemm.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 
 #include "activation.h"
 #include "blade_abi.h"
 #include "isa_clones.h"
 #include "runtime.h"
+#include "timed_parallel.h"
 
 namespace blade {
 namespace {
@@ -82,7 +81,7 @@ void pointwise_conv(const PointwiseShape& s, const float* input, const float* we
   const int bias_kind = bias == nullptr ? kNoBias : s.channels_last ? kBiasPerColumn : kBiasPerRow;
   if (bias_kind == kNoBias && sum == nullptr && !clamp.on) return;
   const EpilogueRows epilogue = kEpilogueRows[bias_kind][sum != nullptr][clamp.on];
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, rows, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) {
     epilogue(output, bias, sum, width, s.out_channels, clamp, begin, end);
   });
 }

@@ -1,6 +1,5 @@
 #include "conv_patch.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include "blade_abi.h"
 #include "float_vectors.h"
 #include "isa_clones.h"
+#include "timed_parallel.h"
 
 namespace blade {
 namespace {
@@ -606,7 +606,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
     transposed.resize(s.batch * s.in_channels * plane);
     float* to = transposed.data();
     const float* from = input;
-    at::parallel_for(0, s.batch * s.in_h, std::max<int64_t>(1, 16384 / (s.in_w * s.in_channels)), [&](int64_t b, int64_t e) {
+    timed_parallel_for(0, s.batch * s.in_h, std::max<int64_t>(1, 16384 / (s.in_w * s.in_channels)), [&](int64_t b, int64_t e) {
       rows_to_channels_last(from, s.in_channels, s.in_h, s.in_w, b, e, to);
     });
     input = transposed.data();
@@ -633,7 +633,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
     const int64_t row_blocks = std::max(blocks, threads);
     const int64_t item_work = (rows + row_blocks - 1) / row_blocks * s.depth() * kPanel;
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
-    at::parallel_for(0, panel_count * row_blocks, grain, [&](int64_t item_begin, int64_t item_end) {
+    timed_parallel_for(0, panel_count * row_blocks, grain, [&](int64_t item_begin, int64_t item_end) {
       for (int64_t item = item_begin; item < item_end; ++item) {
         const int64_t panel = item / row_blocks, block = item % row_blocks;
         patch_block(s, input, panels, bias, sum, clamp, output, rows * block / row_blocks,
@@ -649,7 +649,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   const int64_t item_work = block_rows * s.depth() * kPanel * ((panel_count + splits - 1) / splits);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
   const BlockKernel block_kernel = s.image_rows() ? BlockKernel(image_block) : BlockKernel(patch_block);
-  at::parallel_for(0, blocks * splits, grain, [&](int64_t item_begin, int64_t item_end) {
+  timed_parallel_for(0, blocks * splits, grain, [&](int64_t item_begin, int64_t item_end) {
     thread_local std::vector<float> gathered;
     if (!s.direct()) gathered.resize(block_rows * s.depth() + kGatherSlack);
     for (int64_t item = item_begin; item < item_end; ++item) {

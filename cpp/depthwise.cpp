@@ -1,8 +1,8 @@
 #include "depthwise.h"
 #include "activation.h"
 #include "float_vectors.h"
+#include "timed_parallel.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -252,7 +252,7 @@ void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const flo
   // A chunk of rows worth a thread wake-up: about 32K multiply-adds.
   const int64_t per_row = std::max<int64_t>(1, shape.out_w * shape.channels * shape.kernel_h * shape.kernel_w);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / per_row);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     depthwise_rows(shape, input, tap_weight, bias, sum, clamp, output, begin, end);
   });
 }

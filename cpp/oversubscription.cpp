@@ -16,6 +16,7 @@ std::atomic<int64_t> serial_until_ns{0};  // steady-clock time until which engin
 std::atomic<int64_t> window_ns{kSerialWindowNs};  // the length of the current (or last) serial window
 std::atomic<int64_t> stalls{0};
 std::atomic<int64_t> last_stall_ns{0};
+std::atomic<int64_t> regions_noted{0};
 
 }  // namespace
 
@@ -25,6 +26,7 @@ int64_t steady_ns() {
 }
 
 bool note_region(int64_t worked_ns, int64_t waited_ns) {
+  regions_noted.fetch_add(1, std::memory_order_relaxed);
   if (waited_ns <= kStallNs || waited_ns <= kStallRatio * worked_ns) return false;
   stalls.fetch_add(1, std::memory_order_relaxed);
   // One stall alone may be a passing job (a quiet machine sees one now and then): serial mode
@@ -71,6 +73,8 @@ SerialScope::~SerialScope() {
 }
 
 int64_t stall_count() { return stalls.load(std::memory_order_relaxed); }
+
+int64_t noted_region_count() { return regions_noted.load(std::memory_order_relaxed); }
 
 void force_serial_for(int64_t ms) {
   last_stall_ns.store(0, std::memory_order_relaxed);

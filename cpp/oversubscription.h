@@ -53,9 +53,10 @@ class SerialScope {
   int saved_mkl_threads_ = 0;
 };
 
-// For tests and benchmarks: stalls seen in this process, and serial mode set for `ms`
-// milliseconds from now (0 ends it and forgets the last stall).
+// For tests and benchmarks: stalls seen in this process, parallel regions timed (note_region's
+// calls), and serial mode set for `ms` milliseconds from now (0 ends it and forgets the last stall).
 int64_t stall_count();
+int64_t noted_region_count();
 void force_serial_for(int64_t ms);
 
 }  // namespace blade

@@ -137,6 +137,8 @@ void bind_testing(pybind11::module_& m) {
         py::arg("worked_ns"), py::arg("waited_ns"));
   m.def("force_serial_for", &force_serial_for,
         "Engine calls run serially for the next `ms` milliseconds, as after a stall (0 ends it).", py::arg("ms"));
+  m.def("noted_region_count", &noted_region_count,
+        "How many parallel regions reported their times to the oversubscription check in this process.");
   m.def("serial_now", &serial_now, "Whether engine calls run serially now (oversubscription.h).");
 }
 

@@ -21,6 +21,7 @@
 #include "gemm.h"
 #include "isa_clones.h"
 #include "oversubscription.h"
+#include "timed_parallel.h"
 #include "winograd.h"
 
 #include <ATen/Parallel.h>
@@ -58,32 +59,7 @@ void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, float alpha, const fl
 // ---- threads ----
 
 void parallel_for(int64_t begin, int64_t end, int64_t grain, blade_range_fn fn, void* ctx) {
-  grain = std::max<int64_t>(grain, 1);  // ATen divides by it; a generated loop may pass 0: "any chunking"
-  if (begin >= end) return;
-  if (serial_now()) {  // the machine is oversubscribed (oversubscription.h): this thread alone
-    fn(ctx, begin, end);
-    return;
-  }
-  // ATen's own test for running the range inline, on this thread: then there is no team to time.
-  const bool team = end - begin > grain && at::get_num_threads() > 1 && !at::in_parallel_region();
-  if (!team) {
-    at::parallel_for(begin, end, grain, [fn, ctx](int64_t chunk_begin, int64_t chunk_end) { fn(ctx, chunk_begin, chunk_end); });
-    return;
-  }
-  // When the first thread finished its chunk: what the others then make it wait shows whether
-  // they have cores (oversubscription.h).
-  const int64_t start = steady_ns();
-  std::atomic<int64_t> first_done{0};
-  at::parallel_for(begin, end, grain, [fn, ctx, &first_done](int64_t chunk_begin, int64_t chunk_end) {
-    fn(ctx, chunk_begin, chunk_end);
-    // the clock is read by the first to finish only (a read costs 40 ns in this VM: 4 a region
-    // were 1-2% of a 9 us elementwise call at 2 threads)
-    if (first_done.load(std::memory_order_relaxed) != 0) return;
-    int64_t none = 0;
-    first_done.compare_exchange_strong(none, steady_ns(), std::memory_order_relaxed);
-  });
-  const int64_t done = first_done.load(std::memory_order_relaxed);
-  note_region(done - start, steady_ns() - done);
+  timed_parallel_for(begin, end, grain, [fn, ctx](int64_t chunk_begin, int64_t chunk_end) { fn(ctx, chunk_begin, chunk_end); });
 }
 
 // ---- convolution ----
@@ -97,7 +73,7 @@ BLADE_ISA_CLONES void copy_range(const float* from, float* to, int64_t begin, in
 // to[i] = clamp(from[i]) for `count` dense floats (from == to: in place), in parallel.
 void copy_clamped(const float* from, float* to, int64_t count, Clamp clamp) {
   const auto copy = clamp.on ? copy_range<true> : copy_range<false>;
-  at::parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) { copy(from, to, begin, end, clamp); });
+  timed_parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) { copy(from, to, begin, end, clamp); });
 }
 
 at::Tensor dense(const float* data, at::IntArrayRef sizes) {

@@ -1,8 +1,8 @@
 #include "winograd.h"
 
 #include "isa_clones.h"
+#include "timed_parallel.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -136,7 +136,7 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max<int64_t>(1, std::min(16384 / std::max(c_in, c_out), ceil_div(tiles, threads)));
 
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t n, row, col;
       origin(t, n, row, col);
@@ -154,7 +154,7 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
   // GEMM serial in its task: one fork-join for all 16 instead of one per GEMM, and equal shares
   // on 2 or 4 threads (each threaded GEMM split [tiles x c_out] in blocks of its own and waited
   // for the slowest: ResNet-18's 14x14 stage has 49 tiles).
-  at::parallel_for(0, kPoints, 1, [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, kPoints, 1, [&](int64_t begin, int64_t end) {
     const PackingScope scope(weights);  // per thread: the scope is thread-local
     for (int64_t e = begin; e < end; ++e) {
       runtime()->sgemm(1, tiles, c_out, c_in, 1.0f, v + e * tiles * c_in, c_in, 0, 0,
@@ -162,7 +162,7 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
     }
   });
   const OutputTransform transform = kOutputTransforms[sum != nullptr][clamp.on];
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> discard(c_out);  // outputs of edge tiles that fall outside the image
     for (int64_t t = begin; t < end; ++t) {
       int64_t n, row, col;

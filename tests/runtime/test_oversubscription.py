@@ -102,3 +102,30 @@ def test_ending_serial_mode(ms):
     _testing.force_serial_for(10_000)
     _testing.force_serial_for(ms)
     assert not _testing.serial_now()
+
+
+# (kernel, x shape, weight shape, groups, pads): each big enough for a team of 2 threads
+TEAM_CONVS = [
+    ("depthwise", (1, 96, 40, 40), (96, 1, 3, 3), 96, [1] * 4),
+    ("patch", (1, 24, 40, 40), (144, 24, 1, 1), 1, [0] * 4),
+    ("winograd", (1, 64, 16, 16), (64, 64, 3, 3), 1, [1] * 4),
+]
+
+
+@pytest.mark.parametrize("case", TEAM_CONVS, ids=[c[0] for c in TEAM_CONVS])
+def test_the_conv_kernels_parallel_regions_are_timed(case):
+    """An engine of convolutions only (MobileNetV2's) has no other parallel region: its kernels'
+    regions must report their times, or stalls there never start serial mode."""
+    kernel, x_shape, w_shape, groups, pads = case
+    x = torch.randn(x_shape).contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.randn(w_shape), torch.randn(w_shape[0])
+    h = x_shape[2] + pads[0] + pads[2] - w_shape[2] + 1
+    out = torch.empty(1, w_shape[0], h, h).contiguous(memory_format=torch.channels_last)
+    with two_threads():
+        _testing.force_serial_for(0)  # a real stall on a loaded machine would run them inline
+        calls, regions = _testing.conv_kernel_calls(kernel), _testing.noted_region_count()
+        _testing.conv(x, weight, bias, [1, 1], pads, [1, 1], groups, out, 3, True)
+        assert _testing.conv_kernel_calls(kernel) == calls + 1
+        assert _testing.noted_region_count() > regions
+    want = torch.conv2d(x, weight, bias, padding=pads[:2], groups=groups)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
