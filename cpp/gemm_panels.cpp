@@ -104,8 +104,8 @@ BLADE_AVX512 void panel_rows(const GemmArgs& g, const float* a_base, float* c_ba
   }
 }
 
-// The same packed panels on a CPU with AVX2 but no AVX-512 (16 vector registers of 8 floats): a
-// register block is up to 6 rows x one half (16 columns) of a panel, its 12 sums kept in registers
+// Packed panels on a CPU with AVX2 but no AVX-512 (16 vector registers of 8 floats), 16 columns
+// wide (packed_panel_columns): a register block is up to 6 rows x the panel, its 12 sums kept in registers
 // for the whole of K (two loads of B and 6 broadcasts of A per 12 FMAs). On such an AMD EPYC (one
 // thread, CPU time, in an engine: [128, k] x [k, n] + relu) it ran GPT-2/BERT's GEMMs at 87-89
 // GFLOP/s where MKL's sgemm -- there the only other candidate, libtorch's oneDNN matmul refusing
@@ -115,7 +115,7 @@ constexpr int64_t kAvx2Half = 16;
 
 #define BLADE_AVX2 __attribute__((target("avx2,fma")))
 
-// R rows of A times columns [0, width) (width <= 16) of one packed, zero-padded half panel.
+// R rows of A times columns [0, width) (width <= 16) of one packed, zero-padded panel of 16 columns.
 template <int R>
 BLADE_AVX2 inline void block_avx2(int64_t k, const float* a, int64_t row_step, int64_t k_step, const float* half,
                                   float beta, float* c, int64_t ldc, int64_t width) {
@@ -123,7 +123,7 @@ BLADE_AVX2 inline void block_avx2(int64_t k, const float* a, int64_t row_step, i
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
-    const float* row = half + kk * kPanel;
+    const float* row = half + kk * kAvx2Half;
     const __m256 b_low = _mm256_load_ps(row);
     const __m256 b_high = _mm256_load_ps(row + 8);
 #pragma GCC unroll 6
@@ -154,47 +154,51 @@ BLADE_AVX2 inline void block_avx2(int64_t k, const float* a, int64_t row_step, i
   }
 }
 
-// Rows [begin, end) of C's columns [column, column + width) from one packed panel, half by half.
+// Rows [begin, end) of C's columns [column, column + width) (width <= 16) from one packed panel.
 BLADE_AVX2 void panel_rows_avx2(const GemmArgs& g, const float* panel, int64_t column, int64_t width,
                                 int64_t begin, int64_t end) {
   const int64_t row_step = g.trans_a ? 1 : g.lda, k_step = g.trans_a ? g.lda : 1;
-  for (int64_t half = 0; half < width; half += kAvx2Half) {
-    const int64_t half_width = std::min(kAvx2Half, width - half);
-    for (int64_t r0 = begin; r0 < end; r0 += kAvx2BlockRows) {
-      const float* a = g.a + r0 * row_step;
-      float* c = g.c + r0 * g.ldc + column + half;
-      const auto run = [&](auto rows) {
-        block_avx2<decltype(rows)::value>(g.k, a, row_step, k_step, panel + half, g.beta, c, g.ldc, half_width);
-      };
-      switch (std::min<int64_t>(kAvx2BlockRows, end - r0)) {
-        case 1: run(std::integral_constant<int, 1>{}); break;
-        case 2: run(std::integral_constant<int, 2>{}); break;
-        case 3: run(std::integral_constant<int, 3>{}); break;
-        case 4: run(std::integral_constant<int, 4>{}); break;
-        case 5: run(std::integral_constant<int, 5>{}); break;
-        default: run(std::integral_constant<int, 6>{}); break;
-      }
+  for (int64_t r0 = begin; r0 < end; r0 += kAvx2BlockRows) {
+    const float* a = g.a + r0 * row_step;
+    float* c = g.c + r0 * g.ldc + column;
+    const auto run = [&](auto rows) {
+      block_avx2<decltype(rows)::value>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width);
+    };
+    switch (std::min<int64_t>(kAvx2BlockRows, end - r0)) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+      default: run(std::integral_constant<int, 6>{}); break;
     }
   }
-}
-
-// alpha * op(B) as [panels][k][32] floats, the last panel's columns past n zero.
-at::Tensor pack_panels(const GemmArgs& g) {
-  const int64_t panels = (g.n + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({panels * g.k * kPanel}, at::kFloat);  // 64-byte aligned (c10's allocator)
-  float* dest = packed.mutable_data_ptr<float>();
-  for (int64_t kk = 0; kk < g.k; ++kk) {
-    for (int64_t col = 0; col < g.n; ++col) {
-      const float b = g.trans_b ? g.b[col * g.ldb + kk] : g.b[kk * g.ldb + col];
-      dest[(col / kPanel * g.k + kk) * kPanel + col % kPanel] = g.alpha * b;
-    }
-  }
-  return packed;
 }
 
 bool avx512_usable() {
   static const bool usable = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
   return usable;
+}
+
+// Columns per packed panel of a constant B: what one register block reads per depth. AVX2's blocks
+// read 16 columns: in 32-column panels each of them streamed every other cache line of the pack
+// (64 of every 128 bytes), so B took twice its size in L1/L2 and the prefetchers fetched lines no
+// block of that pass used. One process runs one ISA, so a pack's layout never changes in it.
+int64_t packed_panel_columns() { return avx512_usable() ? kPanel : kAvx2Half; }
+
+// alpha * op(B) as [panels][k][columns] floats (columns = packed_panel_columns()), the last
+// panel's columns past n zero.
+at::Tensor pack_panels(const GemmArgs& g) {
+  const int64_t columns = packed_panel_columns(), panels = (g.n + columns - 1) / columns;
+  at::Tensor packed = at::zeros({panels * g.k * columns}, at::kFloat);  // 64-byte aligned (c10's allocator)
+  float* dest = packed.mutable_data_ptr<float>();
+  for (int64_t kk = 0; kk < g.k; ++kk) {
+    for (int64_t col = 0; col < g.n; ++col) {
+      const float b = g.trans_b ? g.b[col * g.ldb + kk] : g.b[kk * g.ldb + col];
+      dest[(col / columns * g.k + kk) * columns + col % columns] = g.alpha * b;
+    }
+  }
+  return packed;
 }
 
 bool avx2_usable() {
@@ -211,13 +215,13 @@ struct Tasks {
   int64_t chunks, chunk_rows, grain;
 };
 
-Tasks split_tasks(const GemmArgs& g, int64_t items) {
+Tasks split_tasks(const GemmArgs& g, int64_t items, int64_t columns = kPanel) {
   constexpr int64_t kMinTaskFmas = 1 << 16;
   const int64_t blocks = (g.m + kBlockRows - 1) / kBlockRows;
   const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
   const int64_t chunks = std::clamp<int64_t>((wanted + items - 1) / items, 1, blocks);
   const int64_t chunk_rows = (blocks + chunks - 1) / chunks * kBlockRows;
-  return {chunks, chunk_rows, std::max<int64_t>(1, kMinTaskFmas / (std::min(chunk_rows, g.m) * g.k * kPanel))};
+  return {chunks, chunk_rows, std::max<int64_t>(1, kMinTaskFmas / (std::min(chunk_rows, g.m) * g.k * columns))};
 }
 
 // A constant B's key in PackedWeights.
@@ -236,18 +240,18 @@ at::Tensor panels_of(const GemmArgs& g, PackedWeights* weights) {
 void packed_gemm(const GemmArgs& g, PackedWeights* weights) {
   const at::Tensor packed = panels_of(g, weights);
   const float* panels = packed.const_data_ptr<float>();
-  const int64_t count = (g.n + kPanel - 1) / kPanel;
-  const Tasks t = split_tasks(g, count);
+  const int64_t columns = packed_panel_columns(), count = (g.n + columns - 1) / columns;
+  const Tasks t = split_tasks(g, count, columns);
   at::parallel_for(0, count * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t p = task / t.chunks, first = task % t.chunks * t.chunk_rows;
       if (first >= g.m) continue;
-      const float* panel = panels + p * g.k * kPanel;
-      const int64_t width = std::min(kPanel, g.n - p * kPanel), last = std::min(g.m, first + t.chunk_rows);
+      const float* panel = panels + p * g.k * columns;
+      const int64_t width = std::min(columns, g.n - p * columns), last = std::min(g.m, first + t.chunk_rows);
       if (avx512_usable()) {
         panel_rows<false>(g, g.a, g.c, panel, kPanel, 1.0f, p * kPanel, width, first, last);
       } else {
-        panel_rows_avx2(g, panel, p * kPanel, width, first, last);
+        panel_rows_avx2(g, panel, p * columns, width, first, last);
       }
     }
   });
