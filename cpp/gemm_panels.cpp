@@ -461,8 +461,8 @@ void per_call_gemm_avx2(const GemmArgs& g) {
   });
 }
 
-// A B the engine computes (attention's K^T and V, per head: a batch), which no pack outlives:
-// untransposed, each panel is read where it is (row kk of a panel: 32 floats of B's row kk);
+// A B the engine computes (attention's K^T and V, per head: a batch), which no pack outlives.
+// Without AVX-512, per_call_gemm_avx2. With it: untransposed, each panel is read where it is (row kk of a panel: 32 floats of B's row kk);
 // transposed, each task first packs its panel into a buffer of its thread (4 x 8 KB per head of
 // 64 dims at 128 keys), which its row blocks then share. oneDNN's matmul ran attention's
 // [128, 64] @ [64, 128] and [128, 128] @ [128, 64] at ~170 GFLOP/s on one core here.
