@@ -7,10 +7,11 @@ constant; attention's heads strided inside the fused QKV output).
     python bench/gemm.py                 # prints a markdown table
     python bench/gemm.py --rounds 5
 
-The runtime's kernels are timed by the runtime itself: with BLADE_GEMM=auto the first call of a
-shape times every candidate (its best call, no Python in between), and blade._C.gemm_choices()
-reports those times and the kernel chosen. Each round resets the choices and times again; per
-kernel the best round counts. ONNX Runtime (default SessionOptions, torch's thread count, the
+The runtime's kernels are timed by the runtime itself: with BLADE_GEMM=auto a shape's calls sample
+the candidates in turn (each one's first call, which packs, is no sample) until the shape's choice
+settles; blade._C.gemm_choices() then reports each candidate's best call (no Python in between) and
+the kernel chosen. The calls of a round run in one packing scope (a weight packed once, as in an
+engine). Each round resets the choices and times again; per kernel the best round counts. ONNX Runtime (default SessionOptions, torch's thread count, the
 weight an initializer it prepacks) is timed through session.run: its column includes a few
 microseconds of Python and session overhead per call, which only matters for the smallest GEMMs.
 """
@@ -31,6 +32,9 @@ from blade._C import _testing
 
 KERNELS = ("mkl", "onednn-matmul", "onednn-packed", "panels")
 PAUSE_S = 0.2  # after ONNX Runtime: its spinning worker threads go idle before the runtime is timed
+# calls that settle any shape's choice: per candidate (at most 4) a first call and up to 12 samples
+# (cpp/gemm_choice.cpp kMaxSamples); calls after it settles run the chosen kernel untimed
+SETTLING_CALLS = 4 * 13
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ def shapes() -> list[Gemm]:
                 linear(f"ViT {tag} (FFN up)", 197 * batch, 192, 768),
                 linear(f"ViT {tag} (FFN down)", 197 * batch, 768, 192)]
     out += attention("BERT/GPT-2/T5 attention (per batch entry)", 4, 128)
+    out += attention("BERT attention at seq 512 (per batch entry)", 4, 512)
     out += attention("ViT attention (per batch entry)", 3, 197)
     return out
 
@@ -107,7 +112,7 @@ def runtime_times(g: Gemm, a, b, c) -> tuple[dict, str]:
     """{kernel: best call us} as the runtime timed its candidates for g, and the kernel it chose."""
     _testing.set_gemm_backend("auto")
     _testing.sgemm(g.batch, g.m, g.n, g.k, 1.0, a, g.lda, g.stride_a, False, b, g.ldb, g.stride_b, g.trans_b,
-                   0.0, c, g.ldc, g.stride_c, pack=g.weight)
+                   0.0, c, g.ldc, g.stride_c, pack=g.weight, repeat=SETTLING_CALLS)
     choices = blade._C.gemm_choices()
     if not choices:
         return {}, "mkl (the only candidate)"

@@ -62,8 +62,8 @@ void onednn_packed(const GemmArgs& g, PackedWeights* weights);
 
 // ---- the runtime's own kernel on B in 32-column panels (gemm_panels.cpp) ----
 
-// Whether panels_gemm can run g (on a CPU with AVX-512): a single GEMM when its B is one of the
-// engine's constants (b_constant), any batch when B is computed.
+// Whether panels_gemm can run g (on a CPU with AVX-512, or AVX2 and FMA): a single GEMM when its B
+// is one of the engine's constants (b_constant), any batch when B is computed.
 bool panels_applies(const GemmArgs& g, bool b_constant);
 
 // C = op(A) (alpha op(B)) + beta C straight into C, 8-row blocks of C's 32-column panels in

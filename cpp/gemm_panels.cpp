@@ -10,7 +10,8 @@
 // [128, 64] 39 and 33 us where oneDNN's matmul took 49 and 45 (its ~10 us per call dominates a few
 // heads; at 32 heads the two are within 10% either way). Threads split (panel, row chunk) tasks.
 // gemm_choice.cpp times it against the libraries per shape, so it only runs where it wins. Without
-// AVX-512 an AVX2 kernel (below) runs the packed constant B only.
+// AVX-512 an AVX2 kernel (below, 6 x 16 register blocks) runs both: a constant B packed once in
+// 16-column panels, a computed one packed per call, panel by panel.
 #include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
@@ -110,6 +111,7 @@ BLADE_AVX512 void panel_rows(const GemmArgs& g, const float* a_base, float* c_ba
 // thread, CPU time, in an engine: [128, k] x [k, n] + relu) it ran GPT-2/BERT's GEMMs at 87-89
 // GFLOP/s where MKL's sgemm -- there the only other candidate, libtorch's oneDNN matmul refusing
 // the CPU -- ran at 81-85 and ONNX Runtime's MatMul at 77-90 (e.g. [256, 768] 573 us, MKL 618).
+// A computed B (attention's K^T and V) is packed per call (per_call_gemm_avx2).
 constexpr int kAvx2BlockRows = 6;
 constexpr int64_t kAvx2Half = 16;
 
@@ -217,10 +219,11 @@ struct Tasks {
 
 Tasks split_tasks(const GemmArgs& g, int64_t items, int64_t columns = kPanel) {
   constexpr int64_t kMinTaskFmas = 1 << 16;
-  const int64_t blocks = (g.m + kBlockRows - 1) / kBlockRows;
+  const int64_t block_rows = avx512_usable() ? kBlockRows : kAvx2BlockRows;  // chunks of whole register blocks
+  const int64_t blocks = (g.m + block_rows - 1) / block_rows;
   const int64_t wanted = 2 * static_cast<int64_t>(at::get_num_threads());
   const int64_t chunks = std::clamp<int64_t>((wanted + items - 1) / items, 1, blocks);
-  const int64_t chunk_rows = (blocks + chunks - 1) / chunks * kBlockRows;
+  const int64_t chunk_rows = (blocks + chunks - 1) / chunks * block_rows;
   return {chunks, chunk_rows, std::max<int64_t>(1, kMinTaskFmas / (std::min(chunk_rows, g.m) * g.k * columns))};
 }
 
@@ -314,12 +317,157 @@ BLADE_AVX512 void pack_transposed_panel(const float* b, int64_t ldb, int64_t k, 
   }
 }
 
-// A B the engine computes (attention's K^T and V, per head: a batch), which no pack outlives:
-// untransposed, each panel is read where it is (row kk of a panel: 32 floats of B's row kk);
+// An 8 x 8 block of floats transposed in registers: rows[i] becomes column i (pairs of elements,
+// of pairs, then 128-bit lanes).
+BLADE_AVX2 inline void transpose8(__m256 rows[8]) {
+  __m256 t[8];
+#pragma GCC unroll 4
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 8; i += 4) {
+    rows[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    rows[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    rows[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    rows[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(rows[i], rows[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(rows[i], rows[i + 4], 0x31);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) rows[i] = t[i];
+}
+
+// The first `count` lanes of an AVX2 mask (maskload reads no element whose lane is off).
+BLADE_AVX2 inline __m256i first_lanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// AVX2's pack_transposed_panel: alpha * columns [column, column + width) of a transposed B as one
+// zero-padded [k][16] panel in `dest` (32-byte aligned), 8 columns x 8 depths at a time: 8 row loads
+// and an in-register transpose. Loads past `width` or k are masked off, so no element outside B is read.
+BLADE_AVX2 void pack_transposed_panel_avx2(const float* b, int64_t ldb, int64_t k, float alpha, int64_t column,
+                                           int64_t width, float* dest) {
+  const float* first = b + column * ldb;
+  const __m256 scale = _mm256_set1_ps(alpha);
+  for (int64_t k0 = 0; k0 < k; k0 += 8) {
+    const int64_t depth = std::min<int64_t>(8, k - k0);
+    const __m256i depth_mask = first_lanes(depth);
+    for (int64_t half = 0; half < kAvx2Half; half += 8) {
+      __m256 rows[8];
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < 8; ++j) {
+        const float* source = first + (half + j) * ldb + k0;
+        rows[j] = half + j >= width ? _mm256_setzero_ps()
+                  : depth == 8      ? _mm256_loadu_ps(source)
+                                    : _mm256_maskload_ps(source, depth_mask);
+      }
+      transpose8(rows);
+      for (int64_t d = 0; d < depth; ++d) _mm256_store_ps(dest + (k0 + d) * kAvx2Half + half, _mm256_mul_ps(scale, rows[d]));
+    }
+  }
+}
+
+// alpha * columns [column, column + width) (width <= 16) of an untransposed B as one zero-padded
+// [k][16] panel in `dest` (32-byte aligned). Read in place instead (as the AVX-512 path reads it),
+// attention's V in the fused QKV output (rows 3 KB apart, likely a new page every depth) ran
+// [128, 128] @ [128, 64] at 74 GFLOP/s and [512, 512] @ [512, 64] at 72 (MKL 83-85); packed, 89-94.
+BLADE_AVX2 void pack_panel_avx2(const float* b, int64_t ldb, int64_t k, float alpha, int64_t column, int64_t width,
+                                float* dest) {
+  const float* first = b + column;
+  const __m256 scale = _mm256_set1_ps(alpha);
+  const __m256i low_mask = first_lanes(std::min<int64_t>(width, 8)), high_mask = first_lanes(width - 8);
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* row = first + kk * ldb;
+    const __m256 low = width >= 8 ? _mm256_loadu_ps(row) : _mm256_maskload_ps(row, low_mask);
+    const __m256 high = width >= kAvx2Half ? _mm256_loadu_ps(row + 8)
+                        : width > 8        ? _mm256_maskload_ps(row + 8, high_mask)
+                                           : _mm256_setzero_ps();
+    _mm256_store_ps(dest + kk * kAvx2Half, _mm256_mul_ps(scale, low));
+    _mm256_store_ps(dest + kk * kAvx2Half + 8, _mm256_mul_ps(scale, high));
+  }
+}
+
+// Rows [begin, end) of one batch entry's C, columns from `column` on, from `panels` packed panels of
+// B (k x 16 floats each, one after the other) starting there, row block by row block: a block's
+// rows of A stay in L1 while the panels stream past from L2.
+BLADE_AVX2 void rows_of_all_panels_avx2(const GemmArgs& g, const float* a_base, float* c_base, const float* packed,
+                                        int64_t column, int64_t panels, int64_t begin, int64_t end) {
+  const int64_t row_step = g.trans_a ? 1 : g.lda, k_step = g.trans_a ? g.lda : 1;
+  for (int64_t r0 = begin; r0 < end; r0 += kAvx2BlockRows) {
+    const float* a = a_base + r0 * row_step;
+    float* c = c_base + r0 * g.ldc + column;
+    const auto run = [&](auto rows) {
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t width = std::min(kAvx2Half, g.n - column - p * kAvx2Half);
+        block_avx2<decltype(rows)::value>(g.k, a, row_step, k_step, packed + p * g.k * kAvx2Half, g.beta,
+                                          c + p * kAvx2Half, g.ldc, width);
+      }
+    };
+    switch (std::min<int64_t>(kAvx2BlockRows, end - r0)) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+      default: run(std::integral_constant<int, 6>{}); break;
+    }
+  }
+}
+
+// per_call_gemm on AVX2: (batch entry, group of panels, row chunk) tasks; a task packs its group of
+// B's panels (alpha folded in) into its thread's buffer, unless the thread's previous task packed
+// it already, then runs its rows over the whole group (rows_of_all_panels_avx2). A group is as many
+// panels as fit kGroupFloats (all of attention's B at head dim 64 up to 1024 keys: a head's K^T, 64
+// x 512, is 128 KB). On a Zen 3 core (1 thread, CPU time, 4 heads, Q/K/V in a fused QKV output)
+// this ran [512, 64] @ [64, 512]^T at 88 GFLOP/s where panel by panel (each panel's pass streaming
+// all of Q from L2) it ran at 81 and MKL at 79-86; at 128 keys 85-87, MKL 80-83.
+void per_call_gemm_avx2(const GemmArgs& g) {
+  constexpr int64_t kGroupFloats = 1 << 16;  // 256 KB: half of Zen 3's L2
+  const int64_t panels = (g.n + kAvx2Half - 1) / kAvx2Half, panel_floats = g.k * kAvx2Half;
+  const int64_t group = std::clamp<int64_t>(kGroupFloats / panel_floats, 1, panels);
+  const int64_t groups = (panels + group - 1) / group, items = g.batch * groups;
+  const Tasks t = split_tasks(g, items, group * kAvx2Half);
+  at::parallel_for(0, items * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffer;
+    buffer.resize(group * panel_floats + 16);  // + 16: room to align the panels to 64 bytes
+    float* packed = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
+    int64_t packed_item = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t item = task / t.chunks, first = task % t.chunks * t.chunk_rows;
+      if (first >= g.m) continue;
+      const int64_t batch = item / groups, first_panel = item % groups * group;
+      const int64_t count = std::min(group, panels - first_panel), column = first_panel * kAvx2Half;
+      if (item != packed_item) {
+        const float* b = g.b + batch * g.stride_b;
+        for (int64_t p = 0; p < count; ++p) {
+          const int64_t at = column + p * kAvx2Half, width = std::min(kAvx2Half, g.n - at);
+          float* panel = packed + p * panel_floats;
+          if (g.trans_b) {
+            pack_transposed_panel_avx2(b, g.ldb, g.k, g.alpha, at, width, panel);
+          } else {
+            pack_panel_avx2(b, g.ldb, g.k, g.alpha, at, width, panel);
+          }
+        }
+        packed_item = item;
+      }
+      rows_of_all_panels_avx2(g, g.a + batch * g.stride_a, g.c + batch * g.stride_c, packed, column, count, first,
+                              std::min(g.m, first + t.chunk_rows));
+    }
+  });
+}
+
+// A B the engine computes (attention's K^T and V, per head: a batch), which no pack outlives.
+// Without AVX-512, per_call_gemm_avx2. With it: untransposed, each panel is read where it is (row kk of a panel: 32 floats of B's row kk);
 // transposed, each task first packs its panel into a buffer of its thread (4 x 8 KB per head of
 // 64 dims at 128 keys), which its row blocks then share. oneDNN's matmul ran attention's
 // [128, 64] @ [64, 128] and [128, 128] @ [128, 64] at ~170 GFLOP/s on one core here.
 void per_call_gemm(const GemmArgs& g) {
+  if (!avx512_usable()) return per_call_gemm_avx2(g);
   const int64_t count = (g.n + kPanel - 1) / kPanel, items = g.batch * count;
   const Tasks t = split_tasks(g, items);
   at::parallel_for(0, items * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
@@ -352,17 +500,14 @@ bool panels_packed(const GemmArgs& g, PackedWeights* weights) {
   return weights != nullptr && weights->has(pack_key(g));
 }
 
-// Without AVX-512 only a constant B (packed once) runs here: the AVX2 kernel has no per-call
-// packing of a computed B.
 bool panels_applies(const GemmArgs& g, bool b_constant) {
-  if (g.k <= 0) return false;
-  if (avx512_usable()) return g.batch == 1 || !b_constant;
-  return avx2_usable() && g.batch == 1 && b_constant;
+  if (g.k <= 0 || !(avx512_usable() || avx2_usable())) return false;
+  return g.batch == 1 || !b_constant;
 }
 
 void panels_gemm(const GemmArgs& g, PackedWeights* weights) {
   if (g.batch == 1 && weights != nullptr && weights->is_constant(g.b)) return packed_gemm(g, weights);
-  TORCH_CHECK(avx512_usable(), "blade: the panels GEMM of a computed B needs AVX-512");
+  TORCH_CHECK(avx512_usable() || avx2_usable(), "blade: the panels GEMM needs AVX2 and FMA");
   per_call_gemm(g);
 }
 

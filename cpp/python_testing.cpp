@@ -26,20 +26,24 @@ void check_extent(const char* what, const at::Tensor& t, int64_t batch, int64_t 
   TORCH_CHECK(stride >= 0 && ld >= 0 && last < t.numel(), what, " is too small for these strides");
 }
 
+// `repeat` calls in one packing scope (pack: B packed once, as in an engine), each an engine call's
+// GEMM: what "auto" needs to sample and settle a shape's choice (bench/gemm.py).
 void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, double alpha, const at::Tensor& a, int64_t lda,
            int64_t stride_a, bool trans_a, const at::Tensor& b, int64_t ldb, int64_t stride_b, bool trans_b,
-           double beta, at::Tensor& c, int64_t ldc, int64_t stride_c, bool pack) {
+           double beta, at::Tensor& c, int64_t ldc, int64_t stride_c, bool pack, int64_t repeat) {
   check_extent("a", a, batch, stride_a, m, k, lda, trans_a);
   check_extent("b", b, batch, stride_b, k, n, ldb, trans_b);
   check_extent("c", c, batch, stride_c, m, n, ldc, false);
-  PackedWeights weights;  // with pack, b counts as an engine constant (packs live for one call)
+  PackedWeights weights;  // with pack, b counts as an engine constant (packs live for this call's repeats)
   if (pack) weights.add_constant(b.const_data_ptr(), b.nbytes());
   const PackingScope scope(pack ? &weights : nullptr);
-  gemm_new_call();  // each call is one engine call's GEMM
   pybind11::gil_scoped_release no_gil;  // column blocks run on ATen's pool
-  runtime()->sgemm(batch, m, n, k, static_cast<float>(alpha), a.const_data_ptr<float>(), lda, stride_a,
-                   trans_a, b.const_data_ptr<float>(), ldb, stride_b, trans_b, static_cast<float>(beta),
-                   c.mutable_data_ptr<float>(), ldc, stride_c);
+  for (int64_t i = 0; i < repeat; ++i) {
+    gemm_new_call();  // each call is one engine call's GEMM
+    runtime()->sgemm(batch, m, n, k, static_cast<float>(alpha), a.const_data_ptr<float>(), lda, stride_a,
+                     trans_a, b.const_data_ptr<float>(), ldb, stride_b, trans_b, static_cast<float>(beta),
+                     c.mutable_data_ptr<float>(), ldc, stride_c);
+  }
 }
 
 // The chunks the runtime's parallel_for calls back with, sorted.
@@ -103,7 +107,7 @@ void bind_testing(pybind11::module_& m) {
         py::arg("batch"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("alpha"), py::arg("a"),
         py::arg("lda"), py::arg("stride_a"), py::arg("trans_a"), py::arg("b"), py::arg("ldb"),
         py::arg("stride_b"), py::arg("trans_b"), py::arg("beta"), py::arg("c"), py::arg("ldc"),
-        py::arg("stride_c"), py::arg("pack") = false);
+        py::arg("stride_c"), py::arg("pack") = false, py::arg("repeat") = 1);
   m.def("conv", &conv, "Calls the runtime table's conv (out is written in place).", py::arg("x"), py::arg("w"),
         py::arg("b"), py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("groups"), py::arg("out"),
         py::arg("layout"), py::arg("pack"), py::arg("sum") = py::none(), py::arg("activation") = 0,

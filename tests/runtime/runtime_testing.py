@@ -27,10 +27,9 @@ def _cpu_flags() -> set:
 
 
 _FLAGS = _cpu_flags()
-# The runtime's own GEMM (cpp/gemm_panels.cpp) runs on AVX-512 CPUs: there "auto" has one more candidate.
-PANELS_USABLE = "avx512f" in _FLAGS
-# On AVX2 CPUs it runs a constant B (a packed weight) only.
-PANELS_PACKED_USABLE = PANELS_USABLE or {"avx2", "fma"} <= _FLAGS
+# The runtime's own GEMM (cpp/gemm_panels.cpp) runs on AVX-512 CPUs and on AVX2 ones with FMA (a
+# constant B and a computed one alike): there "auto" has one more candidate.
+PANELS_USABLE = "avx512f" in _FLAGS or {"avx2", "fma"} <= _FLAGS
 ENGINE_SOURCES = Path(__file__).resolve().parent / "engines"
 CXX_FLAGS = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-I{REPO / 'cpp'}"]
 

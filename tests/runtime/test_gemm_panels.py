@@ -1,6 +1,6 @@
 """The runtime's own GEMM on B in 32-column panels (cpp/gemm_panels.cpp): a constant B packed once, a
 computed one (any batch) read in place or packed per call; without AVX-512, an AVX2 kernel (blocks
-of 6 rows x 16 columns) for a constant B only. Against
+of 6 rows x 16 columns, 16-column panels) does both. Against
 float64 numpy over the sgemm contract where it applies: row counts around its register blocks of 8
 (and their remainders) and its row chunks, column counts around the panel width (the last panel's
 padding is computed and must not be stored), K down to 1, transposed and padded operands, alpha
@@ -12,11 +12,10 @@ import torch
 
 import blade._C
 from blade._C import _testing
-from runtime_testing import PANELS_PACKED_USABLE, PANELS_USABLE, run_sgemm
+from runtime_testing import PANELS_USABLE, run_sgemm
 
 
-needs_avx512 = pytest.mark.skipif(not PANELS_USABLE, reason="the panels kernel needs AVX-512 (MKL runs instead)")
-needs_avx2 = pytest.mark.skipif(not PANELS_PACKED_USABLE, reason="the panels kernel needs AVX2 and FMA (MKL runs instead)")
+needs_avx2 = pytest.mark.skipif(not PANELS_USABLE, reason="the panels kernel needs AVX2 and FMA (MKL runs instead)")
 
 
 def _panels_calls():
@@ -38,7 +37,7 @@ def test_rows_and_columns(panels, m, n):
     before = _panels_calls()
     run_sgemm(1, m, n, 37, 1.0, 0.0, False, True, pack=True, pad=0)
     run_sgemm(1, m, n, 37, -1.5, 0.5, True, False, pack=True, pad=3, seed=1)
-    assert _panels_calls() == before + 2 * PANELS_PACKED_USABLE
+    assert _panels_calls() == before + 2 * PANELS_USABLE
 
 
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False), (True, True)])
@@ -48,7 +47,7 @@ def test_transposes_and_scales(panels, trans_a, trans_b, alpha, beta, k):
     run_sgemm(1, 8, 40, k, alpha, beta, trans_a, trans_b, pack=True)
 
 
-@needs_avx512
+@needs_avx2
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("m, n", [(1, 1), (7, 15), (9, 33), (128, 64), (61, 100)])
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False), (True, True)])
@@ -63,20 +62,32 @@ def test_computed_b_per_call(panels, batch, m, n, trans_a, trans_b):
     assert _panels_calls() == before + 3
 
 
-@needs_avx512
-@pytest.mark.parametrize("k", [1, 15, 16, 17, 33, 64, 65])
-@pytest.mark.parametrize("n", [1, 16, 17, 31, 32, 47, 70])
+@needs_avx2
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 15, 16, 17, 33, 64, 65])
+@pytest.mark.parametrize("n", [1, 8, 9, 15, 16, 17, 31, 32, 47, 70])
 def test_computed_transposed_b_packing(panels, k, n):
-    """A computed B^T (attention's K) is packed per panel in 16 x 16 blocks transposed in registers:
-    depths and panel widths around the block (partial blocks masked; B's NaN row padding and the
-    memory past its last row must never reach C), batches apart by a stride, alpha applied."""
+    """A computed B^T (attention's K) is packed per panel in blocks transposed in registers (16 x 16
+    with AVX-512, 8 x 8 with AVX2): depths and panel widths around the blocks (partial blocks masked;
+    B's NaN row padding and the memory past its last row must never reach C), batches apart by a
+    stride, alpha applied."""
     before = _panels_calls()
     run_sgemm(2, 9, n, k, 0.5, 0.0, False, True, pack=False, pad=1, seed=k + n)
     run_sgemm(1, 3, n, k, 1.0, 1.0, True, True, pack=False, pad=0, seed=k * n)
     assert _panels_calls() == before + 2
 
 
-@needs_avx512
+@needs_avx2
+@pytest.mark.parametrize("k, n", [(2048, 70), (4100, 40)])
+def test_computed_b_in_groups_of_panels(panels, k, n):
+    """A computed B too deep for all its panels to be packed at once (AVX2: 256 KB of panels a
+    task) runs in groups of panels, the last group short: every column of C is written once."""
+    before = _panels_calls()
+    run_sgemm(2, 13, n, k, 0.5, 0.0, False, True, pack=False, pad=1, seed=4)
+    run_sgemm(2, 13, n, k, 1.0, 1.0, False, False, pack=False, pad=0, seed=5)
+    assert _panels_calls() == before + 2
+
+
+@needs_avx2
 def test_computed_b_shared_operands(panels):
     """A batch sharing a computed A or B (B shared without folding: A transposed) runs per call; a
     constant B shared by a batch that does not fold is MKL's (the packed path is for one GEMM)."""
@@ -106,8 +117,8 @@ def _nonfinite_gemm(m, n, k, trans_b=False, pack=True):
 
 
 @pytest.mark.parametrize("trans_b, pack", [pytest.param(False, True, marks=needs_avx2),
-                                           pytest.param(False, False, marks=needs_avx512),
-                                           pytest.param(True, False, marks=needs_avx512)])
+                                           pytest.param(False, False, marks=needs_avx2),
+                                           pytest.param(True, False, marks=needs_avx2)])
 def test_nan_and_infinities(panels, trans_b, pack):
     """A constant B, and a computed one read in place or packed per call."""
     got, want = _nonfinite_gemm(9, 35, 20, trans_b, pack)
@@ -159,16 +170,15 @@ def test_auto_times_it():
 @pytest.mark.parametrize("m, n", [(8, 2048), (197, 40), (61, 33)])
 def test_threads_split_the_tasks(m, n):
     """Two threads: many panels (whole panels per task), or two panels or fewer (row chunks too,
-    the last one short): the same result, for a constant B and (AVX-512) a computed batch."""
+    the last one short): the same result, for a constant B and a computed batch."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         _testing.set_gemm_backend("panels")
         run_sgemm(1, m, n, 1024, 1.0, 0.0, False, True, pack=True, pad=1)
         run_sgemm(1, m, n, 64, 0.5, 1.0, True, False, pack=True, pad=2, seed=1)
-        if PANELS_USABLE:
-            run_sgemm(3, m, n, 64, 1.0, 0.0, False, True, pad=1, seed=2)
-            run_sgemm(3, m, n, 64, 0.5, 1.0, False, False, pad=0, seed=3)
+        run_sgemm(3, m, n, 64, 1.0, 0.0, False, True, pad=1, seed=2)
+        run_sgemm(3, m, n, 64, 0.5, 1.0, False, False, pad=0, seed=3)
     finally:
         _testing.set_gemm_backend("")
         torch.set_num_threads(threads)
