@@ -53,8 +53,13 @@ template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void zero_tile(V (&acc)[Rows][Vectors]) {
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
+    if constexpr (Vectors > 2) {
 #pragma GCC unroll 4
-    for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
+      for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
+    } else {
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
+    }
   }
 }
 
@@ -62,57 +67,83 @@ __attribute__((always_inline)) inline void zero_tile(V (&acc)[Rows][Vectors]) {
 template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void multiply_add(V (&acc)[Rows][Vectors], const float* a, int64_t lda,
                                                         const float* w) {
+  // The vector loops unrolled fully: a 3-vector loop under `unroll 2` kept the accumulators in
+  // memory (5x slower), and `unroll 4` on the 2-vector loops made the 6x2 tiles 1.4-2x slower
+  // at batch 8 (same trip count: g++'s code differs anyway), so each count has its own pragma.
   V weight[Vectors];
+  if constexpr (Vectors > 2) {
 #pragma GCC unroll 4
-  for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
+    for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
 #pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) {
-    const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
+    for (int r = 0; r < Rows; ++r) {
+      const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
 #pragma GCC unroll 4
-    for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+    }
+  } else {
+#pragma GCC unroll 2
+    for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+    }
   }
 }
 
-// A tile's sums + bias + residual (rows ldc floats apart, like out's), then the clamp, stored once.
+// Vector v of a tile's row r (its sums) + bias + residual (rows ldc floats apart, like out's), then
+// the clamp, stored once.
+template <typename V>
+__attribute__((always_inline)) inline void finish_vector(V sums, int r, int v, const float* bias, const float* sum,
+                                                         Clamp clamp, float* out, int64_t ldc, int64_t width) {
+  constexpr int lanes = kLanes<V>;
+  if (lanes * (v + 1) <= width) {
+    V y = sums;
+    if (bias != nullptr) y += load<V>(bias + lanes * v);
+    if (sum != nullptr) y += load<V>(sum + r * ldc + lanes * v);
+    if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+    store<V>(out + r * ldc + lanes * v, y);
+  } else {
+    // A partial vector's first 8 lanes, when it has them, as a half vector (24 channels, 16 + 8:
+    // MobileNetV2's projections to 24 stored a third of their outputs float by float); the
+    // rest, if any, float by float.
+    const int64_t j = lanes * v, rest = width - j;
+    int64_t half = 0;
+    if constexpr (lanes == 16) {
+      if (rest >= 8) {
+        Floats8 y = __builtin_shufflevector(sums, sums, 0, 1, 2, 3, 4, 5, 6, 7);
+        if (bias != nullptr) y += load<Floats8>(bias + j);
+        if (sum != nullptr) y += load<Floats8>(sum + r * ldc + j);
+        if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+        store<Floats8>(out + r * ldc + j, y);
+        half = 8;
+      }
+    }
+    if (rest > half) {
+      float y[lanes];
+      store<V>(y, sums);
+      partial_store(y + half, bias != nullptr ? bias + j + half : nullptr,
+                    sum != nullptr ? sum + r * ldc + j + half : nullptr, clamp, out + r * ldc + j + half,
+                    rest - half);
+    }
+  }
+}
+
+// A tile's sums + bias + residual, then the clamp, stored once (finish_vector; the vector loops
+// unrolled as in multiply_add).
 template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], const float* bias,
                                                        const float* sum, Clamp clamp, float* out, int64_t ldc,
                                                        int64_t width) {
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
+    if constexpr (Vectors > 2) {
 #pragma GCC unroll 4
-    for (int v = 0; v < Vectors; ++v) {
-      constexpr int lanes = kLanes<V>;
-      if (lanes * (v + 1) <= width) {
-        V y = acc[r][v];
-        if (bias != nullptr) y += load<V>(bias + lanes * v);
-        if (sum != nullptr) y += load<V>(sum + r * ldc + lanes * v);
-        if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
-        store<V>(out + r * ldc + lanes * v, y);
-      } else {
-        // A partial vector's first 8 lanes, when it has them, as a half vector (24 channels, 16 + 8:
-        // MobileNetV2's projections to 24 stored a third of their outputs float by float); the
-        // rest, if any, float by float.
-        const int64_t j = lanes * v, rest = width - j;
-        int64_t half = 0;
-        if constexpr (lanes == 16) {
-          if (rest >= 8) {
-            Floats8 y = __builtin_shufflevector(acc[r][v], acc[r][v], 0, 1, 2, 3, 4, 5, 6, 7);
-            if (bias != nullptr) y += load<Floats8>(bias + j);
-            if (sum != nullptr) y += load<Floats8>(sum + r * ldc + j);
-            if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
-            store<Floats8>(out + r * ldc + j, y);
-            half = 8;
-          }
-        }
-        if (rest > half) {
-          float y[lanes];
-          store<V>(y, acc[r][v]);
-          partial_store(y + half, bias != nullptr ? bias + j + half : nullptr,
-                        sum != nullptr ? sum + r * ldc + j + half : nullptr, clamp, out + r * ldc + j + half,
-                        rest - half);
-        }
-      }
+      for (int v = 0; v < Vectors; ++v) finish_vector<V>(acc[r][v], r, v, bias, sum, clamp, out, ldc, width);
+    } else {
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) finish_vector<V>(acc[r][v], r, v, bias, sum, clamp, out, ldc, width);
     }
   }
 }
