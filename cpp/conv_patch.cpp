@@ -53,8 +53,13 @@ template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void zero_tile(V (&acc)[Rows][Vectors]) {
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
+    if constexpr (Vectors > 2) {
+#pragma GCC unroll 4
+      for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
+    } else {
 #pragma GCC unroll 2
-    for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
+      for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
+    }
   }
 }
 
@@ -62,57 +67,83 @@ __attribute__((always_inline)) inline void zero_tile(V (&acc)[Rows][Vectors]) {
 template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void multiply_add(V (&acc)[Rows][Vectors], const float* a, int64_t lda,
                                                         const float* w) {
+  // The vector loops unrolled fully: a 3-vector loop under `unroll 2` kept the accumulators in
+  // memory (5x slower), and `unroll 4` on the 2-vector loops made the 6x2 tiles 1.4-2x slower
+  // at batch 8 (same trip count: g++'s code differs anyway), so each count has its own pragma.
   V weight[Vectors];
-#pragma GCC unroll 2
-  for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
+  if constexpr (Vectors > 2) {
+#pragma GCC unroll 4
+    for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
 #pragma GCC unroll 8
-  for (int r = 0; r < Rows; ++r) {
-    const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
+    for (int r = 0; r < Rows; ++r) {
+      const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
+#pragma GCC unroll 4
+      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+    }
+  } else {
 #pragma GCC unroll 2
-    for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+    for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+    }
   }
 }
 
-// A tile's sums + bias + residual (rows ldc floats apart, like out's), then the clamp, stored once.
+// Vector v of a tile's row r (its sums) + bias + residual (rows ldc floats apart, like out's), then
+// the clamp, stored once.
+template <typename V>
+__attribute__((always_inline)) inline void finish_vector(V sums, int r, int v, const float* bias, const float* sum,
+                                                         Clamp clamp, float* out, int64_t ldc, int64_t width) {
+  constexpr int lanes = kLanes<V>;
+  if (lanes * (v + 1) <= width) {
+    V y = sums;
+    if (bias != nullptr) y += load<V>(bias + lanes * v);
+    if (sum != nullptr) y += load<V>(sum + r * ldc + lanes * v);
+    if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+    store<V>(out + r * ldc + lanes * v, y);
+  } else {
+    // A partial vector's first 8 lanes, when it has them, as a half vector (24 channels, 16 + 8:
+    // MobileNetV2's projections to 24 stored a third of their outputs float by float); the
+    // rest, if any, float by float.
+    const int64_t j = lanes * v, rest = width - j;
+    int64_t half = 0;
+    if constexpr (lanes == 16) {
+      if (rest >= 8) {
+        Floats8 y = __builtin_shufflevector(sums, sums, 0, 1, 2, 3, 4, 5, 6, 7);
+        if (bias != nullptr) y += load<Floats8>(bias + j);
+        if (sum != nullptr) y += load<Floats8>(sum + r * ldc + j);
+        if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+        store<Floats8>(out + r * ldc + j, y);
+        half = 8;
+      }
+    }
+    if (rest > half) {
+      float y[lanes];
+      store<V>(y, sums);
+      partial_store(y + half, bias != nullptr ? bias + j + half : nullptr,
+                    sum != nullptr ? sum + r * ldc + j + half : nullptr, clamp, out + r * ldc + j + half,
+                    rest - half);
+    }
+  }
+}
+
+// A tile's sums + bias + residual, then the clamp, stored once (finish_vector; the vector loops
+// unrolled as in multiply_add).
 template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], const float* bias,
                                                        const float* sum, Clamp clamp, float* out, int64_t ldc,
                                                        int64_t width) {
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) {
+    if constexpr (Vectors > 2) {
+#pragma GCC unroll 4
+      for (int v = 0; v < Vectors; ++v) finish_vector<V>(acc[r][v], r, v, bias, sum, clamp, out, ldc, width);
+    } else {
 #pragma GCC unroll 2
-    for (int v = 0; v < Vectors; ++v) {
-      constexpr int lanes = kLanes<V>;
-      if (lanes * (v + 1) <= width) {
-        V y = acc[r][v];
-        if (bias != nullptr) y += load<V>(bias + lanes * v);
-        if (sum != nullptr) y += load<V>(sum + r * ldc + lanes * v);
-        if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
-        store<V>(out + r * ldc + lanes * v, y);
-      } else {
-        // A partial vector's first 8 lanes, when it has them, as a half vector (24 channels, 16 + 8:
-        // MobileNetV2's projections to 24 stored a third of their outputs float by float); the
-        // rest, if any, float by float.
-        const int64_t j = lanes * v, rest = width - j;
-        int64_t half = 0;
-        if constexpr (lanes == 16) {
-          if (rest >= 8) {
-            Floats8 y = __builtin_shufflevector(acc[r][v], acc[r][v], 0, 1, 2, 3, 4, 5, 6, 7);
-            if (bias != nullptr) y += load<Floats8>(bias + j);
-            if (sum != nullptr) y += load<Floats8>(sum + r * ldc + j);
-            if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
-            store<Floats8>(out + r * ldc + j, y);
-            half = 8;
-          }
-        }
-        if (rest > half) {
-          float y[lanes];
-          store<V>(y, acc[r][v]);
-          partial_store(y + half, bias != nullptr ? bias + j + half : nullptr,
-                        sum != nullptr ? sum + r * ldc + j + half : nullptr, clamp, out + r * ldc + j + half,
-                        rest - half);
-        }
-      }
+      for (int v = 0; v < Vectors; ++v) finish_vector<V>(acc[r][v], r, v, bias, sum, clamp, out, ldc, width);
     }
   }
 }
@@ -150,31 +181,37 @@ __attribute__((always_inline)) inline void tile_prefetching(const float* a, int6
   }
 }
 
-// `rows` pixels of one panel in as few tiles of at most kTileRows as it takes, of even sizes (25
+// One tile of `rows` (1..MaxRows) pixels: tile_prefetching's Rows picked at run time.
+template <typename V, int Vectors, int MaxRows>
+__attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const float* a, int64_t lda, const float* panel,
+                                                        int64_t depth, const float* bias, const float* sum, Clamp clamp,
+                                                        float* out, int64_t ldc, int64_t width, const float* next) {
+  if constexpr (MaxRows > 1) {
+    if (rows < MaxRows) {
+      tile_of_rows<V, Vectors, MaxRows - 1>(rows, a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+      return;
+    }
+  }
+  tile_prefetching<V, MaxRows, Vectors>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+}
+
+// `rows` pixels of one panel in as few tiles of at most MaxRows as it takes, of even sizes (25
 // pixels: five of 5, not four of 6 and one of 1 that streams the whole panel again for one pixel).
 // The first tile prefetches the next panel (null: none) while the later ones reuse this one from
 // the cache: a panel of a large weight (MobileNetV2's 320 -> 1280 at 5x5: 1.6 MB, cold in the
 // model) otherwise arrives at the memory's pace during its first tile, and that conv took twice
 // its cache-hot time.
-template <typename V, int Vectors>
+template <typename V, int Vectors, int MaxRows = kTileRows>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,
                                                       int64_t ldc, int64_t width, int64_t rows, const float* next) {
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int64_t end = rows * (t + 1) / tiles;
     const float* tile_sum = sum != nullptr ? sum + r * ldc : nullptr;
     const float* tile_next = t == 0 ? next : nullptr;
-    const float* ta = a + r * lda;
-    float* tout = out + r * ldc;
-    switch (end - r) {
-      case 1: tile_prefetching<V, 1, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      case 2: tile_prefetching<V, 2, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      case 3: tile_prefetching<V, 3, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      case 4: tile_prefetching<V, 4, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      case 5: tile_prefetching<V, 5, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-      default: tile_prefetching<V, 6, Vectors>(ta, lda, panel, depth, bias, tile_sum, clamp, tout, ldc, width, tile_next); break;
-    }
+    tile_of_rows<V, Vectors, MaxRows>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc,
+                                      ldc, width, tile_next);
     r = end;
   }
 }
@@ -240,6 +277,18 @@ template <typename V>
 __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                         const float* bias, const float* sum, Clamp clamp, float* out,
                                                         int64_t ldc, int64_t width, int64_t rows, const float* next) {
+  if constexpr (kLanes<V> == 8) {
+    // 17-24 channels with AVX2 (MobileNetV2's projections to 24) as one tile of three vectors x 4
+    // pixels (12 accumulators, 3 weights, 1 broadcast: 7 loads for 12 FMAs, each pixel's input read
+    // once), not a 16-wide 6x2 tile and an 8-wide 6x1 one (7 loads for 6 FMAs, the input read twice):
+    // 96 -> 24 and 144 -> 24 at 40x40, one core: 99 -> 87 and 158 -> 149 us at batch 1, 1097 -> 734
+    // and 3083 -> 2464 us at batch 8. (32 as four vectors x 3 pixels was 15-25% slower than two
+    // 16-wide tiles.)
+    if (width > 2 * kLanes<V> && width <= 3 * kLanes<V>) {
+      panel_rows<V, 3, 4>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next);
+      return;
+    }
+  }
   for (int64_t j = 0; j < width; j += kTileChannels<V>) {
     const int64_t w = std::min(kTileChannels<V>, width - j);
     const float* slice_next = j == 0 ? next : nullptr;
