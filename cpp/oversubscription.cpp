@@ -31,9 +31,13 @@ bool note_region(int64_t worked_ns, int64_t waited_ns) {
   stalls.fetch_add(1, std::memory_order_relaxed);
   // One stall alone may be a passing job (a quiet machine sees one now and then): serial mode
   // starts at the second within kConfirmNs, which a lasting load brings within a few regions.
+  // "Within" counts from the previous stall's end to this region's start: a region's own wait
+  // is not calm time, and stalls of more than kConfirmNs each (seen at load ~3: whole rounds of
+  // 430 ms calls) would otherwise never confirm one another.
   const int64_t now = steady_ns();
+  const int64_t region_start = now - waited_ns - worked_ns;
   const int64_t previous = last_stall_ns.exchange(now, std::memory_order_relaxed);
-  if (previous == 0 || now - previous > kConfirmNs) return true;
+  if (previous == 0 || region_start - previous > kConfirmNs) return true;
   // A stall soon after a serial window ended: the load lasts, so the next window is twice as long
   // (each try costs a stall); after a longer calm, the first window again.
   const int64_t last_until = serial_until_ns.load(std::memory_order_relaxed);

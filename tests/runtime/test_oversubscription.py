@@ -44,6 +44,24 @@ def test_long_waits_after_short_work_are_stalls_and_two_start_a_serial_window():
     assert not _testing.serial_now()
 
 
+def test_stalls_longer_than_the_confirm_window_confirm_each_other():
+    """Calls of 430 ms each at load ~3 counted one stall and never went serial: each stall ended more
+    than 100 ms after the previous one, because the waiting itself took that long. The calm between
+    them (previous stall's end to this region's start) is what counts."""
+    import time
+    with serial_for(0):
+        assert _testing.note_region(worked_ns=100_000, waited_ns=200_000_000)
+        time.sleep(0.15)  # the next region started before the previous stall ended, and waited 200 ms
+        assert _testing.note_region(worked_ns=100_000, waited_ns=200_000_000)
+        assert _testing.serial_now()
+        _testing.force_serial_for(0)
+        assert _testing.note_region(worked_ns=100_000, waited_ns=4_000_000)
+        time.sleep(0.15)  # a stall after 150 ms of calm: a passing job, not a lasting load
+        assert _testing.note_region(worked_ns=100_000, waited_ns=4_000_000)
+        assert not _testing.serial_now()
+    assert not _testing.serial_now()
+
+
 def test_serial_mode_runs_the_runtime_loops_inline_and_ends():
     with two_threads():
         with serial_for(10_000):
