@@ -265,7 +265,7 @@ def bench_op(kind, shapes=SHAPES, variants=("alone", "chain")) -> list[dict]:
                 row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:120] if str(err).strip() else ''}"
             rows.append(row)
             print(f"  {kind} {row['shape']} {variant}: " + (
-                f"{row['x']:.2f}x" if "x" in row else row["error"]), file=sys.stderr, flush=True)
+                f"{row['x']:.2f}x, {row['x_load']:.2f}x load" if "x" in row else row["error"]), file=sys.stderr, flush=True)
     return rows
 
 

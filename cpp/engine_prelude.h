@@ -223,12 +223,44 @@ inline float blade_logf(float x) {
   return x <= 3.40282347e+38f ? r : x;   // +inf and NaN return themselves
 }
 
-// Trigonometric range reduction of ax = |x| (finite): ax = (4k + quadrant) pi/2 + r, |r| <= pi/4,
-// r in double. Below 2^24 Cody-Waite with pi/2 in three doubles (n < 2^24, each fma nearly exact);
-// from 2^24 on (every such float is m 2^k, m a 24-bit integer) Payne-Hanek: ax 2/pi mod 4 is
-// m times a 96-bit window of the bits of 2/pi starting at bit k - 1 (the window's words picked by
-// selects, so no table lookup stops vectorization), summed in double from exact partial products.
-// Both are computed for every element and one is selected: no branch.
+// sin and cos of |x| < 2^24 (the loop versions, and the full ones' values there): ax = |x| = m pi/2 + r
+// with m = 2j for sin and 2j + 1 for cos, |r| <= pi/2, so that both are (-1)^j or (-1)^(j+1) times
+// sin r: one odd polynomial in double (r + r^3 P(r^2), P of degree 4, a relative least-squares fit
+// made here, Lawson-reweighted toward minimax on |r| <= 1.5718: 2^-35.3, so the float result is
+// rounded once to within 0.0005 ulp). Cody-Waite with pi/2 in three doubles (m < 2^25, each fma
+// nearly exact); j from the bits of a sum that rounds it (magic number 1.5 2^52), its parity XORed
+// into the sign. It replaced a reduction to |r| <= pi/4 that evaluated both a sin and a cos
+// polynomial and selected by quadrant: [64, 4096] (randn * 3) through blade.load, one thread, CPU
+// time, EPYC Zen 3 (AVX2): sin 475 -> 335 us, cos 471 -> 346 (eager 401, 423).
+inline double blade_sin_half_pi(double r) {   // sin r for |r| <= pi/2 (+ 1e-3)
+  const double z = r * r;
+  double p = -2.388589575262612e-08;
+  p = std::fma(p, z, 2.752520289158941e-06);
+  p = std::fma(p, z, -1.9840864371817356e-04);
+  p = std::fma(p, z, 8.33333107558871e-03);
+  p = std::fma(p, z, -1.6666666625209897e-01);
+  return std::fma(p * z, r, r);
+}
+
+// (-1)^(j + odd) sin(ax - (2j + odd) pi/2) for ax in [0, 2^24) (a larger ax, inf or NaN gives
+// garbage its callers replace): odd = 0 gives sin ax, odd = 1 cos ax.
+template <int odd>
+inline float blade_sin_cos_small(float ax) {
+  const double xd = ax < 16777216.0f ? ax : 0.0;
+  constexpr double magic = 6755399441055744.0;   // 1.5 2^52: j in the low bits of the sum
+  const double shifted = (odd ? xd * 0.31830988618379067 - 0.5 : xd * 0.31830988618379067) + magic;
+  const double m = 2.0 * (shifted - magic) + odd;   // exact: |j| < 2^23
+  double r = std::fma(-m, 1.5707963267948966, xd);
+  r = std::fma(-m, 6.123233995736766e-17, r);
+  r = std::fma(-m, -1.4973849048591698e-33, r);
+  const uint64_t sign = (__builtin_bit_cast(uint64_t, shifted) + odd) << 63;
+  return static_cast<float>(__builtin_bit_cast(double, __builtin_bit_cast(uint64_t, blade_sin_half_pi(r)) ^ sign));
+}
+
+// Payne-Hanek range reduction of ax = |x| >= 2^24 (finite): ax = (4k + quadrant) pi/2 + r,
+// |r| <= pi/4, r in double. Every such float is m 2^k, m a 24-bit integer: ax 2/pi mod 4 is m times
+// a 96-bit window of the bits of 2/pi starting at bit k - 1 (the window's words picked by selects, so
+// no table lookup stops vectorization), summed in double from exact partial products.
 struct BladeReduced { double r; int32_t quadrant; };
 
 // Bits 32i .. 32i + 31 of 2/pi (bit 0: the ones), i in 0..6. A window of the bit string starts in
@@ -250,20 +282,7 @@ inline uint32_t blade_window_word(uint32_t a, uint32_t b, int32_t shift) {
   return (a << shift) | ((b >> 1) >> (31 - shift));
 }
 
-// The Cody-Waite part alone: right for ax < 2^24 (a larger ax, inf or NaN reduces as 0).
-inline BladeReduced blade_reduce_small(float ax) {
-  const double xd = ax < 16777216.0f ? ax : 0.0;   // (keeps n's conversion to int defined)
-  const double n = std::nearbyint(xd * 0.63661977236758134);
-  double r = std::fma(-n, 1.5707963267948966, xd);
-  r = std::fma(-n, 6.123233995736766e-17, r);
-  r = std::fma(-n, -1.4973849048591698e-33, r);
-  return {r, static_cast<int32_t>(n) & 3};   // n < 2^24
-}
-
-inline BladeReduced blade_reduce_pi_over_2(float ax) {
-  const bool small = ax < 16777216.0f;
-  const BladeReduced near = blade_reduce_small(ax);
-  // Payne-Hanek (only meaningful for ax >= 2^24: the bit offset k - 1 is then >= 0)
+inline BladeReduced blade_reduce_large(float ax) {   // (only meaningful for ax >= 2^24: the bit offset k - 1 is then >= 0)
   const int32_t bits = __builtin_bit_cast(int32_t, ax);
   const int32_t offset = ((bits >> 23) & 255) - 151 < 0 ? 0 : ((bits >> 23) & 255) - 151;
   const uint32_t m = static_cast<uint32_t>((bits & 0x007fffff) | 0x00800000);
@@ -285,9 +304,8 @@ inline BladeReduced blade_reduce_pi_over_2(float ax) {
   const double k0 = std::nearbyint(t0);
   const double s = (t0 - k0) + t1;
   const double k1 = std::nearbyint(s);   // s - k1 is exact (Sterbenz), in [-1/2, 1/2]
-  const double big_r = ((s - k1) + (t2 + t3)) * 1.5707963267948966;
-  const int32_t big_quadrant = static_cast<int32_t>(k0 + k1) & 3;   // k0 + k1 < 2^27
-  return {small ? near.r : big_r, small ? near.quadrant : big_quadrant};
+  const double r = ((s - k1) + (t2 + t3)) * 1.5707963267948966;
+  return {r, static_cast<int32_t>(k0 + k1) & 3};   // k0 + k1 < 2^27
 }
 
 // sin and cos of |r| <= pi/4 in double (Taylor terms to r^11 / r^12: truncation < 2^-40), so the
@@ -321,10 +339,12 @@ inline float blade_quadrant_value(BladeReduced red, int32_t start) {
   return static_cast<float>((q & 2) ? -v : v);
 }
 
-// sin is odd: reduce |x| and give the result x's sign (so sin(-0) = -0). inf and NaN give NaN.
+// The full sin and cos: the small path below 2^24, Payne-Hanek above, both computed and one selected
+// (no branch). sin is odd: it reduces |x| and gives the result x's sign (so sin(-0) = -0). inf and
+// NaN give NaN.
 inline float blade_sinf(float x) {
   const float ax = std::fabs(x);
-  const float v = blade_quadrant_value(blade_reduce_pi_over_2(ax), 0);
+  const float v = ax < 16777216.0f ? blade_sin_cos_small<0>(ax) : blade_quadrant_value(blade_reduce_large(ax), 0);
   const float r = __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) ^
                                              (__builtin_bit_cast(uint32_t, x) & 0x80000000u));
   return ax <= 3.40282347e+38f ? r : x - x;
@@ -332,25 +352,25 @@ inline float blade_sinf(float x) {
 
 inline float blade_cosf(float x) {
   const float ax = std::fabs(x);
-  const float r = blade_quadrant_value(blade_reduce_pi_over_2(ax), 1);
+  const float r = ax < 16777216.0f ? blade_sin_cos_small<1>(ax) : blade_quadrant_value(blade_reduce_large(ax), 1);
   return ax <= 3.40282347e+38f ? r : x - x;
 }
 
-// The loop versions of sin and cos (blade/engine/versioning.py): Cody-Waite only, which is right
+// The loop versions of sin and cos (blade/engine/versioning.py): the small path only, which is right
 // for |x| < 2^24; any other x sets `wide`, and the loop then runs again with blade_sinf/blade_cosf.
-// The Payne-Hanek part is most of their work: [64, 4096] one thread 144 us without it against
-// 373 us (eager 253 us).
+// The Payne-Hanek part is most of the full versions' work: [64, 4096] one thread 144 us without it
+// against 373 us (x86-64-v4).
 inline float blade_sinf_fast(int32_t& wide, float x) {
   const float ax = std::fabs(x);
   wide |= static_cast<int32_t>(!(ax < 16777216.0f));
-  const float v = blade_quadrant_value(blade_reduce_small(ax), 0);
+  const float v = blade_sin_cos_small<0>(ax);
   return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, v) ^ (__builtin_bit_cast(uint32_t, x) & 0x80000000u));
 }
 
 inline float blade_cosf_fast(int32_t& wide, float x) {
   const float ax = std::fabs(x);
   wide |= static_cast<int32_t>(!(ax < 16777216.0f));
-  return blade_quadrant_value(blade_reduce_small(ax), 1);
+  return blade_sin_cos_small<1>(ax);
 }
 
 // pow in double: log|x| (x = 2^e m, m in [sqrt(1/2), sqrt(2)) split in float32 bits as blade_logf

@@ -190,12 +190,12 @@ class Values:
                 and isinstance(extent, int) and extent >= CHUNKS * CHUNK_MIN and extent % (CHUNKS * 16) == 0)
 
     def _chunked_reduction(self, node: Node, idx, scope: Scope, acc: str, axis: int, rule, ctype) -> str:
-        """The reduction of one output element as CHUNKS partial ones over consecutive quarters of
-        the axis, accumulated side by side in one vectorized loop, then combined pairwise (max/min:
-        the NaN-ignoring combine and one NaN flag for all quarters, as the one-chain loop)."""
+        """The reduction of one output element as CHUNKS partial ones over consecutive CHUNKS-th parts
+        of the axis, accumulated side by side in one vectorized loop, then combined as a tree (max/min:
+        the NaN-ignoring combine and one NaN flag for all parts, as the one-chain loop)."""
         (src,) = node.args
-        quarter = src.shape[axis] // CHUNKS
-        r = Var.loop(self.names.fresh("r"), quarter)
+        part_length = src.shape[axis] // CHUNKS
+        r = Var.loop(self.names.fresh("r"), part_length)
         body = scope.child([r])
         parts = [self.names.fresh("acc") for _ in range(CHUNKS)]
         scope.lines.append(f"{ctype} {', '.join(f'{part} = {rule.init(ctype)}' for part in parts)};")
@@ -207,15 +207,20 @@ class Values:
             clauses += f" reduction(|:{nan})"
             after = [f"if ({nan}) {acc} = std::numeric_limits<{ctype}>::quiet_NaN();"]
         for k, part in enumerate(parts):
-            src_idx = [r + k * quarter if d == axis else Const(0) if src.shape[d] == 1 else i
+            src_idx = [r + k * part_length if d == axis else Const(0) if src.shape[d] == 1 else i
                        for d, i in enumerate(idx)]
             v = self.value(src, src_idx, body)
             body.lines.append(f"{part} = {combine(part, v)};")
             if rule.float_combine:
                 body.lines.append(f"{nan} |= {v} != {v};")
-        scope.lines += for_loop(r, 0, quarter, body.lines, "" if body.has_side_effects else f"#pragma omp simd {clauses}")
-        pairs = [scope.define(ctype, combine(a, b)) for a, b in zip(parts[::2], parts[1::2])]
-        scope.lines += [f"{acc} = {combine(pairs[0], pairs[1])};", *after]
+        scope.lines += for_loop(r, 0, part_length, body.lines, "" if body.has_side_effects else f"#pragma omp simd {clauses}")
+        # a tree over the partials (neighbours first, an odd one out carried up a level): ceil(log2 CHUNKS)
+        # dependent combines, for any CHUNKS
+        level = parts
+        while len(level) > 1:
+            paired = [scope.define(ctype, combine(a, b)) for a, b in zip(level[::2], level[1::2])]
+            level = paired + level[len(paired) * 2:]
+        scope.lines += [f"{acc} = {level[0]};", *after]
         return acc
 
     def window_run(self, node: Node):

@@ -336,7 +336,11 @@ def emit_concat(em, node, dest):
         start += arg.shape[axis]
 
 
-SCAN_CHUNKS = (16, 8, 4)     # a contiguous scan axis is cut into this many chunks (the first that divides it) ...
+# Eight chains, not sixteen: pass 2 keeps one double accumulator per chunk, and with 16 of them
+# the [64, 4096] float cumsum ran 239-321 us against 181-208 us with 8 (blade.load, one thread, CPU
+# time, EPYC Zen 3 AVX2; eager 292-328), likely register spills (16 accumulators plus addresses on
+# 16 vector registers; not checked in the assembly). Eight chains still cover the add's latency.
+SCAN_CHUNKS = (8, 4)         # a contiguous scan axis is cut into this many chunks (the first that divides it) ...
 SCAN_MIN_CHUNK = 16          # ... of at least this many elements each
 
 
