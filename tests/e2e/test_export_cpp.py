@@ -29,9 +29,9 @@ def _run(cmd, **kwargs):
 
 @pytest.fixture(scope="session")
 def blade_run(tmp_path_factory) -> Path:
-    """examples/cpp built once per session. Its runtime kernels at -O0: at -O2 the build took 6 minutes
-    of a 15-minute test run on 2 cores (conv_patch.cpp's ISA clones alone ~2 minutes); the archive's
-    engines are the exported .so files either way, and the outputs are compared bit for bit."""
+    """examples/cpp built once per session, its runtime at -O1: at -O2 the build took 6 of a 15-minute
+    test run's minutes on 2 cores (conv_patch.cpp's ISA clones alone ~2); the archive's engines are
+    its exported .so files either way, and the outputs are still compared bit for bit."""
     if CMAKE is None:
         pytest.skip("cmake is not installed: the C++ loading example cannot be built")
     build = tmp_path_factory.mktemp("cpp_build")
