@@ -78,6 +78,8 @@ def test_frozen_heap_unfreezes_and_leaves_a_process_freeze_alone():
         before = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == before
+        # Not unfrozen (that empties the permanent generation) and nothing added. A frozen object
+        # that dies meanwhile leaves it (under xdist the count once fell by 2: 615149 -> 615147).
+        assert before - 1000 < gc.get_freeze_count() <= before
     finally:
         gc.unfreeze()
