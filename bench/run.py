@@ -111,9 +111,10 @@ def prepare_all(model, inputs, expected, row) -> dict:
     return runners
 
 
-def measure(runners, inputs, rounds, calls, loads: list) -> tuple[dict, dict]:
+def measure(runners, inputs, rounds, calls, loads: list, threads: dict) -> tuple[dict, dict]:
     """Per backend, one median per round and the other processes' CPU use (cores) while it ran;
-    the order rotates so no backend always goes first. Appends the load average to `loads`."""
+    the order rotates so no backend always goes first. Appends the load average to `loads`;
+    `threads` gets, per blade column, its stalls and the rounds that (partly) ran in serial mode."""
     per_round, foreign = {b: [] for b in runners}, {b: [] for b in runners}
     order = list(runners)
     for r in range(rounds):
@@ -122,9 +123,15 @@ def measure(runners, inputs, rounds, calls, loads: list) -> tuple[dict, dict]:
             wait_for_quiet()
             for _ in range(WARMUP_CALLS):
                 fn(*inputs)
+            stalls, serial = blade_C.thread_stalls(), blade_C._testing.serial_now()
             start, t0 = cpu_seconds(), time.perf_counter()
             per_round[backend].append(median_call_s(fn, inputs, calls))
             foreign[backend].append(foreign_cores(start, time.perf_counter() - t0))
+            if backend in BLADE:  # the serial window sampled at both ends (it lasts >= 200 ms)
+                serial = serial or blade_C._testing.serial_now()
+                counts = threads.setdefault(backend, {"stalls": 0, "serial": []})
+                counts["stalls"] += blade_C.thread_stalls() - stalls
+                counts["serial"].append(serial)
         loads.append(os.getloadavg()[0])
     return per_round, foreign
 
@@ -142,15 +149,17 @@ def bench_model(name, build, rounds) -> dict:
         eager_s = median_call_s(model, inputs, 3)
         row["calls"] = calls = max(MIN_CALLS, min(MAX_CALLS, int(MEASURE_S / max(eager_s, 1e-6))))
         loads = [row["load"]]
-        stalls = blade_C.thread_stalls()
-        per_round, foreign = measure(runners, inputs, rounds, calls, loads)
-        row["stalls"] = blade_C.thread_stalls() - stalls
+        row["threads"] = {}
+        per_round, foreign = measure(runners, inputs, rounds, calls, loads, row["threads"])
+        row["stalls"] = sum(counts["stalls"] for counts in row["threads"].values())
     row["clean"], row["rounds"] = 0, 0
     for backend, times in per_round.items():
         # the best clean round (no other job holding a core while it ran), else the best round:
         # other engineers' jobs come and go, and a round they hit measures them, not the backend
         clean = [t for t, f in zip(times, foreign[backend]) if f < QUIET_CORES] or times
         row["ms"][backend] = 1e3 * min(clean)
+        if backend in row["threads"]:  # whether the round that counts ran (partly) serially
+            row["threads"][backend]["best_serial"] = row["threads"][backend]["serial"][times.index(min(clean))]
         row["clean"] += sum(f < QUIET_CORES for f in foreign[backend])
         row["rounds"] += len(times)
     row["load"] = max(loads)
@@ -192,6 +201,14 @@ def tt_infer_notes(row) -> str:
         notes.append("all fallback")
     if row.get("stalls"):  # cpp/oversubscription.h: engine calls then ran on one thread for a while
         notes.append(f"{row['stalls']} thread stalls")
+    for backend, counts in row.get("threads", {}).items():
+        # Stalls seen during one blade column's rounds start serial windows (200 ms to 10 s) that
+        # the next column's rounds inherit (tt_infer AOT runs right after tt_infer, which runs right
+        # after ONNX Runtime): a column below its twin is read with these counts first.
+        serial = sum(counts["serial"])
+        if counts["stalls"] or serial:
+            notes.append(f"{backend}: {counts['stalls']} stalls, serial in {serial}/{len(counts['serial'])} rounds"
+                         + (" (its best round too)" if counts.get("best_serial") else ""))
     compiled, total = row.get("graphs", (0, 0))
     if total > 1:
         notes.append(f"{total} graphs ({compiled} with engines)")
