@@ -16,6 +16,7 @@
 #include <limits>
 
 #include "gemm.h"
+#include "timed_parallel.h"
 
 namespace blade {
 namespace {
@@ -185,7 +186,7 @@ void mkl_gemm(const GemmArgs& g, PackedWeights* weights) {
   if (blocks > 1) {
     const int64_t width = (n + blocks - 1) / blocks;
     const int64_t block_width = (width + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    timed_parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         const int64_t n0 = j * block_width;
         if (n0 >= n) continue;
@@ -207,7 +208,7 @@ void mkl_gemm(const GemmArgs& g, PackedWeights* weights) {
   const int64_t threads = at::get_num_threads();
   const int64_t row_blocks = batch % threads == 0 ? 1 : std::min<int64_t>(threads, g.m);
   const int64_t block_rows = (g.m + row_blocks - 1) / row_blocks;
-  at::parallel_for(0, batch * row_blocks, 1, [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, batch * row_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / row_blocks, r0 = task % row_blocks * block_rows;
       if (r0 >= g.m) continue;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "timed_parallel.h"
 
 namespace blade {
 namespace {
@@ -245,7 +246,7 @@ void packed_gemm(const GemmArgs& g, PackedWeights* weights) {
   const float* panels = packed.const_data_ptr<float>();
   const int64_t columns = packed_panel_columns(), count = (g.n + columns - 1) / columns;
   const Tasks t = split_tasks(g, count, columns);
-  at::parallel_for(0, count * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, count * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t p = task / t.chunks, first = task % t.chunks * t.chunk_rows;
       if (first >= g.m) continue;
@@ -432,7 +433,7 @@ void per_call_gemm_avx2(const GemmArgs& g) {
   const int64_t group = std::clamp<int64_t>(kGroupFloats / panel_floats, 1, panels);
   const int64_t groups = (panels + group - 1) / group, items = g.batch * groups;
   const Tasks t = split_tasks(g, items, group * kAvx2Half);
-  at::parallel_for(0, items * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, items * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;
     buffer.resize(group * panel_floats + 16);  // + 16: room to align the panels to 64 bytes
     float* packed = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
@@ -470,7 +471,7 @@ void per_call_gemm(const GemmArgs& g) {
   if (!avx512_usable()) return per_call_gemm_avx2(g);
   const int64_t count = (g.n + kPanel - 1) / kPanel, items = g.batch * count;
   const Tasks t = split_tasks(g, items);
-  at::parallel_for(0, items * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, items * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buffer;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t item = task / t.chunks, first = task % t.chunks * t.chunk_rows;

@@ -37,8 +37,9 @@ bool note_region(int64_t worked_ns, int64_t waited_ns);
 // Whether engine calls run serially now.
 bool serial_now();
 
-// For one engine call: while serial_now(), this thread's OpenMP and MKL thread counts are 1, so
-// the runtime's loops, its own kernels (at::parallel_for) and MKL run on the calling thread.
+// For one engine call, and again for each of its GEMMs and convolutions (serial mode may start
+// within a call): while serial_now(), this thread's OpenMP and MKL thread counts are 1, so the
+// runtime's loops, its own kernels (at::parallel_for) and MKL run on the calling thread.
 // (oneDNN primitives fix their team size when created and keep it.)
 class SerialScope {
  public:

@@ -52,6 +52,7 @@ std::atomic<int64_t> packs_made{0};                       // PackedWeights::get'
 void sgemm(int64_t batch, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
            int64_t stride_a, int32_t trans_a, const float* b, int64_t ldb, int64_t stride_b,
            int32_t trans_b, float beta, float* c, int64_t ldc, int64_t stride_c) {
+  const SerialScope serial_while_oversubscribed;  // see conv below
   gemm({batch, m, n, k, alpha, a, lda, stride_a, trans_a, b, ldb, stride_b, trans_b, beta, c, ldc, stride_c},
        current_weights);
 }
@@ -229,6 +230,12 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
           const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
           const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
           const BladeActivation* activation) {
+  // Engine::execute decides serial mode once per call, but a stall seen by an earlier region of the
+  // same call starts it too: from then on, this call's GEMMs and convolutions (MKL's and ATen's own
+  // OpenMP regions, which no timed region covers) run on the calling thread as well. Under load a
+  // T5 b8 call that started parallel took ~1 s instead of ~150 ms serially, its GEMMs still on 2
+  // threads after serial mode had begun.
+  const SerialScope serial_while_oversubscribed;
   const Clamp clamp = clamp_of(activation);
   TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
   if (const auto shape = winograd_shape(spatial, input_shape, weight_shape, weight, strides, pads, dilations, groups,

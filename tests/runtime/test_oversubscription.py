@@ -8,6 +8,7 @@ import torch
 
 import blade
 import blade._C as _C
+from runtime_testing import PANELS_USABLE
 
 _testing = _C._testing
 
@@ -147,3 +148,55 @@ def test_the_conv_kernels_parallel_regions_are_timed(case):
         assert _testing.noted_region_count() > regions
     want = torch.conv2d(x, weight, bias, padding=pads[:2], groups=groups)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+# (kernel, batch, m, n, k, B constant): each big enough for a team of 2 threads. A constant B is
+# shared by the batch (batch stride 0), a computed one is per batch entry (attention's heads).
+TEAM_GEMMS = [
+    ("panels", 1, 96, 256, 256, True),   # a weight, packed once: packed_gemm
+    ("panels", 4, 64, 128, 64, False),   # a computed B, packed per call: per_call_gemm
+    ("mkl", 1, 8, 1024, 256, True),      # few rows: column blocks, one per thread
+    ("mkl", 4, 64, 64, 64, False),       # several heads: one GEMM per task
+]
+
+
+def _sgemm(batch, m, n, k, b_constant, repeat=1):
+    a = torch.randn(batch, m, k)
+    b = torch.randn(1 if b_constant else batch, k, n)
+    c = torch.full((batch, m, n), float("nan"))
+    _testing.sgemm(batch, m, n, k, 1.0, a, k, m * k, False, b, n, 0 if b_constant else k * n, False, 0.0,
+                   c, n, m * n, pack=b_constant, repeat=repeat)
+    torch.testing.assert_close(c, a @ b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", TEAM_GEMMS, ids=[f"{c[0]}-{'constant' if c[5] else 'computed'}" for c in TEAM_GEMMS])
+def test_the_gemm_kernels_parallel_regions_are_timed(case):
+    """A GEMM-only engine (the MLP block) had no timed region: at load 4-5 it ran 24 ms a call at 2
+    threads, 0 stalls counted, against 0.13-0.16 ms serially."""
+    kernel, *shape = case
+    if kernel == "panels" and not PANELS_USABLE:
+        pytest.skip("the panels kernel needs AVX2 and FMA")
+    with two_threads():
+        _testing.force_serial_for(0)  # a real stall on a loaded machine would run them inline
+        _testing.set_gemm_backend(kernel)
+        try:
+            calls, regions = _testing.gemm_kernel_calls(kernel), _testing.noted_region_count()
+            _sgemm(*shape)
+            assert _testing.gemm_kernel_calls(kernel) == calls + 1
+            assert _testing.noted_region_count() > regions
+        finally:
+            _testing.set_gemm_backend("")
+
+
+def test_serial_mode_reaches_the_gemms_of_a_call_under_way():
+    """Engine::execute decides serial mode once per call; a stall within the call starts it for the
+    rest: its GEMMs (MKL's own threads included) then run on one thread too. A T5 b8 call that
+    started parallel took ~1 s under load instead of ~150 ms serially."""
+    m, n, k = 104, 200, 168  # a shape no other test uses (and not tiny): its GEMM choice is made here
+    with two_threads():
+        _testing.set_gemm_backend("")  # forget the choices so far
+        with serial_for(10_000):
+            _sgemm(1, m, n, k, True, repeat=3)  # a choice is listed once sampled (calls 2-12)
+            assert torch.get_num_threads() == 2
+    shapes = [row["shape"] for row in blade._C.gemm_choices() if row["shape"].startswith(f"[{m}, {k}] @ [{k}, {n}]")]
+    assert shapes and all(", 1 thread" in shape for shape in shapes), shapes
