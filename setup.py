@@ -21,6 +21,9 @@ RUNTIME_SOURCES = [
     "cpp/content_digest.cpp",
     "cpp/conv_gemm.cpp",
     "cpp/conv_patch.cpp",
+    "cpp/conv_patch_x86_64.cpp",  # conv_patch's kernels, one unit per ISA (conv_patch_blocks.h)
+    "cpp/conv_patch_x86_64_v3.cpp",
+    "cpp/conv_patch_x86_64_v4.cpp",
     "cpp/depthwise.cpp",
     "cpp/engine.cpp",
     "cpp/engine_fallback.cpp",
