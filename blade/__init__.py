@@ -15,7 +15,16 @@ from blade.export import compile_model, export, load
 from blade.pipeline import CompiledModule, CompileReport
 from blade.profile import Profile, profile
 
+
+def runtime_library() -> str:
+    """The path of blade's runtime library (libblade_runtime.so, next to blade._C, which links it):
+    the Engine class and its runtime without Python, for C++ programs that load blade archives with
+    libtorch alone (link it, or dlopen it before torch::jit::load; examples/cpp)."""
+    from pathlib import Path
+
+    return str(Path(_C.__file__).with_name("libblade_runtime.so"))
+
 __all__ = ["Config", "CompiledModule", "CompileReport", "compile_model", "export", "load", "CorruptArtifact",
            "IncompatibleArtifact",
            "load_precompiled", "precompile", "explain", "Explanation", "bisect", "BisectResult",
-           "set_fallback_mode", "profile", "Profile"]
+           "set_fallback_mode", "profile", "Profile", "runtime_library"]

@@ -20,13 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cpp"
 CMAKE = shutil.which("cmake")
 
-# slow (not in `make test`): building the runtime library a second time takes 170-280 s of a 2-core
-# CI run that was at ~20 minutes (2026-11-24). Run with `pytest -m slow tests/e2e/test_export_cpp.py`;
-# the way back into the default run is a faster build (conv_patch.cpp split per ISA, or linking
-# setup.py's objects), not dropping the check.
-pytestmark = pytest.mark.slow
-
-
 def _run(cmd, **kwargs):
     result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
     assert result.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -35,15 +28,16 @@ def _run(cmd, **kwargs):
 
 @pytest.fixture(scope="session")
 def blade_run(tmp_path_factory) -> Path:
-    """examples/cpp built once per session, its runtime at -O1: at -O2 the build took 6 of a 15-minute
-    test run's minutes on 2 cores (conv_patch.cpp's ISA clones alone ~2); the archive's engines are
-    its exported .so files either way, and the outputs are still compared bit for bit."""
+    """examples/cpp built once per session against the runtime library this blade runs on
+    (blade.runtime_library(), the one blade._C links): only blade_run.cpp compiles, the runtime is
+    the package's own -O2 build, and the outputs are compared bit for bit."""
     if CMAKE is None:
         pytest.skip("cmake is not installed: the C++ loading example cannot be built")
     build = tmp_path_factory.mktemp("cpp_build")
-    _run([CMAKE, "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
-          f"-DBLADE_ROOT={REPO}", "-DBLADE_RUNTIME_OPT=-O1"], timeout=300)
-    _run([CMAKE, "--build", build, "-j", str(min(2, os.cpu_count() or 1))], timeout=1200)
+    configure = _run([CMAKE, "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+                      f"-DBLADE_ROOT={REPO}", f"-DBLADE_RUNTIME_LIBRARY={blade.runtime_library()}"], timeout=300)
+    assert f"blade: linking the runtime library {blade.runtime_library()}" in configure, configure
+    _run([CMAKE, "--build", build, "-j", str(min(2, os.cpu_count() or 1))], timeout=600)
     return build / "blade_run"
 
 

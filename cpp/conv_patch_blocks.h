@@ -1,0 +1,52 @@
+// conv_patch.cpp's block functions (a block of output pixels x a range of weight panels, its
+// kernels in conv_patch_kernels.h), one version per ISA, each version in a translation unit of its
+// own: conv_patch_x86_64_v4.cpp (16-float AVX-512 vectors), conv_patch_x86_64_v3.cpp (8-float
+// AVX2 ones), conv_patch_x86_64.cpp (8-float ones for any CPU, and the only version off x86-64 or
+// off g++). Their fully unrolled tiles took ~2 minutes of g++ -O2 as three versions of one file,
+// the longest unit of the build; apart they compile in parallel. patch_conv picks one version.
+#pragma once
+
+#include <cstdint>
+
+#include "activation.h"
+#include "conv_patch.h"
+
+// g++ on x86-64: versions per ISA level, each compiled under its target attribute.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BLADE_CONV_PATCH_ISA_VERSIONS 1
+#else
+#define BLADE_CONV_PATCH_ISA_VERSIONS 0
+#endif
+
+namespace blade::conv_patch_blocks {
+
+constexpr int64_t kPanel = 32;      // output channels per weight panel: two vectors
+constexpr int64_t kTileRows = 6;    // pixels per register tile: 12 accumulators, 2 weights, 1 broadcast
+constexpr int64_t kBlockRows = 48;  // pixels per work item (gathered together), a multiple of kTileRows
+// Floats a block's gather buffer has past its rows: gather's vector copies (copy_run) store up to
+// 15 floats past a run.
+constexpr int64_t kGatherSlack = 16;
+
+// The block functions' parameters.
+#define BLADE_BLOCK_PARAMS                                                                                        \
+  const PatchConvShape &s, const float *input, const float *panels, const float *bias, const float *sum,          \
+      Clamp clamp, float *output, int64_t begin, int64_t end, int64_t panel_begin, int64_t panel_end,             \
+      float *gathered, float *staged, bool prefetch
+#define BLADE_BLOCK_ARGS \
+  s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end, gathered, staged, prefetch
+
+using BlockKernel = void (*)(BLADE_BLOCK_PARAMS);
+
+struct BlockKernels {
+  BlockKernel patch_block;  // output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered
+                            // (or a 1x1's input read in place)
+  BlockKernel image_block;  // the same reading image rows in place (PatchConvShape::image_rows)
+};
+
+#if BLADE_CONV_PATCH_ISA_VERSIONS
+BlockKernels x86_64_v4_blocks();  // needs AVX-512 (x86-64-v4)
+BlockKernels x86_64_v3_blocks();  // needs AVX2 and FMA (x86-64-v3)
+#endif
+BlockKernels baseline_blocks();   // any CPU
+
+}  // namespace blade::conv_patch_blocks

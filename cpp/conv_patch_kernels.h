@@ -1,0 +1,562 @@
+// conv_patch.cpp's kernels, included by the translation units of its block functions
+// (conv_patch_blocks.h), one per ISA: each instantiates them for its vector type under its target.
+// Internal linkage (an anonymous namespace): each unit compiles its own copy, as the single file did.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+
+#include "blade_abi.h"
+#include "conv_patch_blocks.h"
+#include "float_vectors.h"
+
+namespace blade {
+namespace {
+
+// The kernels are templates on the vector type V, instantiated once per ISA (the block functions'
+// versions, conv_patch_blocks.h): 16 floats (one AVX-512 register) where AVX-512 is, 8 (one AVX2 register)
+// elsewhere. A 16-float vector in an AVX2 function is no pair of registers to g++: it keeps the
+// accumulators on the stack and broadcasts through it (ResNet-18's 3x3/2 128->256 at 28x28 ran
+// 69 ms instead of ~1 ms on an AVX2-only EPYC). The vector types and their loads: float_vectors.h.
+using namespace float_vectors;
+using conv_patch_blocks::kBlockRows;
+using conv_patch_blocks::kGatherSlack;
+using conv_patch_blocks::kPanel;
+using conv_patch_blocks::kTileRows;
+
+// Output channels one tile covers: a whole panel in two AVX-512 vectors a pixel (6 x 2 accumulators
+// of 32 registers), half a panel in two AVX2 ones (6 x 2 of 16 registers; a whole panel, 6 x 4,
+// would not fit).
+template <typename V>
+constexpr int64_t kTileChannels = 2 * kLanes<V>;
+
+// The last panel's channels past the output's are not read or written: its last vector (past a
+// half vector, finish_tile) goes through the short array y (an array, not a vector argument: this function is not cloned per
+// ISA, and vector arguments pass differently with and without AVX-512).
+__attribute__((noinline)) void partial_store(float* y, const float* bias, const float* sum, Clamp clamp, float* out,
+                                             int64_t width) {
+  // Each branch outside its loop: a `bias ? bias[j] : 0` inside may become a masked load through
+  // the null pointer, which AMD cores run many times slower (conv_gemm.cpp).
+  if (bias != nullptr) {
+    for (int64_t j = 0; j < width; ++j) y[j] += bias[j];
+  }
+  if (sum != nullptr) {
+    for (int64_t j = 0; j < width; ++j) y[j] += sum[j];
+  }
+  if (clamp.on) {
+    for (int64_t j = 0; j < width; ++j) y[j] = clamp_value(y[j], clamp.lo, clamp.hi);
+  }
+  std::memcpy(out, y, width * sizeof(float));
+}
+
+template <typename V, int Rows, int Vectors>
+__attribute__((always_inline)) inline void zero_tile(V (&acc)[Rows][Vectors]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    if constexpr (Vectors > 2) {
+#pragma GCC unroll 4
+      for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
+    } else {
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) acc[r][v] = V{};
+    }
+  }
+}
+
+// One step over the depth: acc[r] += a[r * lda] * the panel row `w` (kPanel floats).
+template <typename V, int Rows, int Vectors>
+__attribute__((always_inline)) inline void multiply_add(V (&acc)[Rows][Vectors], const float* a, int64_t lda,
+                                                        const float* w) {
+  // The vector loops unrolled fully: a 3-vector loop under `unroll 2` kept the accumulators in
+  // memory (5x slower), and `unroll 4` on the 2-vector loops made the 6x2 tiles 1.4-2x slower
+  // at batch 8 (same trip count: g++'s code differs anyway), so each count has its own pragma.
+  V weight[Vectors];
+  if constexpr (Vectors > 2) {
+#pragma GCC unroll 4
+    for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
+#pragma GCC unroll 4
+      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+    }
+  } else {
+#pragma GCC unroll 2
+    for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+    }
+  }
+}
+
+// Vector v of a tile's row r (its sums) + bias + residual (rows ldc floats apart, like out's), then
+// the clamp, stored once.
+template <typename V>
+__attribute__((always_inline)) inline void finish_vector(V sums, int r, int v, const float* bias, const float* sum,
+                                                         Clamp clamp, float* out, int64_t ldc, int64_t width) {
+  constexpr int lanes = kLanes<V>;
+  if (lanes * (v + 1) <= width) {
+    V y = sums;
+    if (bias != nullptr) y += load<V>(bias + lanes * v);
+    if (sum != nullptr) y += load<V>(sum + r * ldc + lanes * v);
+    if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+    store<V>(out + r * ldc + lanes * v, y);
+  } else {
+    // A partial vector's first 8 lanes, when it has them, as a half vector (24 channels, 16 + 8:
+    // MobileNetV2's projections to 24 stored a third of their outputs float by float); the
+    // rest, if any, float by float.
+    const int64_t j = lanes * v, rest = width - j;
+    int64_t half = 0;
+    if constexpr (lanes == 16) {
+      if (rest >= 8) {
+        Floats8 y = __builtin_shufflevector(sums, sums, 0, 1, 2, 3, 4, 5, 6, 7);
+        if (bias != nullptr) y += load<Floats8>(bias + j);
+        if (sum != nullptr) y += load<Floats8>(sum + r * ldc + j);
+        if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
+        store<Floats8>(out + r * ldc + j, y);
+        half = 8;
+      }
+    }
+    if (rest > half) {
+      float y[lanes];
+      store<V>(y, sums);
+      partial_store(y + half, bias != nullptr ? bias + j + half : nullptr,
+                    sum != nullptr ? sum + r * ldc + j + half : nullptr, clamp, out + r * ldc + j + half,
+                    rest - half);
+    }
+  }
+}
+
+// A tile's sums + bias + residual, then the clamp, stored once (finish_vector; the vector loops
+// unrolled as in multiply_add).
+template <typename V, int Rows, int Vectors>
+__attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], const float* bias,
+                                                       const float* sum, Clamp clamp, float* out, int64_t ldc,
+                                                       int64_t width) {
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) {
+    if constexpr (Vectors > 2) {
+#pragma GCC unroll 4
+      for (int v = 0; v < Vectors; ++v) finish_vector<V>(acc[r][v], r, v, bias, sum, clamp, out, ldc, width);
+    } else {
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) finish_vector<V>(acc[r][v], r, v, bias, sum, clamp, out, ldc, width);
+    }
+  }
+}
+
+// A tile of Rows pixels x `width` (<= kLanes<V> * Vectors) output channels: the sums over the depth in
+// registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
+// lda (ldc) floats apart. With Prefetch, each step over the depth also prefetches that step's
+// row of the next panel (`next`, depth x kPanel floats like `panel`; see panel_rows).
+template <typename V, int Rows, int Vectors, bool Prefetch>
+__attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
+                                                const float* bias, const float* sum, Clamp clamp, float* out,
+                                                int64_t ldc, int64_t width, const float* next) {
+  V acc[Rows][Vectors];
+  zero_tile(acc);
+  for (int64_t k = 0; k < depth; ++k) {
+    if constexpr (Prefetch) {
+      static_assert(kPanel == 32, "a panel row is two 64-byte lines");
+      __builtin_prefetch(next + k * kPanel);
+      __builtin_prefetch(next + k * kPanel + 16);
+    }
+    multiply_add(acc, a + k, lda, panel + k * kPanel);
+  }
+  finish_tile<V, Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
+}
+
+template <typename V, int Rows, int Vectors>
+__attribute__((always_inline)) inline void tile_prefetching(const float* a, int64_t lda, const float* panel,
+                                                            int64_t depth, const float* bias, const float* sum,
+                                                            Clamp clamp, float* out, int64_t ldc, int64_t width,
+                                                            const float* next) {
+  if (next != nullptr) {
+    tile<V, Rows, Vectors, true>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+  } else {
+    tile<V, Rows, Vectors, false>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr);
+  }
+}
+
+// One tile of `rows` (1..MaxRows) pixels: tile_prefetching's Rows picked at run time.
+template <typename V, int Vectors, int MaxRows>
+__attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const float* a, int64_t lda, const float* panel,
+                                                        int64_t depth, const float* bias, const float* sum, Clamp clamp,
+                                                        float* out, int64_t ldc, int64_t width, const float* next) {
+  if constexpr (MaxRows > 1) {
+    if (rows < MaxRows) {
+      tile_of_rows<V, Vectors, MaxRows - 1>(rows, a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+      return;
+    }
+  }
+  tile_prefetching<V, MaxRows, Vectors>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+}
+
+// `rows` pixels of one panel in as few tiles of at most MaxRows as it takes, of even sizes (25
+// pixels: five of 5, not four of 6 and one of 1 that streams the whole panel again for one pixel).
+// The first tile prefetches the next panel (null: none) while the later ones reuse this one from
+// the cache: a panel of a large weight (MobileNetV2's 320 -> 1280 at 5x5: 1.6 MB, cold in the
+// model) otherwise arrives at the memory's pace during its first tile, and that conv took twice
+// its cache-hot time.
+template <typename V, int Vectors, int MaxRows = kTileRows>
+__attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
+                                                      const float* bias, const float* sum, Clamp clamp, float* out,
+                                                      int64_t ldc, int64_t width, int64_t rows, const float* next) {
+  const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t end = rows * (t + 1) / tiles;
+    const float* tile_sum = sum != nullptr ? sum + r * ldc : nullptr;
+    const float* tile_next = t == 0 ? next : nullptr;
+    tile_of_rows<V, Vectors, MaxRows>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc,
+                                      ldc, width, tile_next);
+    r = end;
+  }
+}
+
+// Where the image-row tiles read (image_block): Rows adjacent output pixels of one image row whose
+// taps all lie inside the image width (undilated along it), straight from the channels-last image.
+// Per kernel row inside the image height one run of `run` = kernel_w * channels floats: pixel r's
+// lda = stride_w * channels floats after pixel 0's, kernel row i's row_step floats after row 0's.
+// The kernel rows in the top/bottom padding are skipped (their taps add zeros); `panel` starts at
+// the first one inside.
+struct ImageRows {
+  const float* a;  // pixel 0's run in the first kernel row inside the image
+  int64_t lda, row_step, run, kernel_rows;
+};
+
+// The image-row counterpart of tile (no prefetch: it serves first convolutions, whose weights are
+// a few KB). Its own function so that tile, which every 1x1 convolution runs, stays as it was (one
+// tile for both, reading through a per-source callback, made the 1x1 convolutions 1.7-2x slower).
+template <typename V, int Rows, int Vectors>
+__attribute__((always_inline)) inline void image_tile(const ImageRows& src, const float* panel, const float* bias,
+                                                      const float* sum, Clamp clamp, float* out, int64_t ldc,
+                                                      int64_t width) {
+  V acc[Rows][Vectors];
+  zero_tile(acc);
+  const int64_t lda = src.lda, run = src.run;
+  for (int64_t i = 0; i < src.kernel_rows; ++i) {
+    const float* a = src.a + i * src.row_step;
+    const float* p = panel + i * run * kPanel;
+    for (int64_t k = 0; k < run; ++k) multiply_add(acc, a + k, lda, p + k * kPanel);
+  }
+  finish_tile<V, Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
+}
+
+// panel_rows for image rows: `rows` pixels in even tiles of at most kTileRows.
+template <typename V, int Vectors>
+__attribute__((always_inline)) inline void image_panel_rows(const ImageRows& src, const float* panel,
+                                                            const float* bias, const float* sum, Clamp clamp,
+                                                            float* out, int64_t ldc, int64_t width, int64_t rows) {
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int64_t end = rows * (t + 1) / tiles;
+    const float* tile_sum = sum != nullptr ? sum + r * ldc : nullptr;
+    ImageRows ta = src;
+    ta.a += r * src.lda;
+    float* tout = out + r * ldc;
+    switch (end - r) {
+      case 1: image_tile<V, 1, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 2: image_tile<V, 2, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 3: image_tile<V, 3, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 4: image_tile<V, 4, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      case 5: image_tile<V, 5, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+      default: image_tile<V, 6, Vectors>(ta, panel, bias, tile_sum, clamp, tout, ldc, width); break;
+    }
+    r = end;
+  }
+}
+
+__attribute__((always_inline)) inline const float* shifted(const float* p, int64_t by) { return p != nullptr ? p + by : nullptr; }
+
+// `rows` pixels of one panel's `width` channels, as tiles of kTileChannels<V> channels (a whole
+// panel with AVX-512, its two halves with AVX2); only the first slice prefetches `next`.
+template <typename V>
+__attribute__((always_inline)) inline void panel_slices(const float* a, int64_t lda, const float* panel, int64_t depth,
+                                                        const float* bias, const float* sum, Clamp clamp, float* out,
+                                                        int64_t ldc, int64_t width, int64_t rows, const float* next) {
+  if constexpr (kLanes<V> == 8) {
+    // 17-24 channels with AVX2 (MobileNetV2's projections to 24) as one tile of three vectors x 4
+    // pixels (12 accumulators, 3 weights, 1 broadcast: 7 loads for 12 FMAs, each pixel's input read
+    // once), not a 16-wide 6x2 tile and an 8-wide 6x1 one (7 loads for 6 FMAs, the input read twice):
+    // 96 -> 24 and 144 -> 24 at 40x40, one core: 99 -> 87 and 158 -> 149 us at batch 1, 1097 -> 734
+    // and 3083 -> 2464 us at batch 8. (32 as four vectors x 3 pixels was 15-25% slower than two
+    // 16-wide tiles.)
+    if (width > 2 * kLanes<V> && width <= 3 * kLanes<V>) {
+      panel_rows<V, 3, 4>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next);
+      return;
+    }
+  }
+  for (int64_t j = 0; j < width; j += kTileChannels<V>) {
+    const int64_t w = std::min(kTileChannels<V>, width - j);
+    const float* slice_next = j == 0 ? next : nullptr;
+    if (w > kLanes<V>) {
+      panel_rows<V, 2>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
+                       slice_next);
+    } else {
+      panel_rows<V, 1>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
+                       slice_next);
+    }
+  }
+}
+
+// panel_slices for image rows.
+template <typename V>
+__attribute__((always_inline)) inline void image_panel_slices(const ImageRows& src, const float* panel, const float* bias,
+                                                              const float* sum, Clamp clamp, float* out, int64_t ldc,
+                                                              int64_t width, int64_t rows) {
+  for (int64_t j = 0; j < width; j += kTileChannels<V>) {
+    const int64_t w = std::min(kTileChannels<V>, width - j);
+    if (w > kLanes<V>) {
+      image_panel_rows<V, 2>(src, panel + j, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows);
+    } else {
+      image_panel_rows<V, 1>(src, panel + j, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows);
+    }
+  }
+}
+
+// Copies of the short runs gather makes (MobileNetV2's stem: 9 floats, three a pixel) as whole
+// vectors: each one a memmove call cost the stem 67 of its 116 us (one core). A store may run up
+// to 15 floats past the run, into the part of dest written next (runs go out in increasing
+// order; the buffer has kGatherSlack floats more, conv_patch_blocks.h); a load runs past only while
+// it stays inside the input (`limit` is its end), else the tail goes float by float.
+
+template <typename V>
+__attribute__((always_inline)) inline void copy_run(float* dest, const float* from, int64_t count, const float* limit) {
+  constexpr int lanes = kLanes<V>;
+  int64_t i = 0;
+  for (; i + lanes <= count; i += lanes) store<V>(dest + i, load<V>(from + i));
+  if (i == count) return;
+  if (from + i + lanes <= limit) {
+    store<V>(dest + i, load<V>(from + i));
+  } else {
+    for (; i < count; ++i) dest[i] = from[i];
+  }
+}
+
+template <typename V>
+__attribute__((always_inline)) inline void zero_run(float* dest, int64_t count) {
+  for (int64_t i = 0; i < count; i += kLanes<V>) store<V>(dest + i, V{});
+}
+
+// The receptive fields of output pixels [begin, end) as rows of dest ([kh][kw][channel] each,
+// zeros where a tap falls into the padding), from a channels-last image batch. An undilated
+// kernel row inside the image is one run of kernel_w * channels floats. dest holds
+// kGatherSlack floats past the rows.
+template <typename V>
+__attribute__((always_inline)) inline void gather(const PatchConvShape& s, const float* input, int64_t begin,
+                                                  int64_t end, float* dest) {
+  const int64_t channels = s.in_channels, depth = s.depth(), run = s.kernel_w * channels;
+  const float* limit = input + s.batch * s.in_h * s.in_w * channels;
+  int64_t n = begin / (s.out_h * s.out_w), oh = begin / s.out_w % s.out_h, ow = begin % s.out_w;
+  for (int64_t row = begin; row < end; ++row) {
+    const float* image = input + n * s.in_h * s.in_w * channels;
+    float* d = dest + (row - begin) * depth;
+    const int64_t iw0 = ow * s.stride_w - s.pad_left;
+    const bool whole_rows = s.dilation_w == 1 && iw0 >= 0 && iw0 + s.kernel_w <= s.in_w;
+    for (int64_t kh = 0; kh < s.kernel_h; ++kh, d += run) {
+      const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dilation_h;
+      if (ih < 0 || ih >= s.in_h) {
+        zero_run<V>(d, run);
+      } else if (whole_rows) {
+        copy_run<V>(d, image + (ih * s.in_w + iw0) * channels, run, limit);
+      } else {
+        for (int64_t kw = 0; kw < s.kernel_w; ++kw) {
+          const int64_t iw = iw0 + kw * s.dilation_w;
+          float* tap = d + kw * channels;
+          if (iw < 0 || iw >= s.in_w) {
+            zero_run<V>(tap, channels);
+          } else {
+            copy_run<V>(tap, image + (ih * s.in_w + iw) * channels, channels, limit);
+          }
+        }
+      }
+    }
+    if (++ow == s.out_w) {
+      ow = 0;
+      if (++oh == s.out_h) oh = 0, ++n;
+    }
+  }
+}
+
+// An NCHW output's channels [j0, j0 + width) of pixels [begin, end) from `staged` (one row of kPanel
+// floats per pixel, bias added): + residual (NCHW too), then the clamp, the channels-last path's
+// order. Each channel's pixels are a contiguous run within an image.
+template <bool kSum, bool kClamp>
+__attribute__((always_inline)) inline void scatter_nchw(const PatchConvShape& s, const float* staged, const float* sum,
+                                                        Clamp clamp, float* output, int64_t begin, int64_t end,
+                                                        int64_t j0, int64_t width) {
+  const int64_t plane = s.out_h * s.out_w;
+  for (int64_t row = begin; row < end;) {
+    const int64_t n = row / plane, p0 = row % plane, run = std::min(end - row, plane - p0);
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t at = (n * s.out_channels + j0 + j) * plane + p0;
+      const float* from = staged + (row - begin) * kPanel + j;
+      for (int64_t r = 0; r < run; ++r) {
+        float v = from[r * kPanel];
+        if (kSum) v += sum[at + r];
+        if (kClamp) v = clamp_value(v, clamp.lo, clamp.hi);
+        output[at + r] = v;
+      }
+    }
+    row += run;
+  }
+}
+
+// Where panel p of pixels [begin, end) goes: a channels-last output directly (bias, residual and
+// clamp in the tile), an NCHW one through `staged` (kBlockRows x kPanel floats, bias only; the
+// residual and clamp in scatter_panel).
+struct PanelTarget {
+  const float *panel, *bias, *sum;
+  float* out;
+  int64_t ldc, width;
+  Clamp clamp;
+};
+
+__attribute__((always_inline)) inline PanelTarget panel_target(const PatchConvShape& s, const float* panels,
+                                                              const float* bias, const float* sum, Clamp clamp,
+                                                              float* output, float* staged, int64_t begin, int64_t p) {
+  const int64_t j0 = p * kPanel, channels = s.out_channels;
+  const bool direct_out = s.output_channels_last;
+  return PanelTarget{panels + p * s.depth() * kPanel,
+                     bias != nullptr ? bias + j0 : nullptr,
+                     sum != nullptr && direct_out ? sum + begin * channels + j0 : nullptr,
+                     direct_out ? output + begin * channels + j0 : staged,
+                     direct_out ? channels : kPanel,
+                     std::min(kPanel, channels - j0),
+                     direct_out ? clamp : Clamp{}};
+}
+
+// An NCHW output's panel p of pixels [begin, end) from `staged`.
+__attribute__((always_inline)) inline void scatter_panel(const PatchConvShape& s, const float* staged, const float* sum,
+                                                         Clamp clamp, float* output, int64_t begin, int64_t end,
+                                                         int64_t p, int64_t width) {
+  const int64_t j0 = p * kPanel;
+  if (sum != nullptr) {
+    if (clamp.on) scatter_nchw<true, true>(s, staged, sum, clamp, output, begin, end, j0, width);
+    else scatter_nchw<true, false>(s, staged, sum, clamp, output, begin, end, j0, width);
+  } else {
+    if (clamp.on) scatter_nchw<false, true>(s, staged, sum, clamp, output, begin, end, j0, width);
+    else scatter_nchw<false, false>(s, staged, sum, clamp, output, begin, end, j0, width);
+  }
+}
+
+// Output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered (or a 1x1's input
+// read in place).
+template <typename V>
+__attribute__((always_inline)) inline void patch_block_for(BLADE_BLOCK_PARAMS) {
+  const int64_t depth = s.depth(), channels = s.out_channels;
+  const float* a = input + begin * depth;
+  if (!s.direct()) {
+    gather<V>(s, input, begin, end, gathered);
+    a = gathered;
+  }
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
+    // The next panel even past this item's (its neighbour's, or this thread's next item's).
+    const float* next = prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
+    panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next);
+    if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
+  }
+}
+
+// A run of a block's pixels [begin, end) whose rows are read one way: from the image or gathered.
+struct Segment {
+  int64_t begin, end;
+  bool from_image;
+};
+
+// Appends pixels [begin, end) to segments, a gathered run merged into a gathered last one that
+// ends at begin (a run read from the image stays within its image row).
+inline void append(Segment* segments, int& count, int64_t begin, int64_t end, bool from_image) {
+  if (begin == end) return;
+  if (!from_image && count > 0 && !segments[count - 1].from_image && segments[count - 1].end == begin) {
+    segments[count - 1].end = end;
+  } else {
+    segments[count++] = {begin, end, from_image};
+  }
+}
+
+// Pixels [begin, end) as segments, in order: within each output row the pixels whose taps all lie
+// inside the image width, when at least kTileRows of them (fewer would make short tiles), read
+// from the image; the rest gathered (a row's right border and the next row's left border one
+// segment). Returns the count, at most end - begin. (noinline: out of line, as when its three
+// callers shared one file; called once per unit, g++ would inline it and allocate image_block's
+// registers differently.)
+__attribute__((noinline)) int image_segments(const PatchConvShape& s, int64_t begin, int64_t end, Segment* segments) {
+  int count = 0;
+  // Output columns [inside_begin, inside_end): every tap inside the width (dilation_w is 1).
+  const int64_t inside_begin = std::min((s.pad_left + s.stride_w - 1) / s.stride_w, s.out_w);
+  const int64_t last_start = s.in_w - s.kernel_w + s.pad_left;  // the largest ow * stride_w inside
+  const int64_t inside_end =
+      last_start < 0 ? inside_begin : std::max(inside_begin, std::min(s.out_w, last_start / s.stride_w + 1));
+  for (int64_t row = begin; row < end;) {
+    const int64_t ow = row % s.out_w, row_end = std::min(end, row + s.out_w - ow);
+    const int64_t lo = row + std::clamp(inside_begin - ow, int64_t{0}, row_end - row);
+    const int64_t hi = row + std::clamp(inside_end - ow, lo - row, row_end - row);
+    if (hi - lo >= kTileRows) {
+      append(segments, count, row, lo, false);
+      append(segments, count, lo, hi, true);
+      append(segments, count, hi, row_end, false);
+    } else {
+      append(segments, count, row, row_end, false);
+    }
+    row = row_end;
+  }
+  return count;
+}
+
+// The image rows of output pixels from `pixel` on (one image row, every tap inside the width) in
+// the channels-last image, and the first kernel row inside the image height.
+inline ImageRows image_rows(const PatchConvShape& s, const float* input, int64_t pixel, int64_t& first) {
+  const int64_t n = pixel / (s.out_h * s.out_w), oh = pixel / s.out_w % s.out_h, ow = pixel % s.out_w;
+  const int64_t ih0 = oh * s.stride_h - s.pad_top;  // kernel row 0's image row
+  first = ih0 >= 0 ? 0 : (-ih0 + s.dilation_h - 1) / s.dilation_h;
+  const int64_t last = s.in_h > ih0 ? std::min(s.kernel_h, (s.in_h - ih0 + s.dilation_h - 1) / s.dilation_h) : 0;
+  const int64_t channels = s.in_channels, kernel_rows = std::max<int64_t>(0, last - first);
+  const float* a = kernel_rows == 0 ? input
+                                    : input + ((n * s.in_h + ih0 + first * s.dilation_h) * s.in_w +
+                                               ow * s.stride_w - s.pad_left) * channels;
+  return ImageRows{a, s.stride_w * channels, s.dilation_h * s.in_w * channels, s.kernel_w * channels, kernel_rows};
+}
+
+// patch_block for convolutions that read image rows in place (PatchConvShape::image_rows): the
+// pixels whose taps lie inside the width from the image, the others gathered. Gathering every
+// pixel cost MobileNetV2's stem (3 channels, runs of 9 floats) as much as its multiply-adds.
+// (No prefetch: a first convolution's weight is a few KB.)
+template <typename V>
+__attribute__((always_inline)) inline void image_block_for(BLADE_BLOCK_PARAMS) {
+  const int64_t depth = s.depth();
+  Segment segments[kBlockRows];
+  const int count = image_segments(s, begin, end, segments);
+  // In increasing order: a gathered run's last store may run into the rows after it.
+  for (int i = 0; i < count; ++i) {
+    if (!segments[i].from_image) {
+      gather<V>(s, input, segments[i].begin, segments[i].end, gathered + (segments[i].begin - begin) * depth);
+    }
+  }
+  for (int64_t p = panel_begin; p < panel_end; ++p) {
+    const PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
+    for (int i = 0; i < count; ++i) {
+      const Segment& segment = segments[i];
+      const int64_t offset = segment.begin - begin, rows = segment.end - segment.begin;
+      const float* segment_sum = t.sum != nullptr ? t.sum + offset * t.ldc : nullptr;
+      float* out = t.out + offset * t.ldc;
+      if (segment.from_image) {
+        int64_t first = 0;
+        const ImageRows src = image_rows(s, input, segment.begin, first);
+        const float* panel = t.panel + first * src.run * kPanel;
+        image_panel_slices<V>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
+      } else {
+        const float* a = gathered + offset * depth;
+        panel_slices<V>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr);
+      }
+    }
+    if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
+  }
+}
+
+}  // namespace
+}  // namespace blade

@@ -1,0 +1,19 @@
+// conv_patch's block functions for x86-64-v4 (AVX-512): 16-float vectors (conv_patch_blocks.h).
+#include "conv_patch_kernels.h"
+
+namespace blade::conv_patch_blocks {
+#if BLADE_CONV_PATCH_ISA_VERSIONS
+namespace {
+
+__attribute__((target("arch=x86-64-v4"))) void patch_block(BLADE_BLOCK_PARAMS) {
+  patch_block_for<float_vectors::Floats16>(BLADE_BLOCK_ARGS);
+}
+__attribute__((target("arch=x86-64-v4"))) void image_block(BLADE_BLOCK_PARAMS) {
+  image_block_for<float_vectors::Floats16>(BLADE_BLOCK_ARGS);
+}
+
+}  // namespace
+
+BlockKernels x86_64_v4_blocks() { return {patch_block, image_block}; }
+#endif
+}  // namespace blade::conv_patch_blocks
