@@ -514,10 +514,8 @@ inline const T* mask_row(const BladeScoreStep& s, int64_t o, int64_t i, int64_t 
 
 // One score row (the raw q . k of query row r) through the steps and the softmax, in place: the
 // engine's unfused code per element (Mul, Div, Where, Add), then max (NaN if any), e = exp(x - max),
-// sum, e * (1 / sum); a row whose max equals zero_rows_max is 0 when zero_rows. Inlined into
-// score_row_avx2, whose target lets g++ vectorize its loops 8 wide.
-__attribute__((always_inline)) inline void score_row(const BladeAttention& a, int64_t o, int64_t i, int64_t r,
-                                                     float* x) {
+// sum, e * (1 / sum); a row whose max equals zero_rows_max is 0 when zero_rows (the steps first).
+void score_steps(const BladeAttention& a, int64_t o, int64_t i, int64_t r, float* x) {
   const int64_t n = a.n;
   for (int32_t k = 0; k < a.step_count; ++k) {
     const BladeScoreStep& s = a.steps[k];
@@ -554,6 +552,11 @@ __attribute__((always_inline)) inline void score_row(const BladeAttention& a, in
       }
     }
   }
+}
+
+void score_row(const BladeAttention& a, int64_t o, int64_t i, int64_t r, float* x) {
+  score_steps(a, o, i, r, x);
+  const int64_t n = a.n;
   float top = -std::numeric_limits<float>::infinity();
   int32_t nan = 0;
 #pragma omp simd reduction(max : top) reduction(| : nan)
@@ -575,8 +578,97 @@ __attribute__((always_inline)) inline void score_row(const BladeAttention& a, in
   for (int64_t c = 0; c < n; ++c) x[c] = zero ? 0.0f : x[c] * scale;
 }
 
+// blade_expf (engine_prelude.h, its AVX2 version) on 8 lanes: the same operations in the same order,
+// so each lane rounds like the engine's vectorized loop (g++ -O2 left the scalar version's loop
+// unvectorized here: 1M exps at 512 keys took longer than both GEMMs).
+BLADE_AVX2 inline __m256 expf_avx2(__m256 x) {
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 shifted = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 n = _mm256_sub_ps(shifted, magic);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256 scaled = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_castps_si256(e), _mm256_slli_epi32(_mm256_castps_si256(shifted), 23)));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  // x <= hi ? scaled : x + inf (NaN: x + inf), then x < lo ? 0
+  const __m256 in_range = _mm256_blendv_ps(_mm256_add_ps(x, inf), scaled,
+                                           _mm256_cmp_ps(x, _mm256_set1_ps(88.7228317261f), _CMP_LE_OQ));
+  return _mm256_blendv_ps(in_range, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365402222f), _CMP_LT_OQ));
+}
+
+// score_row with its hot loops (the mask step, max, exp and sum, the scaling) 8 lanes at a time.
 BLADE_AVX2 void score_row_avx2(const BladeAttention& a, int64_t o, int64_t i, int64_t r, float* x) {
-  score_row(a, o, i, r, x);
+  const int64_t n = a.n, vector_end = n / 8 * 8;
+  for (int32_t k = 0; k < a.step_count; ++k) {
+    const BladeScoreStep& s = a.steps[k];
+    const __m256 value = _mm256_set1_ps(s.value);
+    int64_t c = 0;
+    if (s.kind == BLADE_SCORE_MUL) {
+      for (; c < vector_end; c += 8) _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), value));
+      for (; c < n; ++c) x[c] = x[c] * s.value;
+    } else if (s.kind == BLADE_SCORE_KEEP && s.strides[3] == 1) {
+      const uint8_t* m = mask_row<uint8_t>(s, o, i, r);
+      for (; c < vector_end; c += 8) {
+        int64_t bytes;
+        std::memcpy(&bytes, m + c, 8);
+        const __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+        const __m256 drop = _mm256_castsi256_ps(_mm256_cmpeq_epi32(lanes, _mm256_setzero_si256()));
+        _mm256_storeu_ps(x + c, _mm256_blendv_ps(_mm256_loadu_ps(x + c), value, drop));
+      }
+      for (; c < n; ++c) x[c] = m[c] ? x[c] : s.value;
+    } else {  // the other steps: score_row's scalar loops
+      BladeAttention one = a;
+      one.step_count = 1;
+      one.steps[0] = s;
+      score_steps(one, o, i, r, x);
+    }
+  }
+  __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan8 = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c < vector_end; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    top8 = _mm256_max_ps(v, top8);  // max_ps(a, b) is b when either is NaN: NaNs are flagged apart
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = -std::numeric_limits<float>::infinity();
+  bool nan = _mm256_movemask_ps(nan8) != 0;
+  for (int l = 0; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
+  for (; c < n; ++c) {
+    top = x[c] > top ? x[c] : top;
+    nan |= x[c] != x[c];
+  }
+  if (nan) top = std::numeric_limits<float>::quiet_NaN();
+  const __m256 top_v = _mm256_set1_ps(top);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (c = 0; c < vector_end; c += 8) {
+    const __m256 e = expf_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + c), top_v));
+    _mm256_storeu_ps(x + c, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  _mm256_store_ps(lanes, sum8);
+  float total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  for (; c < n; ++c) {
+    x[c] = blade_expf(x[c] - top);
+    total = total + x[c];
+  }
+  const float scale = 1.0f / total;
+  const bool zero = a.zero_rows != 0 && top == a.zero_rows_max;
+  if (zero) {  // stored, not multiplied: the row's e are NaN (exp(-inf - -inf))
+    std::fill(x, x + n, 0.0f);
+    return;
+  }
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  for (c = 0; c < vector_end; c += 8) _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), scale_v));
+  for (; c < n; ++c) x[c] = x[c] * scale;
 }
 
 // R rows of A times the packed panels [0, panels) of B into C (n columns), one register block.
