@@ -13,7 +13,7 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 5
+#define BLADE_ABI_VERSION 6
 
 extern "C" {
 
@@ -26,6 +26,44 @@ typedef void (*blade_range_fn)(void* ctx, int64_t begin, int64_t end);
 struct BladeActivation {
   int32_t kind;
   float lo, hi;
+};
+
+// One step of a fused attention's score expression (BladeAttention): applied in order to each score
+// s = q . k, exactly as the engine's unfused elementwise code computes it (BLADE_SCORE_* below).
+// KEEP and ADD read `mask` (KEEP: bool as uint8, ADD: float32) at element (o, i, r, c), i.e. (outer
+// batch, inner batch, query row, key), at mask + o * strides[0] + i * strides[1] + r * strides[2] +
+// c * strides[3] (elements; a stride 0 broadcasts).
+struct BladeScoreStep {
+  int32_t kind;
+  float value;
+  const void* mask;
+  int64_t strides[4];
+};
+
+// A fused attention (BladeRuntime::attention), per (o, i) in [0, outer) x [0, inner):
+//   scores [m, n] = the steps applied to Q [m, d] @ K^T [d, n] (alpha 1)
+//   P [m, n]      = per row x: e = exp(x - max(x)), e * (1 / sum(e)) (the engine's Softmax), a row
+//                   whose max equals zero_rows_max set to 0 instead when zero_rows != 0
+//   out [m, dv]   = P @ V [n, dv]
+// Each operand is read like sgemm's A/B (ld, trans; kt is K^T's op(B) [d, n], v is op(B) [n, dv])
+// at ptr + o * strides[0] + i * strides[1]; out's rows are ldo apart, its columns dense.
+struct BladeAttention {
+  int64_t outer, inner, m, n, d, dv;
+  const float* q;
+  int64_t ldq, q_strides[2];
+  int32_t trans_q;
+  const float* kt;
+  int64_t ldk, k_strides[2];
+  int32_t trans_k;
+  const float* v;
+  int64_t ldv, v_strides[2];
+  int32_t trans_v;
+  float* out;
+  int64_t ldo, out_strides[2];
+  int32_t step_count;  // <= BLADE_ATTENTION_MAX_STEPS
+  BladeScoreStep steps[4];
+  int32_t zero_rows;
+  float zero_rows_max;
 };
 
 struct BladeRuntime {
@@ -58,6 +96,9 @@ struct BladeRuntime {
                const int64_t* weight_shape, const float* weight, const float* bias,
                const int64_t* strides, const int64_t* pads, const int64_t* dilations, int64_t groups,
                float* output, int32_t layout, const float* sum, const BladeActivation* activation);
+  // Fused attention (BladeAttention above): each block of query rows computes its score rows, their
+  // softmax and their product with V while the rows are in cache (no [m, n] score matrix in memory).
+  void (*attention)(const BladeAttention* attention);
 };
 
 // Every engine .so exports these two symbols.
@@ -104,6 +145,12 @@ int32_t blade_engine_derived_sizes(int64_t* sizes);
 // (NaN stays NaN; a tie keeps v, so -0 stays -0). ReLU6 and hardtanh; lo = -inf or hi = +inf for
 // a one-sided clamp. The bounds must not be NaN.
 #define BLADE_ACTIVATION_CLAMP 2
+
+#define BLADE_ATTENTION_MAX_STEPS 4
+#define BLADE_SCORE_MUL 1   // s * value
+#define BLADE_SCORE_DIV 2   // s / value
+#define BLADE_SCORE_KEEP 3  // mask ? s : value
+#define BLADE_SCORE_ADD 4   // s + mask
 
 #define BLADE_OK 0
 #define BLADE_ERR_INDEX_OUT_OF_RANGE 1  // a gather/embedding index outside its dimension

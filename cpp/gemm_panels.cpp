@@ -20,9 +20,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "engine_prelude.h"  // blade_expf: the engine's own exp, so the fused softmax rounds like it
 #include "gemm.h"
 #include "timed_parallel.h"
 
@@ -493,12 +495,289 @@ void per_call_gemm(const GemmArgs& g) {
   });
 }
 
+// ---- fused attention (BladeRuntime::attention) ----
+
+// Query rows per task: a block's score rows (rows x n floats) stay in L1/L2 between the Q.K^T
+// GEMM that writes them, the softmax and the P.V GEMM that reads them. 60 KB at 512 keys.
+constexpr int64_t kAttentionScoreFloats = 1 << 14;
+
+int64_t attention_block_rows(int64_t m, int64_t n) {
+  const int64_t rows = std::max<int64_t>(kAvx2BlockRows, kAttentionScoreFloats / std::max<int64_t>(n, 1)
+                                                             / kAvx2BlockRows * kAvx2BlockRows);
+  return std::min(rows, m);
+}
+
+// Element (o, i, r, c) of a step's mask.
+template <class T>
+inline const T* mask_row(const BladeScoreStep& s, int64_t o, int64_t i, int64_t r) {
+  return static_cast<const T*>(s.mask) + o * s.strides[0] + i * s.strides[1] + r * s.strides[2];
+}
+
+// One score row (the raw q . k of query row r) through the steps and the softmax, in place: the
+// engine's unfused code per element (Mul, Div, Where, Add), then max (NaN if any), e = exp(x - max),
+// sum, e * (1 / sum); a row whose max equals zero_rows_max is 0 when zero_rows (the steps first).
+void score_steps(const BladeAttention& a, int64_t o, int64_t i, int64_t r, float* x) {
+  const int64_t n = a.n;
+  for (int32_t k = 0; k < a.step_count; ++k) {
+    const BladeScoreStep& s = a.steps[k];
+    const float value = s.value;
+    switch (s.kind) {
+      case BLADE_SCORE_MUL:
+#pragma omp simd
+        for (int64_t c = 0; c < n; ++c) x[c] = x[c] * value;
+        break;
+      case BLADE_SCORE_DIV:
+#pragma omp simd
+        for (int64_t c = 0; c < n; ++c) x[c] = x[c] / value;
+        break;
+      case BLADE_SCORE_KEEP: {
+        const uint8_t* m = mask_row<uint8_t>(s, o, i, r);
+        const int64_t step = s.strides[3];
+        if (step == 1) {
+#pragma omp simd
+          for (int64_t c = 0; c < n; ++c) x[c] = m[c] ? x[c] : value;
+        } else {
+          for (int64_t c = 0; c < n; ++c) x[c] = m[c * step] ? x[c] : value;
+        }
+        break;
+      }
+      default: {  // BLADE_SCORE_ADD
+        const float* m = mask_row<float>(s, o, i, r);
+        const int64_t step = s.strides[3];
+        if (step == 1) {
+#pragma omp simd
+          for (int64_t c = 0; c < n; ++c) x[c] = x[c] + m[c];
+        } else {
+          for (int64_t c = 0; c < n; ++c) x[c] = x[c] + m[c * step];
+        }
+      }
+    }
+  }
+}
+
+void score_row(const BladeAttention& a, int64_t o, int64_t i, int64_t r, float* x) {
+  score_steps(a, o, i, r, x);
+  const int64_t n = a.n;
+  float top = -std::numeric_limits<float>::infinity();
+  int32_t nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+  for (int64_t c = 0; c < n; ++c) {
+    top = x[c] > top ? x[c] : top;
+    nan |= x[c] != x[c];
+  }
+  if (nan) top = std::numeric_limits<float>::quiet_NaN();
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t c = 0; c < n; ++c) {
+    const float e = blade_expf(x[c] - top);
+    x[c] = e;
+    total = total + e;
+  }
+  const float scale = 1.0f / total;
+  const bool zero = a.zero_rows != 0 && top == a.zero_rows_max;
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) x[c] = zero ? 0.0f : x[c] * scale;
+}
+
+// blade_expf (engine_prelude.h, its AVX2 version) on 8 lanes: the same operations in the same order,
+// so each lane rounds like the engine's vectorized loop (g++ -O2 left the scalar version's loop
+// unvectorized here: 1M exps at 512 keys took longer than both GEMMs).
+BLADE_AVX2 inline __m256 expf_avx2(__m256 x) {
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 shifted = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 n = _mm256_sub_ps(shifted, magic);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256 scaled = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_castps_si256(e), _mm256_slli_epi32(_mm256_castps_si256(shifted), 23)));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  // x <= hi ? scaled : x + inf (NaN: x + inf), then x < lo ? 0
+  const __m256 in_range = _mm256_blendv_ps(_mm256_add_ps(x, inf), scaled,
+                                           _mm256_cmp_ps(x, _mm256_set1_ps(88.7228317261f), _CMP_LE_OQ));
+  return _mm256_blendv_ps(in_range, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365402222f), _CMP_LT_OQ));
+}
+
+// score_row with its hot loops (the mask step, max, exp and sum, the scaling) 8 lanes at a time.
+BLADE_AVX2 void score_row_avx2(const BladeAttention& a, int64_t o, int64_t i, int64_t r, float* x) {
+  const int64_t n = a.n, vector_end = n / 8 * 8;
+  for (int32_t k = 0; k < a.step_count; ++k) {
+    const BladeScoreStep& s = a.steps[k];
+    const __m256 value = _mm256_set1_ps(s.value);
+    int64_t c = 0;
+    if (s.kind == BLADE_SCORE_MUL) {
+      for (; c < vector_end; c += 8) _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), value));
+      for (; c < n; ++c) x[c] = x[c] * s.value;
+    } else if (s.kind == BLADE_SCORE_KEEP && s.strides[3] == 1) {
+      const uint8_t* m = mask_row<uint8_t>(s, o, i, r);
+      for (; c < vector_end; c += 8) {
+        int64_t bytes;
+        std::memcpy(&bytes, m + c, 8);
+        const __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+        const __m256 drop = _mm256_castsi256_ps(_mm256_cmpeq_epi32(lanes, _mm256_setzero_si256()));
+        _mm256_storeu_ps(x + c, _mm256_blendv_ps(_mm256_loadu_ps(x + c), value, drop));
+      }
+      for (; c < n; ++c) x[c] = m[c] ? x[c] : s.value;
+    } else {  // the other steps: score_row's scalar loops
+      BladeAttention one = a;
+      one.step_count = 1;
+      one.steps[0] = s;
+      score_steps(one, o, i, r, x);
+    }
+  }
+  __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan8 = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c < vector_end; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    top8 = _mm256_max_ps(v, top8);  // max_ps(a, b) is b when either is NaN: NaNs are flagged apart
+    nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top8);
+  float top = -std::numeric_limits<float>::infinity();
+  bool nan = _mm256_movemask_ps(nan8) != 0;
+  for (int l = 0; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
+  for (; c < n; ++c) {
+    top = x[c] > top ? x[c] : top;
+    nan |= x[c] != x[c];
+  }
+  if (nan) top = std::numeric_limits<float>::quiet_NaN();
+  const __m256 top_v = _mm256_set1_ps(top);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (c = 0; c < vector_end; c += 8) {
+    const __m256 e = expf_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + c), top_v));
+    _mm256_storeu_ps(x + c, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  _mm256_store_ps(lanes, sum8);
+  float total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+  for (; c < n; ++c) {
+    x[c] = blade_expf(x[c] - top);
+    total = total + x[c];
+  }
+  const float scale = 1.0f / total;
+  const bool zero = a.zero_rows != 0 && top == a.zero_rows_max;
+  if (zero) {  // stored, not multiplied: the row's e are NaN (exp(-inf - -inf))
+    std::fill(x, x + n, 0.0f);
+    return;
+  }
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  for (c = 0; c < vector_end; c += 8) _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), scale_v));
+  for (; c < n; ++c) x[c] = x[c] * scale;
+}
+
+// R rows of A times the packed panels [0, panels) of B into C (n columns), one register block.
+template <int R>
+BLADE_AVX2 void rows_times_panels_avx2(int64_t k, const float* a, int64_t row_step, int64_t k_step,
+                                       const float* packed, int64_t panels, int64_t n, float* c, int64_t ldc) {
+  for (int64_t p = 0; p < panels; ++p) {
+    block_avx2<R>(k, a, row_step, k_step, packed + p * k * kAvx2Half, 0.0f, c + p * kAvx2Half, ldc,
+                  std::min(kAvx2Half, n - p * kAvx2Half));
+  }
+}
+
+// Rows [first, last) of C = op(A) @ packed B (`panels` panels of k x 16), register block by block.
+BLADE_AVX2 void block_rows_avx2(int64_t k, const float* a, int64_t row_step, int64_t k_step, const float* packed,
+                                int64_t n, float* c, int64_t ldc, int64_t rows) {
+  const int64_t panels = (n + kAvx2Half - 1) / kAvx2Half;
+  for (int64_t r0 = 0; r0 < rows; r0 += kAvx2BlockRows) {
+    const float* a_rows = a + r0 * row_step;
+    float* c_rows = c + r0 * ldc;
+    const auto run = [&](auto count) {
+      rows_times_panels_avx2<decltype(count)::value>(k, a_rows, row_step, k_step, packed, panels, n, c_rows, ldc);
+    };
+    switch (std::min<int64_t>(kAvx2BlockRows, rows - r0)) {
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 3: run(std::integral_constant<int, 3>{}); break;
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 5: run(std::integral_constant<int, 5>{}); break;
+      default: run(std::integral_constant<int, 6>{}); break;
+    }
+  }
+}
+
+// op(B) [k, n] (ld, trans) as packed, zero-padded 16-column panels in `dest`.
+BLADE_AVX2 void pack_all_panels_avx2(const float* b, int64_t ld, int32_t trans, int64_t k, int64_t n, float* dest) {
+  for (int64_t column = 0; column < n; column += kAvx2Half) {
+    const int64_t width = std::min(kAvx2Half, n - column);
+    float* panel = dest + column / kAvx2Half * k * kAvx2Half;
+    if (trans) {
+      pack_transposed_panel_avx2(b, ld, k, 1.0f, column, width, panel);
+    } else {
+      pack_panel_avx2(b, ld, k, 1.0f, column, width, panel);
+    }
+  }
+}
+
+// A thread's 64-byte aligned buffer of at least `floats` floats (grown, never shrunk).
+float* aligned_buffer(std::vector<float>& buffer, int64_t floats) {
+  if (static_cast<int64_t>(buffer.size()) < floats + 16) buffer.resize(floats + 16);
+  return buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
+}
+
+// The fused attention on AVX2: (o, i, block of query rows) tasks. A thread packs K^T and V of an
+// (o, i) into its buffers once (again only when its next task is another (o, i)); each task then
+// runs its rows' Q.K^T into a score block in cache, the softmax rows, and P.V into out.
+void attention_avx2(const BladeAttention& a) {
+  const int64_t rows = attention_block_rows(a.m, a.n), blocks = (a.m + rows - 1) / rows;
+  const int64_t heads = a.outer * a.inner, n_padded = (a.n + kAvx2Half - 1) / kAvx2Half * kAvx2Half;
+  const int64_t dv_padded = (a.dv + kAvx2Half - 1) / kAvx2Half * kAvx2Half;
+  const int64_t task_fmas = std::max<int64_t>(1, rows * a.n * (a.d + a.dv));
+  at::parallel_for(0, heads * blocks, std::max<int64_t>(1, (1 << 16) / task_fmas), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> k_buffer, v_buffer, score_buffer;
+    float* k_packed = aligned_buffer(k_buffer, a.d * n_padded);
+    float* v_packed = aligned_buffer(v_buffer, a.n * dv_padded);
+    float* scores = aligned_buffer(score_buffer, rows * a.n);
+    int64_t packed_head = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task / blocks, first = task % blocks * rows, count = std::min(rows, a.m - first);
+      const int64_t o = head / a.inner, i = head % a.inner;
+      if (head != packed_head) {
+        pack_all_panels_avx2(a.kt + o * a.k_strides[0] + i * a.k_strides[1], a.ldk, a.trans_k, a.d, a.n, k_packed);
+        pack_all_panels_avx2(a.v + o * a.v_strides[0] + i * a.v_strides[1], a.ldv, a.trans_v, a.n, a.dv, v_packed);
+        packed_head = head;
+      }
+      const int64_t q_row = a.trans_q ? 1 : a.ldq, q_k = a.trans_q ? a.ldq : 1;
+      const float* q = a.q + o * a.q_strides[0] + i * a.q_strides[1] + first * q_row;
+      block_rows_avx2(a.d, q, q_row, q_k, k_packed, a.n, scores, a.n, count);
+      for (int64_t r = 0; r < count; ++r) score_row_avx2(a, o, i, first + r, scores + r * a.n);
+      float* out = a.out + o * a.out_strides[0] + i * a.out_strides[1] + first * a.ldo;
+      block_rows_avx2(a.n, scores, a.n, 1, v_packed, a.dv, out, a.ldo, count);
+    }
+  });
+}
+
 }  // namespace
 
 void panels_pack(const GemmArgs& g, PackedWeights* weights) { panels_of(g, weights); }
 
 bool panels_packed(const GemmArgs& g, PackedWeights* weights) {
   return weights != nullptr && weights->has(pack_key(g));
+}
+
+void attention(const BladeAttention& a, PackedWeights* weights) {
+  if (a.outer * a.inner * a.m * a.dv == 0) return;
+  if (avx2_usable() && a.n > 0 && a.d > 0) return attention_avx2(a);
+  // Without AVX2 (or an empty sum): the unfused computation, head by head through the runtime's GEMM.
+  std::vector<float> scores(std::max<int64_t>(a.m * a.n, 1));
+  for (int64_t o = 0; o < a.outer; ++o) {
+    for (int64_t i = 0; i < a.inner; ++i) {
+      gemm({1, a.m, a.n, a.d, 1.0f, a.q + o * a.q_strides[0] + i * a.q_strides[1], a.ldq, 0, a.trans_q,
+            a.kt + o * a.k_strides[0] + i * a.k_strides[1], a.ldk, 0, a.trans_k, 0.0f, scores.data(), a.n, 0},
+           weights);
+      for (int64_t r = 0; r < a.m; ++r) score_row(a, o, i, r, scores.data() + r * a.n);
+      gemm({1, a.m, a.dv, a.n, 1.0f, scores.data(), a.n, 0, 0, a.v + o * a.v_strides[0] + i * a.v_strides[1], a.ldv,
+            0, a.trans_v, 0.0f, a.out + o * a.out_strides[0] + i * a.out_strides[1], a.ldo, 0},
+           weights);
+    }
+  }
 }
 
 bool panels_applies(const GemmArgs& g, bool b_constant) {

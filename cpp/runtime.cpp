@@ -319,7 +319,9 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   }
 }
 
-const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv};
+void attention(const BladeAttention* a) { blade::attention(*a, current_weights); }
+
+const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv, &attention};
 
 }  // namespace
 

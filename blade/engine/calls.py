@@ -7,6 +7,7 @@ NHWC, with the plan's epilogue (a residual sum, a ReLU or clamp) applied by the 
 """
 from __future__ import annotations
 
+from .attention import SCORE_STEP_KINDS
 from .buffers import CHANNELS_LAST, Strided, memory_order, permuted, same_strides, strides_in_order, unpermuted
 from .ir import Node
 from .lines import DECLS, for_loop, indent
@@ -206,3 +207,53 @@ def emit_conv(em, node, dest):
             f"{node.attrs['groups']}, {kernel.use(dest.buf, write=True)} + {dest.layout.offset}, {layout or 0}, "
             f"{addend_ptr}, {'&act' if activation else 'nullptr'});")
     em.kernels.end_call(kernel, ["{", *indent([DECLS] + decls + [call]), "}"])
+
+
+def _batch_strides(strides, rank: int) -> list:
+    """An attention operand's (outer, inner) batch strides: its dims before the last two, padded
+    in front with 0 to two (a rank-3 matmul has one batch dim, a rank-2 one none)."""
+    return [0] * (2 - (rank - 2)) + list(strides[:rank - 2])
+
+
+def emit_attention(em, node, dest):
+    """dest = the plan's fused attention ending in matmul `node` (attention.py): one
+    rt->attention call in place of Q.K^T, the score steps, the softmax and P.V."""
+    if node.numel == 0:
+        return
+    attention = em.plan.attentions[node]
+    operands = [_gemm_operand(em, n) for n in (attention.q, attention.kt, attention.v)]
+    masks = [_mask_operand(em, s.mask) if s.mask is not None else None for s in attention.steps]
+    assert dest.layout.strides[-1] == 1 or node.shape[-1] == 1, "attention output columns must be dense"
+    m, dv = node.shape[-2:]
+    d, n = attention.kt.shape[-2:]
+    batch = [1] * (2 - (node.rank - 2)) + list(node.shape[:-2])
+    kernel = em.kernels.begin_call(f"{node!r} = {attention.describe()}")
+    fields = [f"a.outer = {batch[0]};", f"a.inner = {batch[1]};", f"a.m = {m};", f"a.n = {n};", f"a.d = {d};",
+              f"a.dv = {dv};"]
+    for name, ld_name, (s, trans, ld) in zip(("q", "kt", "v"), ("ldq", "ldk", "ldv"), operands):
+        strides = _batch_strides(s.layout.strides, len(s.shape))
+        fields += [f"a.{name} = {kernel.use(s.buf)} + {s.layout.offset};", f"a.{ld_name} = {ld};",
+                   f"a.{name[0]}_strides[0] = {strides[0]};", f"a.{name[0]}_strides[1] = {strides[1]};",
+                   f"a.trans_{name[0]} = {trans};"]
+    out_strides = _batch_strides(dest.layout.strides, len(dest.shape))
+    ldo = dest.layout.strides[-2] if _may_exceed_one(m) else dv
+    fields += [f"a.out = {kernel.use(dest.buf, write=True)} + {dest.layout.offset};", f"a.ldo = {ldo};",
+               f"a.out_strides[0] = {out_strides[0]};", f"a.out_strides[1] = {out_strides[1]};",
+               f"a.step_count = {len(attention.steps)};"]
+    for k, (step, mask) in enumerate(zip(attention.steps, masks)):
+        fields += [f"a.steps[{k}].kind = {SCORE_STEP_KINDS[step.kind]};",
+                   f"a.steps[{k}].value = {literal(step.value, 'float32')};"]
+        if mask is not None:
+            strides = [0] * (4 - len(mask.shape)) + list(mask.layout.strides)
+            fields.append(f"a.steps[{k}].mask = {kernel.use(mask.buf)} + {mask.layout.offset};")
+            fields += [f"a.steps[{k}].strides[{j}] = {st};" for j, st in enumerate(strides)]
+    if attention.zero_rows_max is not None:
+        fields += ["a.zero_rows = 1;", f"a.zero_rows_max = {literal(attention.zero_rows_max, 'float32')};"]
+    em.kernels.end_call(kernel, ["{", *indent([DECLS, "BladeAttention a = {};", *fields, "rt->attention(&a);"]), "}"])
+
+
+def _mask_operand(em, node: Node) -> Strided:
+    """A score step's mask where it lies in memory (a stored value or views of one, broadcast dims
+    stride 0), or a dense copy when no stride pattern reaches it."""
+    s = em.memory.strided_of(node)
+    return s if s is not None else _dense_operand(em, node)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .buffers import Buffer, Memory, Strided, plan_arena
 from .ir import UnsupportedOnnxOp
-from .calls import emit_conv, emit_matmul
+from .calls import emit_attention, emit_conv, emit_matmul
 from .expressions import Values
 from .lines import Names
 from .loops import Kernels, emit_concat, emit_elementwise, emit_pad, emit_reduce, emit_scan
@@ -78,7 +78,8 @@ class Emitter:
                 continue
             epilogue = plan.epilogues.get(node)
             stored = epilogue.target if epilogue is not None else node   # what the kernel writes
-            MATERIALIZE[node.op](self, node, memory.destination(stored, plan.orders.get(stored)))
+            emit = emit_attention if node in plan.attentions else MATERIALIZE[node.op]
+            emit(self, node, memory.destination(stored, plan.orders.get(stored)))
         for k, (_, node) in enumerate(plan.graph.outputs):
             # (an output reshaping a node written into it: make_plan)
             buf = memory.buffers.get(node) or memory.buffers.get(reshaped_source(node))

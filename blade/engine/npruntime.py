@@ -30,9 +30,31 @@ class BladeActivation(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("lo", ctypes.c_float), ("hi", ctypes.c_float)]
 
 
+class BladeScoreStep(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("value", ctypes.c_float), ("mask", ctypes.c_void_p),
+                ("strides", ctypes.c_int64 * 4)]
+
+
+class BladeAttention(ctypes.Structure):
+    _fields_ = ([(d, ctypes.c_int64) for d in ("outer", "inner", "m", "n", "d", "dv")]
+                + [("q", ctypes.c_void_p), ("ldq", ctypes.c_int64), ("q_strides", ctypes.c_int64 * 2),
+                   ("trans_q", ctypes.c_int32),
+                   ("kt", ctypes.c_void_p), ("ldk", ctypes.c_int64), ("k_strides", ctypes.c_int64 * 2),
+                   ("trans_k", ctypes.c_int32),
+                   ("v", ctypes.c_void_p), ("ldv", ctypes.c_int64), ("v_strides", ctypes.c_int64 * 2),
+                   ("trans_v", ctypes.c_int32),
+                   ("out", ctypes.c_void_p), ("ldo", ctypes.c_int64), ("out_strides", ctypes.c_int64 * 2),
+                   ("step_count", ctypes.c_int32), ("steps", BladeScoreStep * 4),
+                   ("zero_rows", ctypes.c_int32), ("zero_rows_max", ctypes.c_float)])
+
+
+ATTENTION_FN = ctypes.CFUNCTYPE(None, ctypes.POINTER(BladeAttention))
+SCORE_MUL, SCORE_DIV, SCORE_KEEP, SCORE_ADD = 1, 2, 3, 4     # blade_abi.h BLADE_SCORE_*
+
+
 class BladeRuntime(ctypes.Structure):
     _fields_ = [("abi_version", ctypes.c_int32), ("sgemm", SGEMM_FN), ("parallel_for", PARALLEL_FOR_FN),
-                ("conv", CONV_FN)]
+                ("conv", CONV_FN), ("attention", ATTENTION_FN)]
 
 
 ERROR_NAMES = {1: "BLADE_ERR_INDEX_OUT_OF_RANGE", 2: "BLADE_ERR_DIVISION_BY_ZERO"}   # blade_abi.h
@@ -67,6 +89,46 @@ def _sgemm(batch, m, n, k, alpha, a, lda, sa, ta, b, ldb, sb, tb, beta, c, ldc, 
     if beta != 0.0:
         result += beta * out
     out[...] = result.astype(np.float32)
+
+
+def _heads(ptr, ld, strides, trans, outer, inner, rows, cols, ctype=ctypes.c_float):
+    """[outer, inner, rows, cols] view of an attention operand (sgemm's ld/trans per (o, i))."""
+    item = ctypes.sizeof(ctype)
+    steps = (strides[0], strides[1], *((1, ld) if trans else (ld, 1)))
+    sizes = (outer, inner, rows, cols)
+    extent = 1 + sum((n - 1) * st for n, st in zip(sizes, steps))
+    flat = np.ctypeslib.as_array((ctype * extent).from_address(ptr))
+    return np.lib.stride_tricks.as_strided(flat, sizes, tuple(st * item for st in steps))
+
+
+def _attention(pointer):
+    """BladeRuntime::attention in float32 numpy, step by step as blade_abi.h states it."""
+    a = pointer.contents
+    shape = (a.outer, a.inner)
+    q = _heads(a.q, a.ldq, a.q_strides, a.trans_q, *shape, a.m, a.d).astype(np.float64)
+    kt = _heads(a.kt, a.ldk, a.k_strides, a.trans_k, *shape, a.d, a.n).astype(np.float64)
+    v = _heads(a.v, a.ldv, a.v_strides, a.trans_v, *shape, a.n, a.dv).astype(np.float64)
+    x = (q @ kt).astype(np.float32)
+    with np.errstate(all="ignore"):
+        for step in a.steps[:a.step_count]:
+            value = np.float32(step.value)
+            if step.kind in (SCORE_KEEP, SCORE_ADD):
+                ctype = ctypes.c_uint8 if step.kind == SCORE_KEEP else ctypes.c_float
+                item = ctypes.sizeof(ctype)
+                extent = 1 + sum((n - 1) * st for n, st in zip(x.shape, step.strides))
+                flat = np.ctypeslib.as_array((ctype * extent).from_address(step.mask))
+                mask = np.lib.stride_tricks.as_strided(flat, x.shape, tuple(st * item for st in step.strides))
+                x = np.where(mask != 0, x, value) if step.kind == SCORE_KEEP else x + mask
+            else:
+                x = x * value if step.kind == SCORE_MUL else x / value
+        top = x.max(axis=-1, keepdims=True)
+        e = np.exp(x - top)
+        p = e * (np.float32(1) / e.sum(axis=-1, keepdims=True))
+        if a.zero_rows:
+            p = np.where(top == np.float32(a.zero_rows_max), np.float32(0), p)
+        out = p.astype(np.float64) @ v
+    dest = _heads(a.out, a.ldo, a.out_strides, 0, *shape, a.m, a.dv)
+    dest[...] = out.astype(np.float32)
 
 
 def _array(ptr, shape, ctype=ctypes.c_float):
@@ -145,7 +207,7 @@ class NumpyEngine:
         if len(self.constants) != len(manifest.constants):
             raise ValueError(f"engine needs {len(manifest.constants)} constants, got {len(self.constants)}")
         self.runtime = BladeRuntime(manifest.abi_version, SGEMM_FN(_sgemm), PARALLEL_FOR_FN(_parallel_for),
-                                    CONV_FN(_conv))
+                                    CONV_FN(_conv), ATTENTION_FN(_attention))
 
     @staticmethod
     def _pointers(arrays):

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from . import views
+from .attention import find_attentions
 from .buffers import CHANNELS_LAST, channels_last_order, same_strides, strides_in_order
 from .ir import Graph, Node
 from .optable import ARG_REDUCE, EXPENSIVE_OPS
@@ -76,11 +77,16 @@ class Plan:
     orders: dict                       # stored node -> its dims' nesting when not row-major
     epilogues: dict = field(default_factory=dict)   # conv node -> Epilogue
     window_form: set = field(default_factory=set)   # reductions emitted in window form
+    attentions: dict = field(default_factory=dict)  # P.V matmul -> attention.Attention (one runtime call)
 
     @property
     def fused(self) -> set:
         """Nodes a convolution's epilogue computes (no kernel of their own)."""
         return {e.target for e in self.epilogues.values()}
+
+    def attention_of(self, node: Node):
+        """The P.V matmul whose fused attention call computes node, else None."""
+        return next((pv for pv, a in self.attentions.items() if node in a.interior), None)
 
     def describe(self) -> str:
         """The plan as text, one line per live node: `name = op(args) shape dtype: decision`."""
@@ -102,6 +108,11 @@ class Plan:
     def _decision(self, node: Node, targets: dict) -> str:
         if node.op in ("input", "const"):
             return "graph input" if node.op == "input" else "constant"
+        fused_into = self.attention_of(node)
+        if fused_into is not None:
+            return f"computed by the fused attention call of {fused_into.name}"
+        if node in self.attentions:
+            return f"stored ({self.attentions[node].describe()})"
         if node not in self.materialized:
             return "inline (computed where it is read)" if node.op != "view" else "view (index arithmetic only)"
         parts = [f"stored ({self.materialized[node]})"]
@@ -166,6 +177,12 @@ def make_plan(graph: Graph) -> Plan:
             outputs[source] = k
     result = Plan(graph, live, users, materialized, outputs, orders={},
                   window_form={n for n in live if n.op == "reduce" and window_form(n)})
+    # Fused attention: the call computes the scores, their softmax and the probabilities itself,
+    # so none of them is stored (and no kernel computes them).
+    result.attentions = find_attentions(live, users, {node for _, node in graph.outputs})
+    for attention in result.attentions.values():
+        for node in attention.interior:
+            materialized.pop(node, None)
     channels_last = _channels_last(result)
     for node in live:
         if node in materialized and node not in outputs:

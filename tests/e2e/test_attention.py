@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blade_testing import compile_and_check
+from blade_testing import Capture, compile_and_check
 
 
 class FusedQKV(torch.nn.Module):
@@ -120,3 +120,44 @@ def test_grouped_query_attention(batch):
 def test_heads_viewed_from_a_non_contiguous_input():
     torch.manual_seed(0)
     compile_and_check(HeadsOfInput().eval(), (torch.randn(9, 2, 72),), min_cluster_size=1)
+
+
+def _engine_sources(dump_dir) -> str:
+    return "\n".join(p.read_text() for p in sorted(dump_dir.rglob("engine.cpp")))
+
+
+# Sequence lengths past one block of query rows per head (the runtime takes 16384 / seq rows at a
+# time, in register blocks of 6): 700 keys give blocks of 18 rows, the last one 16 (6 + 6 + 4), and
+# a last 16-key panel 12 wide; head dim 12 is no multiple of the 8-float transpose.
+@pytest.mark.parametrize("mask", ["padded", "causal", "none"])
+@pytest.mark.parametrize("length", [9, 700])
+def test_attention_is_one_fused_call(tmp_path, mask, length):
+    """Q.K^T, the scale, the mask, the softmax and P.V become one rt->attention call (no score
+    matrix through memory) whose result matches eager: a padded bool mask (with a query row that
+    keeps no key: its output is 0), a causal mask and none."""
+    torch.manual_seed(0)
+    model = FusedQKV(36, 3, mask="causal" if mask == "causal" else "none").eval()
+    inputs = (torch.randn(2, length, 36),)
+    if mask == "padded":
+        keep = padding_mask(2, length, additive=False).expand(2, 1, length, length).clone()
+        keep[0, 0, 3] = False
+        inputs += (keep,)
+    compile_and_check(model, inputs, min_cluster_size=1, dump_dir=str(tmp_path))
+    source = _engine_sources(tmp_path)
+    assert source.count("rt->attention(") == 1, "one fused attention call"
+    assert source.count("rt->sgemm(") == 2, "only the two projections stay GEMMs"
+
+
+def test_fused_attention_at_run_time_sequence_lengths(tmp_path):
+    """One dynamic compile: the fused call takes the sequence length (rows and keys) at run time."""
+    torch.manual_seed(0)
+    model = FusedQKV(32, 2, explicit=True).eval()
+    capture = Capture(dump_dir=str(tmp_path))
+    compiled = torch.compile(model, backend=capture, dynamic=True)
+    with torch.no_grad():
+        for batch, length in [(2, 8), (1, 40), (3, 131)]:
+            x = torch.randn(batch, length, 32)
+            mask = padding_mask(batch, length, additive=True).clamp(min=torch.finfo(torch.float32).min)
+            torch.testing.assert_close(compiled(x, mask), model(x, mask), rtol=1e-4, atol=1e-5)
+    assert len(capture.compiled) <= 2, "one dynamic graph serves the lengths (after the first static one)"
+    assert "rt->attention(" in _engine_sources(tmp_path)

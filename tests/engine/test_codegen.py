@@ -90,18 +90,19 @@ def test_attention_heads_are_copied_dense_with_the_bias_add_and_the_row_max_is_s
     assert text.count("reduce max") == 1, "softmax and the fully-masked-row check share one row max"
     program = source_of(case)
     assert sum(k.count("contiguous copy") for k in kernels(program)) == 3
-    calls = [[a.strip() for a in call.split(",")] for call in re.findall(r"rt->sgemm\((.*)\);", program.source)]
-    scores = calls[1]   # after the projection: q @ k^T, both read dense (k^T as k with trans_b)
-    assert (scores[0], scores[6], scores[10], scores[12]) == ("2", "4", "4", "1")   # batch, lda, ldb, trans_b
+    assert program.source.count("rt->sgemm(") == 1, "only the projection: the attention is one fused call"
+    fields = dict(re.findall(r"a\.(\w+(?:\[\d\])?(?:\.\w+)?) = ([^;]+);", program.source))
+    # q @ k^T with both read dense (k^T as k with trans_k), 2 heads
+    assert (fields["inner"], fields["ldq"], fields["ldk"], fields["trans_k"]) == ("2", "4", "4", "1")
 
 
 def test_unbiased_attention_heads_are_copied_in_the_kernels_around_them():
     (case,) = [c for c in CASES if c.name == "attention-heads-of-an-unbiased-projection"]
     listed = kernels(source_of(case))
     copies = [k for k in listed if "contiguous copy" in k]
-    # q and k in one kernel, v's copy in the softmax's row loop: 5 kernels with the 3 GEMMs
-    assert len(copies) == 2 and copies[0].count("contiguous copy") == 2, listed
-    assert "reduce max" in copies[1] and len(listed) == 5, listed
+    # q, k and v copied in one kernel; then the fused attention (no softmax row loop of its own)
+    assert len(copies) == 1 and copies[0].count("contiguous copy") == 3, listed
+    assert "fused attention" in listed[-1] and len(listed) == 3, listed
 
 
 def test_a_patch_embedding_is_one_gemm_and_other_convolutions_stay_convolutions():

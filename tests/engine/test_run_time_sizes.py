@@ -168,8 +168,10 @@ def test_a_run_time_row_stays_on_the_stack_at_its_largest_size(compiled):
 def test_unpacked_head_matrices_are_copied_dense_at_run_time_sizes(compiled):
     source = (compiled["attention-heads"][0].parent / "engine.cpp").read_text()
     assert len(set(re.findall(r"contiguous copy of view:(v\d+)", source))) == 3
-    # the bias add is computed by the copies, not stored first
-    assert "rt->sgemm(2 * size0, size1, size1, 4, 1.0f" in source
+    # the bias add is computed by the copies, not stored first; the fused attention over the heads
+    # takes the sequence length at run time (query rows and keys)
+    assert "rt->attention(&a);" in source
+    assert "a.m = size1;" in source and "a.n = size1;" in source
 
 
 def test_scratch_is_planned_at_the_maxima(compiled):
