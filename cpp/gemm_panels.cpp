@@ -730,7 +730,7 @@ void attention_avx2(const BladeAttention& a) {
   const int64_t heads = a.outer * a.inner, n_padded = (a.n + kAvx2Half - 1) / kAvx2Half * kAvx2Half;
   const int64_t dv_padded = (a.dv + kAvx2Half - 1) / kAvx2Half * kAvx2Half;
   const int64_t task_fmas = std::max<int64_t>(1, rows * a.n * (a.d + a.dv));
-  at::parallel_for(0, heads * blocks, std::max<int64_t>(1, (1 << 16) / task_fmas), [&](int64_t begin, int64_t end) {
+  timed_parallel_for(0, heads * blocks, std::max<int64_t>(1, (1 << 16) / task_fmas), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> k_buffer, v_buffer, score_buffer;
     float* k_packed = aligned_buffer(k_buffer, a.d * n_padded);
     float* v_packed = aligned_buffer(v_buffer, a.n * dv_padded);

@@ -319,7 +319,10 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   }
 }
 
-void attention(const BladeAttention* a) { blade::attention(*a, current_weights); }
+void attention(const BladeAttention* a) {
+  const SerialScope serial_while_oversubscribed;  // as sgemm's
+  blade::attention(*a, current_weights);
+}
 
 const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv, &attention};
 
