@@ -7,10 +7,11 @@ times it): the first call, calls 2-4, the steady call (best of the last 10 of 30
 1.2-1.4x from call to call under load (likely its weights evicted from the shared L3; not profiled).
 
 What the first call does that a steady one does not, per point:
-- `faults`: page faults (ru_minflt) of the first call. An engine with run-time sizes plans its scratch
-  arena at the size symbols' maxima, so a call at a larger shape than any before touches arena pages
-  no call touched: 3.3 us of system time each on the 2026-11 AMD EPYC VM (GPT-2 4L/256: 292 at 1x128,
-  684 at 1x256, 2288 at 1x512, 37305 at 16x512). Steady calls fault 0.
+- `faults`: page faults (ru_minflt) of the first call, 3.3 us of system time each on the 2026-11 AMD
+  EPYC VM. An engine with run-time sizes plans its scratch arena at the size symbols' maxima, so a call
+  at a larger shape than any before touched arena pages no call had touched (GPT-2 4L/256: 291 at 1x128,
+  684 at 1x256, 2288 at 1x512, 27386 at 16x512) until the runtime made the arena resident at load
+  (cpp/scratch_pool.h); what is left is the rest of the call's memory. Steady calls fault 0.
 - `gemm`: GEMMs per kernel (mkl/panels/onednn) in the first call and in a steady one. A new GEMM
   bucket (cpp/gemm_choice.cpp) is sampled by its calls 2-12 (its first call runs the neighbouring
   bucket's choice); where the first call's mix differs from the steady one's, sampling ran in it."""

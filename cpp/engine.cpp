@@ -1,7 +1,6 @@
 #include "engine.h"
 
 #include <ATen/EmptyTensor.h>
-#include <c10/core/CPUAllocator.h>
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
@@ -12,64 +11,10 @@
 #include "isa.h"
 #include "oversubscription.h"
 #include "runtime.h"
+#include "scratch_pool.h"
 
 namespace blade {
 namespace {
-
-constexpr uintptr_t kScratchAlignment = 64;  // promised to engines by blade_abi.h
-
-// Scratch memory for one engine call. Each thread keeps its largest scratch block and lends it to
-// the engine calls it makes, so a call costs no allocation and, above all, no page faults: a large
-// block comes from mmap, and fresh pages fault on first touch on every call. A block is lent to
-// one call at a time; a nested call on the same thread (e.g. an engine run from a fallback
-// subgraph) gets a block of its own.
-class ScratchLease {
- public:
-  explicit ScratchLease(size_t bytes) {
-    if (bytes == 0) return;
-    Cache& cache = thread_cache();
-    if (cache.lent) {
-      owned_ = allocate(bytes);
-      data_ = owned_.get();
-      return;
-    }
-    if (cache.bytes < bytes) {
-      cache.block = c10::DataPtr();  // free the old block before taking the larger one
-      cache.block = allocate(bytes);
-      cache.bytes = bytes;
-    }
-    cache.lent = true;
-    lent_ = true;
-    data_ = cache.block.get();
-  }
-  ~ScratchLease() {
-    if (lent_) thread_cache().lent = false;
-  }
-  ScratchLease(const ScratchLease&) = delete;
-  ScratchLease& operator=(const ScratchLease&) = delete;
-  void* data() const { return data_; }
-
- private:
-  struct Cache {
-    c10::DataPtr block;
-    size_t bytes = 0;
-    bool lent = false;
-  };
-  static Cache& thread_cache() {
-    thread_local Cache cache;
-    return cache;
-  }
-  static c10::DataPtr allocate(size_t bytes) {
-    c10::DataPtr block = c10::GetCPUAllocator()->allocate(bytes);
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(block.get()) % kScratchAlignment == 0,
-                "the CPU allocator returned scratch memory that is not 64-byte aligned");
-    return block;
-  }
-
-  void* data_ = nullptr;
-  bool lent_ = false;
-  c10::DataPtr owned_;
-};
 
 using AbiVersionFn = decltype(&blade_engine_abi_version);
 
@@ -145,6 +90,8 @@ Engine::Engine(EngineDefinition definition) : def_(std::move(definition)) {
     TORCH_WARN(load_error_, "; fallback mode '", def_.fallback_mode,
                "' runs the cluster's TorchScript subgraph instead");
   }
+  // Its scratch is made resident now, not page by page in the calls (scratch_pool.h).
+  if (run_) scratch_ = std::make_unique<ScratchReservation>(static_cast<size_t>(def_.scratch_bytes));
 }
 
 void Engine::set_fallback_mode(const std::string& name) {

@@ -17,6 +17,7 @@
 #include "blade_abi.h"
 #include "engine_fallback.h"
 #include "runtime.h"
+#include "scratch_pool.h"
 #include "shared_library.h"
 #include "tensor_spec.h"
 
@@ -115,6 +116,7 @@ class Engine : public torch::CustomClassHolder {
   mutable std::atomic<int64_t> call_ns_{0};  // time in run_engine, counted only when profiling
   std::vector<const void*> constant_data_;  // data pointers of def_.constants, fixed at load
   mutable PackedWeights packed_weights_;     // constants the runtime re-laid out (made on first use)
+  std::unique_ptr<ScratchReservation> scratch_;  // keeps a populated scratch block ready while it lives
 
   std::unique_ptr<FallbackSubgraph> fallback_;
   std::atomic<FallbackMode> mode_{FallbackMode::kOff};

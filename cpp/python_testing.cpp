@@ -11,6 +11,7 @@
 #include "gemm.h"
 #include "oversubscription.h"
 #include "runtime.h"
+#include "scratch_pool.h"
 
 namespace blade {
 namespace {
@@ -144,6 +145,11 @@ void bind_testing(pybind11::module_& m) {
   m.def("noted_region_count", &noted_region_count,
         "How many parallel regions reported their times to the oversubscription check in this process.");
   m.def("serial_now", &serial_now, "Whether engine calls run serially now (oversubscription.h).");
+  m.def("scratch_pool", [] {
+        const testing::ScratchPoolState s = testing::scratch_pool_state();
+        return std::make_pair(s.free_blocks, s.free_bytes);
+      },
+      "(blocks, bytes) of the engines' scratch pool that no call holds now (scratch_pool.h).");
 }
 
 }  // namespace blade
