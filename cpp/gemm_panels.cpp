@@ -31,6 +31,16 @@
 namespace blade {
 namespace {
 
+// Calls run(std::integral_constant<int, R>{}) with R = min(rows, kMax) (rows >= 1): a register
+// block's row count as a compile-time constant, for the block kernels' full unrolls.
+template <int kMax, typename F>
+void with_row_count(int64_t rows, const F& run) {
+  if constexpr (kMax > 1) {
+    if (rows < kMax) return with_row_count<kMax - 1>(rows, run);
+  }
+  run(std::integral_constant<int, kMax>{});
+}
+
 constexpr int64_t kPanel = 32;   // columns per packed panel: two 16-float registers per row
 constexpr int kBlockRows = 8;    // rows per register block: 16 sums + 2 B vectors + 1 broadcast of 32
 constexpr int64_t kPackTag = -3;  // PackedWeights key slot 1 (MKL: trans_b, oneDNN: -2, Winograd: -1)
@@ -95,16 +105,7 @@ BLADE_AVX512 void panel_rows(const GemmArgs& g, const float* a_base, float* c_ba
       block<decltype(rows)::value, kInPlace>(g.k, a, row_step, k_step, panel, panel_step, alpha, g.beta, c, g.ldc,
                                              width);
     };
-    switch (std::min<int64_t>(kBlockRows, end - r0)) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 3: run(std::integral_constant<int, 3>{}); break;
-      case 4: run(std::integral_constant<int, 4>{}); break;
-      case 5: run(std::integral_constant<int, 5>{}); break;
-      case 6: run(std::integral_constant<int, 6>{}); break;
-      case 7: run(std::integral_constant<int, 7>{}); break;
-      default: run(std::integral_constant<int, 8>{}); break;
-    }
+    with_row_count<kBlockRows>(end - r0, run);
   }
 }
 
@@ -169,14 +170,7 @@ BLADE_AVX2 void panel_rows_avx2(const GemmArgs& g, const float* panel, int64_t c
     const auto run = [&](auto rows) {
       block_avx2<decltype(rows)::value>(g.k, a, row_step, k_step, panel, g.beta, c, g.ldc, width);
     };
-    switch (std::min<int64_t>(kAvx2BlockRows, end - r0)) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 3: run(std::integral_constant<int, 3>{}); break;
-      case 4: run(std::integral_constant<int, 4>{}); break;
-      case 5: run(std::integral_constant<int, 5>{}); break;
-      default: run(std::integral_constant<int, 6>{}); break;
-    }
+    with_row_count<kAvx2BlockRows>(end - r0, run);
   }
 }
 
@@ -411,14 +405,7 @@ BLADE_AVX2 void rows_of_all_panels_avx2(const GemmArgs& g, const float* a_base, 
                                           c + p * kAvx2Half, g.ldc, width);
       }
     };
-    switch (std::min<int64_t>(kAvx2BlockRows, end - r0)) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 3: run(std::integral_constant<int, 3>{}); break;
-      case 4: run(std::integral_constant<int, 4>{}); break;
-      case 5: run(std::integral_constant<int, 5>{}); break;
-      default: run(std::integral_constant<int, 6>{}); break;
-    }
+    with_row_count<kAvx2BlockRows>(end - r0, run);
   }
 }
 
@@ -692,14 +679,7 @@ BLADE_AVX2 void block_rows_avx2(int64_t k, const float* a, int64_t row_step, int
     const auto run = [&](auto count) {
       rows_times_panels_avx2<decltype(count)::value>(k, a_rows, row_step, k_step, packed, panels, n, c_rows, ldc);
     };
-    switch (std::min<int64_t>(kAvx2BlockRows, rows - r0)) {
-      case 1: run(std::integral_constant<int, 1>{}); break;
-      case 2: run(std::integral_constant<int, 2>{}); break;
-      case 3: run(std::integral_constant<int, 3>{}); break;
-      case 4: run(std::integral_constant<int, 4>{}); break;
-      case 5: run(std::integral_constant<int, 5>{}); break;
-      default: run(std::integral_constant<int, 6>{}); break;
-    }
+    with_row_count<kAvx2BlockRows>(rows - r0, run);
   }
 }
 
