@@ -5,7 +5,7 @@ on the models of bench/models.py, in one process, interleaved rounds, medians an
     python bench/run.py --models BERT --no-write
     python bench/run.py --quick              # 3 rounds instead of 7
 
-The machine is shared and noisy: rounds run every backend back to back (in a rotating order), each
+The machine is shared and noisy: rounds run every backend back to back (in an order shuffled per round), each
 measurement is preceded by a few warm-up calls of that backend and by a pause (ONNX Runtime's and
 ATen's worker threads keep spinning for a while after a run and would slow whichever backend is
 timed next) that is stretched while other processes hold cores (read from /proc/stat). Each
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -113,12 +114,17 @@ def prepare_all(model, inputs, expected, row) -> dict:
 
 def measure(runners, inputs, rounds, calls, loads: list, threads: dict) -> tuple[dict, dict]:
     """Per backend, one median per round and the other processes' CPU use (cores) while it ran;
-    the order rotates so no backend always goes first. Appends the load average to `loads`;
-    `threads` gets, per blade column, its stalls and the rounds that (partly) ran in serial mode."""
+    each round runs the backends in its own shuffled order (seeded, so runs repeat), so that no
+    backend always runs first or always right after the same neighbour: whatever one backend
+    leaves behind (spinning threads, evicted caches, a serial window after stalls) falls on a
+    different one each round, and the best round of each is less likely to carry it. Appends the
+    load average to `loads`; `threads` gets, per blade column, its stalls and the rounds that
+    (partly) ran in serial mode."""
     per_round, foreign = {b: [] for b in runners}, {b: [] for b in runners}
-    order = list(runners)
     for r in range(rounds):
-        for backend in order[r % len(order):] + order[:r % len(order)]:
+        order = list(runners)
+        random.Random(r).shuffle(order)
+        for backend in order:
             fn = runners[backend]
             wait_for_quiet()
             for _ in range(WARMUP_CALLS):
@@ -203,8 +209,7 @@ def tt_infer_notes(row) -> str:
         notes.append(f"{row['stalls']} thread stalls")
     for backend, counts in row.get("threads", {}).items():
         # Stalls seen during one blade column's rounds start serial windows (200 ms to 10 s) that
-        # the next column's rounds inherit (tt_infer AOT runs right after tt_infer, which runs right
-        # after ONNX Runtime): a column below its twin is read with these counts first.
+        # the backend timed next may inherit: a column below its twin is read with these counts first.
         serial = sum(counts["serial"])
         if counts["stalls"] or serial:
             notes.append(f"{backend}: {counts['stalls']} stalls, serial in {serial}/{len(counts['serial'])} rounds"
@@ -280,7 +285,7 @@ def markdown(rows, rounds) -> str:
         "# blade benchmark results", "",
         f"Machine: {machine()}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32. "
-        f"{rounds} interleaved rounds; per backend per round {WARMUP_CALLS} warm-up calls, then "
+        f"{rounds} interleaved rounds (the backends in a different shuffled order each round); per backend per round {WARMUP_CALLS} warm-up calls, then "
         f"{MIN_CALLS}-{MAX_CALLS} timed calls (about {1e3 * MEASURE_S:.0f} ms), then a "
         f"{1e3 * PAUSE_S:.0f} ms pause, stretched up to {MAX_WAIT_S:.0f} s while other processes use "
         f"over {QUIET_CORES} cores; per round the median call; per backend the best clean round (other "
