@@ -207,7 +207,8 @@ unsigned allowed_kernels() {
 // kernel untimed. That also spares tiny GEMMs a timing whose outcome would be noise, and keeps their
 // rounding the same in every process. The kernel is the panels one where B is a constant it can
 // run, else MKL: on GPT-2/BERT's weights ([256|1024, 256|768]) at 1-8 rows the panels kernel took
-// 0.6-1.0x MKL's time at 1 thread and 0.4-1.0x at 2 (CPU time, packed and unpacked MKL alike), and
+// 0.4-1.0x MKL's time (packed or unpacked; 1 thread CPU time, 2 threads wall), except 1 row of
+// [256, 256] at 2 threads (up to 1.15x, about 0.5 us), and
 // in an engine with run-time sizes its pack exists from load, while MKL's first call on a weight
 // packed it once more (5.5-6.8 MiB allocated per weight, whatever its size: a served GPT-2 4L/256's
 // first seq-1 call grew the heap by 85 MiB).
