@@ -20,7 +20,7 @@ shape over its steady call (the steady calls come after up to 30 warm-up calls a
 settle blade's per-bucket GEMM choices), made in a server's order: right after a call at the
 previous grid point (the example shape before the first point), before any other backend runs at the
 point, so it pays what the new shape costs (GEMM buckets sampled) in the cache state the previous
-request left; the median over the point's shape and NEW_SHAPES - 1 new shapes next to it. "first/known"
+request left; the median over the point's shape and NEW_SHAPES - 1 new shapes around it. "first/known"
 is that median over a call at the point's shape once known, made after the same call at the previous
 point (median as many): the new shape's own cost, without the cache state's. "after eager/steady" is a settled call made right after eager's call
 at the point (median of 3): the cost of the caches another process or model evicts, not of the shape
@@ -177,21 +177,24 @@ RANDOM_SHAPES = 30   # shapes in range, after the grid, in the served process's 
 
 # A first call is one sample per shape, and one call's time swings by 1.2-2x with what ran before it
 # (caches, a GEMM bucket's sampling calls). So each point times the first calls at NEW_SHAPES shapes
-# the dynamic module never met ((batch, seq - j) for j < NEW_SHAPES, the point's own first), each
-# right after a call at the previous point, and as many control calls at the point's shape (known by
-# then) after the same call at the previous point; "first/steady" is the firsts' median over the
-# steady call, "first/known" the firsts' median over the controls' median: what a new shape costs
-# beyond a known one in the same cache state.
+# the dynamic module never met (the point's own first, then seq - 1, seq + 1, seq - 2, seq + 2 within
+# the declared range: their median does the point's work), each right after a call at the previous
+# point, and as many control calls at the point's shape (known by then) after the same call at the
+# previous point; "first/steady" is the firsts' median over the steady call, "first/known" the
+# firsts' median over the controls' median: what a new shape costs beyond a known one in the same
+# cache state.
 NEW_SHAPES = 5
 
 
-def first_calls(fn, previous, inputs, vocab) -> tuple[list, list]:
-    """(first calls at new shapes near the point, control calls at the point's known shape), seconds."""
+def first_calls(fn, previous, inputs, vocab, max_seq) -> tuple[list, list]:
+    """(first calls at new shapes around the point, control calls at the point's known shape), seconds."""
     batch, seq = inputs[0].shape
+    around = [seq + sign * j for j in range(1, NEW_SHAPES + 1) for sign in (-1, 1)]
+    seqs = [seq] + [s for s in around if 2 <= s <= max_seq][:NEW_SHAPES - 1]
     firsts, known = [], []
-    for j in range(NEW_SHAPES):
+    for s in seqs:
         fn(*previous)
-        firsts.append(timed(fn, inputs if j == 0 else grid_inputs(vocab, batch, max(2, seq - j))))
+        firsts.append(timed(fn, inputs if s == seq else grid_inputs(vocab, batch, s)))
         fn(*previous)
         known.append(timed(fn, inputs))
     return firsts, known
@@ -250,7 +253,7 @@ def bench_model(name, build, batches, seqs, rounds) -> dict:
                 point = {"batch": batch, "seq": seq, "ms": {}, "err": {}}
                 if "tt_infer dynamic" in runners:   # first, in a server's order (see the docstring)
                     wait_for_quiet()
-                    firsts, known = first_calls(runners["tt_infer dynamic"], previous, inputs, vocab)
+                    firsts, known = first_calls(runners["tt_infer dynamic"], previous, inputs, vocab, max(seqs))
                     point["first_s"], point["first_known_s"] = statistics.median(firsts), statistics.median(known)
                     point["first_all_s"] = firsts
                 previous = inputs
