@@ -3,7 +3,6 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -116,7 +115,9 @@ class Pool final : public c10::Allocator {
 OutputReservation::OutputReservation(std::vector<size_t> output_bytes) {
   // Two blocks per output: a caller's loop `y = m(x)` holds the previous call's output while the
   // next call runs (with one block, every other call made a fresh block and faulted it in).
-  for (size_t b : output_bytes) bytes_.insert(bytes_.end(), 2, std::min(b, kPopulateLimit));
+  for (size_t b : output_bytes) {
+    if (b <= kOutputReserveLimit) bytes_.insert(bytes_.end(), 2, b);
+  }
   Pool::get().reserve(bytes_);
 }
 

@@ -23,8 +23,14 @@
 
 namespace blade {
 
+// Outputs larger than this at their largest get no reserved blocks: a size left unbounded is capped
+// only by Config.dynamic_memory_budget (1 GiB of live tensors by default), and two resident blocks of
+// hundreds of MiB from load would cost more than the faults they save. Their blocks are made per call
+// and freed when the tensor dies (the pool keeps only reserved bytes), as malloc would.
+constexpr size_t kOutputReserveLimit = size_t{64} << 20;
+
 // An engine's claim on the output pool while it lives: two resident blocks per output at its
-// largest (each at most kPopulateLimit bytes made resident and counted).
+// largest (outputs up to kOutputReserveLimit).
 class OutputReservation {
  public:
   explicit OutputReservation(std::vector<size_t> output_bytes);

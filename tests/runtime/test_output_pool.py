@@ -87,3 +87,18 @@ def test_a_destroyed_engines_blocks_go_with_it(engine_dir):
     del engine
     gc.collect()
     assert free_bytes() == before
+
+
+def test_outputs_too_large_to_hold_from_load_reserve_nothing(engine_dir):
+    """An output over kOutputReserveLimit (64 MiB) at its largest (a size capped only by the memory
+    budget) gets no resident blocks at load; its calls' blocks are freed when the tensors die."""
+    huge_rows = SizeSymbol("rows", 1, 1 << 23)  # 128 MiB at the largest
+    so = compile_engine("add_rows", engine_dir).read_bytes()
+    before = free_bytes()
+    engine = make_engine("cluster_huge_rows", so, INPUTS, OUTPUTS, symbols=[huge_rows])
+    assert free_bytes() == before
+    x, y = torch.randn(1000, 4), torch.randn(1000, 4)
+    (out,) = engine.execute([x, y])
+    torch.testing.assert_close(out, x + y)
+    del out
+    assert free_bytes() == before
