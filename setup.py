@@ -38,6 +38,7 @@ RUNTIME_SOURCES = [
     "cpp/isa.cpp",
     "cpp/oversubscription.cpp",
     "cpp/runtime.cpp",
+    "cpp/output_pool.cpp",
     "cpp/scratch_pool.cpp",
     "cpp/winograd.cpp",
     "cpp/shared_library.cpp",

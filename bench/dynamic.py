@@ -17,10 +17,12 @@ Every backend is checked against eager at every point (rel err = max |diff| / ma
 point, the backends are timed in interleaved rounds (median call per round, best round), with
 bench/run.py's pause between backends. "first/steady" is tt_infer dynamic's first call at a new
 shape over its steady call (the steady calls come after up to 30 warm-up calls at the point, which
-settle blade's per-bucket GEMM choices), made in a server's order: right after a settled call at the
+settle blade's per-bucket GEMM choices), made in a server's order: right after a call at the
 previous grid point (the example shape before the first point), before any other backend runs at the
-point, so it pays what the new shape costs (GEMM buckets sampled, scratch pages touched) in the cache
-state the previous request left. "after eager/steady" is a settled call made right after eager's call
+point, so it pays what the new shape costs (GEMM buckets sampled) in the cache state the previous
+request left; the median over the point's shape and NEW_SHAPES - 1 new shapes around it. "first/known"
+is that median over a call at the point's shape once known, made after the same call at the previous
+point (median as many): the new shape's own cost, without the cache state's. "after eager/steady" is a settled call made right after eager's call
 at the point (median of 3): the cost of the caches another process or model evicts, not of the shape
 (at 1x16 a static engine's is 2x too). "g++" counts the engine compiles (cache misses) each tt_infer column
 needed over the whole grid; the engine cache is a fresh directory unless --warm-cache. Compile times
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -172,6 +175,31 @@ WARM_UP_CALLS, WARM_UP_S = 30, 3.0
 RANDOM_SHAPES = 30   # shapes in range, after the grid, in the served process's RSS check
 
 
+# A first call is one sample per shape, and one call's time swings by 1.2-2x with what ran before it
+# (caches, a GEMM bucket's sampling calls). So each point times the first calls at NEW_SHAPES shapes
+# the dynamic module never met (the point's own first, then seq - 1, seq + 1, seq - 2, seq + 2 within
+# the declared range: their median does the point's work), each right after a call at the previous
+# point, and as many control calls at the point's shape (known by then) after the same call at the
+# previous point; "first/steady" is the firsts' median over the steady call, "first/known" the
+# firsts' median over the controls' median: what a new shape costs beyond a known one in the same
+# cache state.
+NEW_SHAPES = 5
+
+
+def first_calls(fn, previous, inputs, vocab, max_seq) -> tuple[list, list]:
+    """(first calls at new shapes around the point, control calls at the point's known shape), seconds."""
+    batch, seq = inputs[0].shape
+    around = [seq + sign * j for j in range(1, NEW_SHAPES + 1) for sign in (-1, 1)]
+    seqs = [seq] + [s for s in around if 2 <= s <= max_seq][:NEW_SHAPES - 1]
+    firsts, known = [], []
+    for s in seqs:
+        fn(*previous)
+        firsts.append(timed(fn, inputs if s == seq else grid_inputs(vocab, batch, s)))
+        fn(*previous)
+        known.append(timed(fn, inputs))
+    return firsts, known
+
+
 def after_eager(model, fn, inputs) -> float:
     """Seconds of one call of fn right after eager's call at the same inputs (the caches as the
     first call at a point finds them)."""
@@ -225,8 +253,9 @@ def bench_model(name, build, batches, seqs, rounds) -> dict:
                 point = {"batch": batch, "seq": seq, "ms": {}, "err": {}}
                 if "tt_infer dynamic" in runners:   # first, in a server's order (see the docstring)
                     wait_for_quiet()
-                    runners["tt_infer dynamic"](*previous)
-                    point["first_s"] = timed(runners["tt_infer dynamic"], inputs)
+                    firsts, known = first_calls(runners["tt_infer dynamic"], previous, inputs, vocab, max(seqs))
+                    point["first_s"], point["first_known_s"] = statistics.median(firsts), statistics.median(known)
+                    point["first_all_s"] = firsts
                 previous = inputs
                 expected = model(*inputs)
                 point_runners = dict(runners)
@@ -357,8 +386,8 @@ def markdown(results, args) -> str:
         lines.append("Compile time (s, incl. first call): " + ", ".join(
             f"{k} {v:.1f}" for k, v in res["compile_s"].items()) + "; tt_infer static per point: " +
             ", ".join(f"{p['static_compile_s']:.1f}" for p in res["points"] if "static_compile_s" in p))
-        lines += ["", "| batch x seq | " + " | ".join(COLUMNS) + " | dyn/static | first/steady | after eager/steady | max rel err | RSS MiB |",
-                  "|---|" + "---|" * (len(COLUMNS) + 5)]
+        lines += ["", "| batch x seq | " + " | ".join(COLUMNS) + " | dyn/static | first/steady | first/known | after eager/steady | max rel err | RSS MiB |",
+                  "|---|" + "---|" * (len(COLUMNS) + 6)]
         ratios = []
         for p in res["points"]:
             ms = p["ms"]
@@ -366,9 +395,11 @@ def markdown(results, args) -> str:
             if ratio:
                 ratios.append(ratio)
             first = p["first_s"] * 1e3 / ms["tt_infer dynamic"] if "first_s" in p and "tt_infer dynamic" in ms else None
+            first_known = p["first_s"] / p["first_known_s"] if "first_known_s" in p else None
             cold = p["after_eager_s"] * 1e3 / ms["tt_infer dynamic"] if "after_eager_s" in p else None
             cells = [f"{ms[c]:.2f}" if c in ms else "-" for c in COLUMNS]
-            cells += [f"{ratio:.2f}" if ratio else "-", f"{first:.2f}" if first else "-", f"{cold:.2f}" if cold else "-",
+            cells += [f"{ratio:.2f}" if ratio else "-", f"{first:.2f}" if first else "-",
+                      f"{first_known:.2f}" if first_known else "-", f"{cold:.2f}" if cold else "-",
                       f"{max(p['err'].values()):.1e}", f"{p['rss_mib']:.0f}"]
             lines.append(f"| {p['batch']} x {p['seq']} | " + " | ".join(cells) + " |")
         if ratios:

@@ -92,6 +92,23 @@ Engine::Engine(EngineDefinition definition) : def_(std::move(definition)) {
   }
   // Its scratch is made resident now, not page by page in the calls (scratch_pool.h).
   if (run_) scratch_ = std::make_unique<ScratchReservation>(static_cast<size_t>(def_.scratch_bytes));
+  // And so are its outputs at their largest when their sizes vary (output_pool.h).
+  if (run_ && !def_.symbols.empty()) outputs_ = std::make_unique<OutputReservation>(largest_output_bytes());
+}
+
+std::vector<size_t> Engine::largest_output_bytes() const {
+  std::vector<size_t> bytes;
+  for (const TensorSpec& spec : def_.outputs) {
+    size_t total = c10::elementSize(spec.dtype);
+    for (int64_t dim : spec.shape) {
+      const int64_t symbol = symbol_of(dim);
+      const int64_t largest = symbol >= 0 ? def_.symbols[static_cast<size_t>(symbol)].max : dim;
+      // saturates: a block is capped at kPopulateLimit anyway
+      if (largest < 0 || __builtin_mul_overflow(total, static_cast<size_t>(largest), &total)) total = SIZE_MAX;
+    }
+    bytes.push_back(total);
+  }
+  return bytes;
 }
 
 void Engine::set_fallback_mode(const std::string& name) {
@@ -299,8 +316,11 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
       if (symbol_of(dim) >= 0) dim = sizes[static_cast<size_t>(symbol_of(dim))];
     }
     // ATen's CPU empty itself, past the dispatcher (~0.1 us a call); at::empty would also fill it
-    // with NaN under torch.use_deterministic_algorithms, which the engine overwrites entirely
-    outputs.push_back(at::detail::empty_cpu(shape, spec.dtype));
+    // with NaN under torch.use_deterministic_algorithms, which the engine overwrites entirely.
+    // Outputs whose sizes vary come from the output pool (output_pool.h).
+    outputs.push_back(outputs_ ? at::detail::empty_generic(shape, output_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                           spec.dtype, std::nullopt)
+                               : at::detail::empty_cpu(shape, spec.dtype));
     output_data.push_back(outputs.back().mutable_data_ptr());
   }
 

@@ -17,6 +17,7 @@
 #include "blade_abi.h"
 #include "engine_fallback.h"
 #include "runtime.h"
+#include "output_pool.h"
 #include "scratch_pool.h"
 #include "shared_library.h"
 #include "tensor_spec.h"
@@ -90,6 +91,8 @@ class Engine : public torch::CustomClassHolder {
   using DerivedSizesFn = decltype(&blade_engine_derived_sizes);
 
   void load();
+  // Each output's bytes at the size symbols' maxima (SIZE_MAX when that overflows).
+  std::vector<size_t> largest_output_bytes() const;
   // Checks the .so's weight GEMMs against the constants and lets the runtime pack them (pack_weight_gemms).
   void pack_weights(WeightGemmsFn weight_gemms);
   // Finds blade_engine_derived_sizes when some symbols are derived (throws if the .so lacks it or
@@ -117,6 +120,7 @@ class Engine : public torch::CustomClassHolder {
   std::vector<const void*> constant_data_;  // data pointers of def_.constants, fixed at load
   mutable PackedWeights packed_weights_;     // constants the runtime re-laid out (made on first use)
   std::unique_ptr<ScratchReservation> scratch_;  // keeps a populated scratch block ready while it lives
+  std::unique_ptr<OutputReservation> outputs_;   // engines with run-time sizes: resident output blocks
 
   std::unique_ptr<FallbackSubgraph> fallback_;
   std::atomic<FallbackMode> mode_{FallbackMode::kOff};

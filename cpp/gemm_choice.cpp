@@ -203,9 +203,15 @@ unsigned allowed_kernels() {
 }
 
 // oneDNN through libtorch costs 10-15 us a call (torch re-creates its primitive descriptor every
-// call), the time MKL needs for about 2 MFLOP even on its slow path: below that "auto" takes MKL
-// untimed. That also spares tiny GEMMs a timing whose outcome would be noise, and keeps their
-// rounding the same in every process.
+// call), the time MKL needs for about 2 MFLOP even on its slow path: below that "auto" takes a
+// kernel untimed. That also spares tiny GEMMs a timing whose outcome would be noise, and keeps their
+// rounding the same in every process. The kernel is the panels one where B is a constant it can
+// run, else MKL: on GPT-2/BERT's weights ([256|1024, 256|768]) at 1-8 rows the panels kernel took
+// 0.4-1.0x MKL's time (packed or unpacked; 1 thread CPU time, 2 threads wall), except 1 row of
+// [256, 256] at 2 threads (up to 1.15x, about 0.5 us), and
+// in an engine with run-time sizes its pack exists from load, while MKL's first call on a weight
+// packed it once more (5.5-6.8 MiB allocated per weight, whatever its size: a served GPT-2 4L/256's
+// first seq-1 call grew the heap by 85 MiB).
 constexpr double kTinyFlops = 2e6;
 
 // The kernels that can run g (k > 0 and alpha != 0 here), narrowed to `allowed`. A oneDNN mode
@@ -214,6 +220,7 @@ constexpr double kTinyFlops = 2e6;
 unsigned candidates(const GemmArgs& g, bool b_constant, bool shapes_vary, unsigned allowed) {
   unsigned applicable = bit(kMkl);
   const bool tiny = 2.0 * g.batch * g.m * g.n * g.k < kTinyFlops;
+  if (tiny && b_constant && (allowed & bit(kPanels)) && panels_applies(g, true)) return bit(kPanels);
   if (tiny && (allowed & bit(kMkl))) return bit(kMkl);
   if (onednn_usable()) {
     applicable |= bit(kOnednnMatmul);
@@ -237,12 +244,17 @@ unsigned candidates(const GemmArgs& g, bool b_constant, bool shapes_vary, unsign
 
 // MKL packs a constant B for one row count (its packed format is made for the GEMM's exact
 // sizes), so an engine with run-time sizes would keep a copy of every weight for each row count
-// it meets. MKL packs a weight for the row count of its first MKL call (a static shape keeps its
-// pack; memory stays flat as new shapes arrive); other row counts run unpacked.
+// it meets. In a static engine MKL packs a weight for the row count of its first MKL call (its
+// shape's); other row counts run unpacked. An engine with run-time sizes never lets MKL pack: its
+// weights' one packed copy is the panels kernel's, made at load (pack_weight_gemms), which serves
+// every row count; an MKL pack beside it would be a second copy for one row count (5.5-6.8 MiB
+// allocated per weight), made by whichever call first ran MKL on the weight (a tiny GEMM, a bucket's
+// sample). MKL ran every other row count unpacked anyway, and its samples now time what it runs.
 constexpr int64_t kPackRowsTag = -3;  // PackedWeights key slot 1 (MKL: trans_b, Winograd: -1, oneDNN: -2)
 
 PackedWeights* mkl_packing(const GemmArgs& g, PackedWeights* weights) {
   if (weights == nullptr || !weights->is_constant(g.b)) return weights;
+  if (weights->shapes_vary()) return nullptr;
   const PackedWeights::Key key = {reinterpret_cast<int64_t>(g.b), kPackRowsTag, g.trans_b, g.n, g.k, g.ldb};
   const at::Tensor rows = weights->get(key, [&] { return at::full({1}, g.m, at::kLong); });
   return rows.const_data_ptr<int64_t>()[0] == g.m ? weights : nullptr;

@@ -11,6 +11,7 @@
 #include "gemm.h"
 #include "oversubscription.h"
 #include "runtime.h"
+#include "output_pool.h"
 #include "scratch_pool.h"
 
 namespace blade {
@@ -150,6 +151,11 @@ void bind_testing(pybind11::module_& m) {
         return std::make_pair(s.free_blocks, s.free_bytes);
       },
       "(blocks, bytes) of the engines' scratch pool that no call holds now (scratch_pool.h).");
+  m.def("output_pool", [] {
+        const testing::OutputPoolState s = testing::output_pool_state();
+        return std::make_tuple(s.free_blocks, s.free_bytes, s.made_blocks);
+      },
+      "(free blocks, their bytes, blocks made so far) of the output pool of engines with run-time sizes (output_pool.h).");
 }
 
 }  // namespace blade

@@ -21,6 +21,8 @@ struct Block {
   size_t bytes = 0;
 };
 
+}  // namespace
+
 // Writes a byte in every page of the block's first kPopulateLimit bytes, so the kernel maps them
 // now rather than in a call (an engine's scratch has no defined contents, so the zeros are free).
 void populate(void* data, size_t bytes) {
@@ -31,6 +33,8 @@ void populate(void* data, size_t bytes) {
   for (size_t i = 0; i < end; i += page) bytes_of[i] = 0;
   bytes_of[end - 1] = 0;  // the last page, when the block does not start on a page boundary
 }
+
+namespace {
 
 Block allocate(size_t bytes) {
   Block block{c10::GetCPUAllocator()->allocate(bytes), bytes};

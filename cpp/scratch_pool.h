@@ -29,6 +29,9 @@ namespace blade {
 // Pages at most this many bytes of a new block in (the rest faults in on first touch).
 constexpr size_t kPopulateLimit = size_t{256} << 20;
 
+// Makes the first min(bytes, kPopulateLimit) bytes at `data` resident (writes a zero in each page).
+void populate(void* data, size_t bytes);
+
 // An engine's claim on the pool while it lives (one per Engine; 0 bytes claims nothing).
 class ScratchReservation {
  public:

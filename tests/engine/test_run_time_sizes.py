@@ -12,6 +12,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+import blade._C
 from blade.engine.compiler import compile_onnx, load_constants
 from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY, UnsupportedOnnxOp
 from blade.engine.npruntime import NumpyEngine
@@ -32,6 +33,8 @@ def dynamic_model(nodes, inputs, outputs, inits=(), ranges=RANGES):
 
 rng = np.random.default_rng(0)
 W = rng.standard_normal((16, 24)).astype(np.float32)
+# The runtime's panels GEMM kernel runs on AVX2 with FMA (x86-64-v3) and up.
+PANELS_RUN_HERE = blade._C.host_isa() in ("x86-64-v3", "x86-64-v4")
 GAMMA, BETA = rng.standard_normal(16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
 
 CASES = {
@@ -290,7 +293,7 @@ def test_weight_gemms_are_listed_for_packing_at_load(compiled):
     assert "blade_engine_weight_gemms" not in (compiled["attention-heads"][0].parent / "engine.cpp").read_text()
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the panels kernel needs AVX-512")
+@pytest.mark.skipif(not PANELS_RUN_HERE, reason="the panels kernel needs AVX2 and FMA")
 def test_an_engine_with_run_time_sizes_packs_its_weights_at_load_and_no_call_packs(compiled):
     from blade._C import _testing
     from blade.runtime import make_engine
@@ -310,7 +313,33 @@ def test_an_engine_with_run_time_sizes_packs_its_weights_at_load_and_no_call_pac
         _testing.set_gemm_backend("")
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the panels kernel needs AVX-512")
+@pytest.mark.skipif(not PANELS_RUN_HERE, reason="the panels kernel needs AVX2 and FMA")
+def test_tiny_gemms_of_an_engine_with_run_time_sizes_pack_nothing_more(compiled):
+    """Under "auto" a GEMM under 2 MFLOP (here every row count: [rows, 16] x [16, 24]) runs untimed.
+    On a constant weight that is the panels kernel, whose pack the engine made at load: one packed
+    copy per weight whatever row counts arrive. (MKL ran them and packed the weight once more for its
+    first row count, 5.5-6.8 MiB allocated per weight: a served GPT-2's first seq-1 call grew its
+    heap by 85 MiB.)"""
+    from blade._C import _testing
+    from blade.runtime import make_engine
+    so_path, manifest = compiled["matmul-batched-rows"]
+    _testing.set_gemm_backend("auto")
+    try:
+        before = _testing.packed_weight_count()
+        engine = make_engine("cluster_dyn", so_path.read_bytes(), manifest, CASES["matmul-batched-rows"], {})
+        assert _testing.packed_weight_count() == before + 1
+        panels_before, mkl_before = _testing.gemm_kernel_calls("panels"), _testing.gemm_kernel_calls("mkl")
+        for batch, seq in [(1, 1), (2, 5), (16, 32), (3, 7), (1, 1)]:
+            x = torch.randn(batch, seq, 16)
+            torch.testing.assert_close(engine.execute([x])[0], x @ torch.from_numpy(W), rtol=1e-5, atol=1e-5)
+        assert _testing.gemm_kernel_calls("panels") == panels_before + 5
+        assert _testing.gemm_kernel_calls("mkl") == mkl_before
+        assert _testing.packed_weight_count() == before + 1
+    finally:
+        _testing.set_gemm_backend("")
+
+
+@pytest.mark.skipif(not PANELS_RUN_HERE, reason="the panels kernel needs AVX2 and FMA")
 def test_engines_sharing_a_constant_share_its_pack_until_the_last_is_gone(compiled):
     """Engines made in one sharing_constants() scope (an export's captures) hold one weight tensor,
     and the runtime packs it once for all of them; an engine with an equal but separate weight packs
