@@ -157,7 +157,10 @@ __attribute__((always_inline)) inline void pixels(const DepthwiseShape& s, const
 // per byte, and at batch 8 its tensors exceed the caches (MobileNetV2's 144-channel 3x3 at 40x40:
 // 7.4 MB in, 7.4 MB out), so without this each row waited for its new input row from memory.
 // prefetch(s, a, b) covers the input columns output columns [a, b) start at (the last call, b ==
-// out_w, through the row's end).
+// out_w, through the row's end). Only for inputs larger than kPrefetchInputBytes: a smaller one is
+// still in the caches from the convolution that wrote it, and the prefetches only cost time (batch
+// 1's 10x10 and 5x5 ones, 7-14 us at 2 threads, ran 10-30% slower with them).
+constexpr int64_t kPrefetchInputBytes = int64_t{4} << 20;
 struct RowsAhead {
   const float* rows[2] = {nullptr, nullptr};  // column 0 of each row ahead (null: none)
 
@@ -222,6 +225,7 @@ __attribute__((always_inline)) inline void depthwise_rows_for(const DepthwiseSha
   const int64_t last = last_start < 0 ? first : std::max(first, std::min(s.out_w, last_start / s.stride_w + 1));
   const int64_t run_end = runs ? first + (last - first) / kPixels * kPixels : first;
   const int64_t image_floats = s.in_h * s.in_w * s.channels;
+  const bool prefetch_rows = s.batch * image_floats * int64_t{sizeof(float)} > kPrefetchInputBytes;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t n = row / s.out_h, oh = row % s.out_h;
     const float* image = input + n * image_floats;
@@ -229,7 +233,7 @@ __attribute__((always_inline)) inline void depthwise_rows_for(const DepthwiseSha
     float* out_row = output + row * row_floats;
     // The rows ahead: the next output row's last min(stride_h, 2) kernel rows inside the image.
     RowsAhead ahead;
-    if (row + 1 < end && runs) {
+    if (row + 1 < end && runs && prefetch_rows) {
       const int64_t next_n = (row + 1) / s.out_h, next_oh = (row + 1) % s.out_h;
       for (int64_t i = 0; i < std::min<int64_t>(s.stride_h, 2); ++i) {
         const int64_t kh = s.kernel_h - 1 - i;
