@@ -9,7 +9,12 @@ ReLU6 epilogue or --sum a residual, channels-last in and out except the NCHW-inp
     PYTHONPATH=$PWD python bench/conv_layers.py --ab /path/to/base $PWD --processes 6
 
 CPU time (time.process_time) of the process, so other load on the machine costs little; the A/B
-reports per layer the median over processes of each side's in-process best, and B/A.
+reports per layer the median over processes of each side's in-process best, and B/A. With
+--threads N (N > 1) each layer's time is the wall time of a call at N threads instead (CPU time
+would add the threads' times up): how the runtime splits a layer between threads, which needs a
+quiet machine.
+
+    PYTHONPATH=$PWD python bench/conv_layers.py --threads 2 --batch 8
 """
 import argparse
 import json
@@ -71,10 +76,11 @@ def conv_layers(batch):
     return layers
 
 
-def measure(match, batch, rounds, budget, with_sum, nchw_out):
+def measure(match, batch, rounds, budget, with_sum, nchw_out, threads=1):
     from blade import _C
     T = _C._testing
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
     torch.manual_seed(0)
     results = {}
     for name, (x_shape, w_shape, stride, pads, dilation, groups, layout) in conv_layers(batch).items():
@@ -102,18 +108,18 @@ def measure(match, batch, rounds, budget, with_sum, nchw_out):
             T.conv(x, w, b, stride, pads, dilation, groups, out, layout, True, residual, activation, 0.0, 6.0, repeat)
 
         call(1)
-        start = time.process_time()
+        start = clock()
         call(3)
-        repeat = max(1, int(budget / max((time.process_time() - start) / 3, 1e-6)))
-        best = min(timed(call, repeat) for _ in range(rounds))
+        repeat = max(1, int(budget / max((clock() - start) / 3, 1e-6)))
+        best = min(timed(call, repeat, clock) for _ in range(rounds))
         results[name] = round(best * 1e6, 2)
     return results
 
 
-def timed(call, repeat):
-    start = time.process_time()
+def timed(call, repeat, clock):
+    start = clock()
     call(repeat)
-    return (time.process_time() - start) / repeat
+    return (clock() - start) / repeat
 
 
 def ab(roots, processes, argv):
@@ -140,15 +146,17 @@ def main():
     parser.add_argument("--budget", type=float, default=0.02, help="CPU seconds a round")
     parser.add_argument("--sum", action="store_true", help="a residual sum instead of ReLU6")
     parser.add_argument("--nchw-out", action="store_true", help="NCHW outputs (a model's last conv)")
+    parser.add_argument("--threads", type=int, default=1, help="above 1: wall time of a call at this many threads")
     parser.add_argument("--ab", nargs=2, metavar=("ROOT_A", "ROOT_B"))
     parser.add_argument("--processes", type=int, default=4, help="per side, alternating")
     args = parser.parse_args()
     if args.ab:
         flags = ["--sum"] * args.sum + ["--nchw-out"] * args.nchw_out
         ab(args.ab, args.processes, ["--match", args.match, "--batch", str(args.batch), "--rounds", str(args.rounds),
-                                     "--budget", str(args.budget), *flags])
+                                     "--budget", str(args.budget), "--threads", str(args.threads), *flags])
     else:
-        print(json.dumps(measure(args.match, args.batch, args.rounds, args.budget, args.sum, args.nchw_out)))
+        print(json.dumps(measure(args.match, args.batch, args.rounds, args.budget, args.sum, args.nchw_out,
+                                 args.threads)))
 
 
 if __name__ == "__main__":
