@@ -73,3 +73,19 @@ def test_conv_unknown_activation_is_refused():
     x, weight = torch.randn(1, 4, 3, 3), torch.randn(4, 4, 1, 1)
     with pytest.raises(RuntimeError, match="unknown convolution activation"):
         _testing.conv(x, weight, None, [1, 1], [0] * 4, [1, 1], 1, torch.empty(1, 4, 3, 3), 0, False, None, 7)
+
+
+# Inputs over depthwise.cpp's kPrefetchInputBytes (4 MB) take the path that prefetches the next
+# output row's input rows; batch 8 of MobileNetV2-like layers, every kernel width and stride it has.
+@pytest.mark.parametrize("kernel_size,stride", [(3, 1), (3, 2), (5, 1), (5, 2)])
+def test_depthwise_over_the_prefetch_threshold_matches_torch(kernel_size, stride):
+    torch.manual_seed(7)
+    x = torch.randn(8, 96, 40, 40).contiguous(memory_format=torch.channels_last)  # 4.9 MB
+    weight, bias = torch.randn(96, 1, kernel_size, kernel_size) / 3, torch.randn(96)
+    pad = kernel_size // 2
+    expected = torch.nn.functional.conv2d(x, weight, bias, stride, pad, 1, 96)
+    out = torch.full(expected.shape, float("nan")).contiguous(memory_format=torch.channels_last)
+    before = _testing.conv_kernel_calls("depthwise")
+    _testing.conv(x, weight, bias, [stride, stride], [pad] * 4, [1, 1], 96, out, 3, True, None, NONE, 0.0, 0.0)
+    assert _testing.conv_kernel_calls("depthwise") - before == 1
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
