@@ -200,16 +200,21 @@ __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const floa
 // The first tile prefetches the next panel (null: none) while the later ones reuse this one from
 // the cache: a panel of a large weight (MobileNetV2's 320 -> 1280 at 5x5: 1.6 MB, cold in the
 // model) otherwise arrives at the memory's pace during its first tile, and that conv took twice
-// its cache-hot time.
+// its cache-hot time. With `ahead` (a 1x1's next block of input rows, input_ahead), tiles 1 and 2
+// prefetch its first 2 * depth * kPanel floats, the rows of 64 pixels, through the same prefetch
+// (a block has at most kBlockRows = 48).
 template <typename V, int Vectors, int MaxRows = kTileRows>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,
-                                                      int64_t ldc, int64_t width, int64_t rows, const float* next) {
+                                                      int64_t ldc, int64_t width, int64_t rows, const float* next,
+                                                      const float* ahead = nullptr) {
   const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int64_t end = rows * (t + 1) / tiles;
     const float* tile_sum = sum != nullptr ? sum + r * ldc : nullptr;
-    const float* tile_next = t == 0 ? next : nullptr;
+    const float* tile_next = t == 0                         ? next
+                             : ahead != nullptr && t <= 2 ? ahead + (t - 1) * depth * kPanel
+                                                          : nullptr;
     tile_of_rows<V, Vectors, MaxRows>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc,
                                       ldc, width, tile_next);
     r = end;
@@ -276,7 +281,8 @@ __attribute__((always_inline)) inline const float* shifted(const float* p, int64
 template <typename V>
 __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                         const float* bias, const float* sum, Clamp clamp, float* out,
-                                                        int64_t ldc, int64_t width, int64_t rows, const float* next) {
+                                                        int64_t ldc, int64_t width, int64_t rows, const float* next,
+                                                        const float* ahead = nullptr) {
   if constexpr (kLanes<V> == 8) {
     // 17-24 channels with AVX2 (MobileNetV2's projections to 24) as one tile of three vectors x 4
     // pixels (12 accumulators, 3 weights, 1 broadcast: 7 loads for 12 FMAs, each pixel's input read
@@ -285,19 +291,20 @@ __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t 
     // and 3083 -> 2464 us at batch 8. (32 as four vectors x 3 pixels was 15-25% slower than two
     // 16-wide tiles.)
     if (width > 2 * kLanes<V> && width <= 3 * kLanes<V>) {
-      panel_rows<V, 3, 4>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next);
+      panel_rows<V, 3, 4>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, ahead);
       return;
     }
   }
   for (int64_t j = 0; j < width; j += kTileChannels<V>) {
     const int64_t w = std::min(kTileChannels<V>, width - j);
     const float* slice_next = j == 0 ? next : nullptr;
+    const float* slice_ahead = j == 0 ? ahead : nullptr;
     if (w > kLanes<V>) {
       panel_rows<V, 2>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
-                       slice_next);
+                       slice_next, slice_ahead);
     } else {
       panel_rows<V, 1>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
-                       slice_next);
+                       slice_next, slice_ahead);
     }
   }
 }
@@ -443,6 +450,18 @@ __attribute__((always_inline)) inline void scatter_panel(const PatchConvShape& s
   }
 }
 
+// A 1x1 convolution's input rows are read in place, each row's depth floats once per panel; the
+// first panel's tiles meet them cold when the input exceeds the caches (MobileNetV2's 144 -> 24 at
+// 40x40 from batch 8: 7.4 MB, written by the depthwise convolution before it), and the tiles then
+// wait on memory (4 rows of 576 bytes a tile: too short a stream for the hardware prefetchers). So
+// above kAheadInputBytes each block's first panel prefetches the next block's rows (panel_rows).
+// Below, the input is still in the caches from the layer that wrote it. (Past the input's end the
+// prefetches of the last blocks touch nothing: a prefetch never faults.)
+constexpr int64_t kAheadInputBytes = int64_t{4} << 20;
+__attribute__((always_inline)) inline bool input_ahead(const PatchConvShape& s) {
+  return s.batch * s.in_h * s.in_w * s.in_channels * int64_t{sizeof(float)} > kAheadInputBytes;
+}
+
 // Output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered (or a 1x1's input
 // read in place).
 template <typename V>
@@ -453,11 +472,14 @@ __attribute__((always_inline)) inline void patch_block_for(BLADE_BLOCK_PARAMS) {
     gather<V>(s, input, begin, end, gathered);
     a = gathered;
   }
+  const float* ahead = nullptr;
+  if (s.direct() && input_ahead(s) && end < s.batch * s.out_h * s.out_w) ahead = input + end * depth;
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
     // The next panel even past this item's (its neighbour's, or this thread's next item's).
     const float* next = prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
-    panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next);
+    panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next,
+                    p == panel_begin ? ahead : nullptr);
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
 }

@@ -387,6 +387,7 @@ PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input chan
     ((1, 20, 6, 7), 24, 3, 1, [0, 0, 0, 0], True),         # runs of 60 floats, ending the input
     ((2, 5, 8, 8), 19, 3, 2, [1, 1, 1, 1], True),          # taps of 5 floats, padded borders
     ((1, 64, 12, 12), 600, 3, 2, [0, 0, 1, 1], True),      # gathered rows, a 1.4 MB weight
+    ((8, 144, 40, 40), 24, 1, 1, [0, 0, 0, 0], True),      # a 7.4 MB input: the next block's rows prefetched
 ]
 
 
