@@ -315,10 +315,17 @@ double flops(const GemmArgs& g) { return 2.0 * g.batch * g.m * g.n * g.k; }
 // weight that samples.
 // -3: the call is not on that weight and its shape is new to the bucket: run `measured` (the
 // measured kernel without JIT, -1: none), which packs that weight only as the likely winner.
-int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, const ShapeKey& exact, int& measured) {
+// `shapes_vary`: an engine with run-time sizes. Where none of its candidates JITs (oneDNN is no
+// candidate there where the panels kernel runs), whether an earlier call met the exact shape decides
+// nothing (its non-sampling weights run the panels kernel either way, run_chosen), so the bucket does
+// not remember the shapes: a server's new row counts filled each bucket's `met` with up to
+// kMaxShapesMet entries (about 90 KiB) for nothing.
+int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, bool shapes_vary, const ShapeKey& exact,
+                int& measured) {
   std::lock_guard<std::mutex> lock(choice.mutex);
   if (choice.settled.load(std::memory_order_relaxed)) return -1;
-  const bool met = met_before_locked(choice, exact);
+  const bool any_jit = ((choice.kernels | choice.rejected) & kJitKernels) != 0;
+  const bool met = !shapes_vary || any_jit ? met_before_locked(choice, exact) : false;
   if (b_constant) {
     // The sampling weight's engine may never run again (its module was freed, or dynamo recompiled
     // the graph into a new one with its own weights): after kSamplerIdleCalls engine calls without
@@ -384,9 +391,17 @@ void settle_if_sampled(Choice& choice) {
   }
 }
 
-void record(Choice& choice, int kernel, const GemmArgs& g, const ShapeKey& exact, double seconds) {
+// `shapes_vary`: the call is an engine's with run-time sizes. There a kernel without JIT has no setup
+// per shape (MKL never packs, the panels kernel's pack was made at load), so only its first call in
+// the bucket is cold: its first call at each new row count was not a sample either, and a server
+// meets a new row count on almost every call, so a bucket ran up to kMaxSamples cold calls per
+// candidate before its first sample (a served GPT-2 recorded no sample but at 16x512 over the grid
+// and 30 random shapes), running MKL, 1.4-2.2x slower there, in half of its sampling calls.
+void record(Choice& choice, int kernel, const GemmArgs& g, const ShapeKey& exact, double seconds, bool shapes_vary) {
   std::lock_guard<std::mutex> lock(choice.mutex);
-  if (choice.ran.insert({kernel, g.m, g.n, g.k}).second && choice.cold[kernel] < kMaxSamples) {
+  const bool setup_per_shape = !shapes_vary || jits(kernel);
+  const std::array<int64_t, 4> ran = {kernel, setup_per_shape ? g.m : -1, g.n, g.k};
+  if (choice.ran.insert(ran).second && choice.cold[kernel] < kMaxSamples) {
     ++choice.cold[kernel];
     return;
   }
@@ -499,12 +514,17 @@ void run_chosen(const GemmArgs& g, bool b_constant, bool shapes_vary, PackedWeig
     return run_or_mkl(settled_kernel(*choice, exact), g, weights);
   }
   int measured = -1;
-  const int kernel = next_sample(*choice, g, b_constant, exact, measured);
+  const int kernel = next_sample(*choice, g, b_constant, shapes_vary, exact, measured);
   if (kernel == -1) return run_or_mkl(settled_kernel(*choice, exact), g, weights);
-  // A weight that is not the bucket's sampling one, already packed for the panels kernel (by
-  // another bucket of an engine with run-time sizes): panels packs nothing more and trails MKL's
-  // pack-free kernel by 2-2.5x on BERT's row counts, so it runs there until the bucket settles.
-  if ((kernel == -2 || (kernel == -3 && measured < 0)) && (kernels & bit(kPanels)) && panels_packed(g, weights)) {
+  // A weight that is not the bucket's sampling one, already packed for the panels kernel (at load,
+  // in an engine with run-time sizes; else by another bucket): panels packs nothing more and trails
+  // MKL's pack-free kernel by 2-2.5x on BERT's row counts, so it runs there until the bucket
+  // settles. In an engine with run-time sizes it runs there even when the bucket's samples so far
+  // favour another kernel: MKL, its only rival there, was 1.4-2.2x slower on GPT-2/BERT's weights at
+  // 2 threads, and a bucket's first samples are single calls, so a noisy panels sample could make
+  // MKL "measured" and every other weight of the bucket ran it until the bucket settled.
+  const bool panels_ready = (kernels & bit(kPanels)) && panels_packed(g, weights);
+  if ((kernel == -2 || (kernel == -3 && (measured < 0 || shapes_vary))) && panels_ready) {
     return run(kPanels, g, weights);
   }
   if (kernel == -2) return run_or_mkl(kernels & bit(kOnednnMatmul) ? kOnednnMatmul : kMkl, g, nullptr);  // packs nothing
@@ -517,7 +537,7 @@ void run_chosen(const GemmArgs& g, bool b_constant, bool shapes_vary, PackedWeig
     drop(*choice, kernel);
     return run(kMkl, g, weights);
   }
-  record(*choice, kernel, g, exact, seconds_since(start));
+  record(*choice, kernel, g, exact, seconds_since(start), shapes_vary);
 }
 
 std::string describe(const ShapeKey& key, const ShapeKey& bucketed) {

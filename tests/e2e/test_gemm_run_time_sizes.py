@@ -11,10 +11,13 @@ import blade
 from blade._C import _testing
 from blade_testing import assert_close
 
-# The panels kernel needs AVX-512 (torch's own CPU capability check says whether it is there).
-pytestmark = pytest.mark.skipif(
+# The oneDNN tests need libtorch's oneDNN matmul, which wants AVX-512 here (torch's own CPU
+# capability check says whether it is there); the panels kernel runs on AVX2 + FMA too.
+needs_onednn = pytest.mark.skipif(
     not (_testing.gemm_onednn_usable() and torch.backends.cpu.get_cpu_capability() == "AVX512"),
-    reason="needs libtorch's oneDNN matmul and AVX-512 (the panels kernel)")
+    reason="needs libtorch's oneDNN matmul and AVX-512")
+needs_panels = pytest.mark.skipif(blade._C.host_isa() not in ("x86-64-v3", "x86-64-v4"),
+                                  reason="the panels kernel needs AVX2 and FMA")
 
 ROWS = [40, 57, 64, 33, 50]  # one power-of-two bucket (33-64 rows) and its neighbour: new exact shapes
 
@@ -46,6 +49,7 @@ def run_shapes(compiled, model, rows, calls_per_shape=12):
             assert_close(got, model(x))
 
 
+@needs_onednn
 def test_engine_with_run_time_sizes_runs_no_onednn(auto_gemm):
     model = linear_model()
     rows = torch.export.Dim("rows", min=1, max=128)
@@ -60,6 +64,7 @@ def test_engine_with_run_time_sizes_runs_no_onednn(auto_gemm):
     assert onednn_calls() > onednn_before
 
 
+@needs_onednn
 def test_static_engine_still_samples_onednn(auto_gemm):
     model = linear_model()
     compiled = blade.compile_model(model, (torch.randn(64, 256),))
@@ -68,6 +73,7 @@ def test_static_engine_still_samples_onednn(auto_gemm):
     assert onednn_calls() > before
 
 
+@needs_onednn
 def test_pinned_onednn_mode_is_honoured_with_run_time_sizes():
     """BLADE_GEMM=onednn leaves no other candidate: the rule gives way to the user's pin."""
     _testing.set_gemm_backend("onednn")
@@ -80,3 +86,51 @@ def test_pinned_onednn_mode_is_honoured_with_run_time_sizes():
         assert onednn_calls() > before
     finally:
         _testing.set_gemm_backend("")
+
+
+@needs_panels
+def test_a_bucket_settles_over_new_row_counts_and_its_other_weight_runs_the_panels_kernel(auto_gemm):
+    """A server calls each row count about once. Two Linears of one shape are one bucket of GEMMs
+    (the first weight samples, the second runs the panels kernel, packed at load, meanwhile); 20 new
+    row counts of the bucket (33-64) settle it, and from then on no call samples. Before, a kernel's
+    first call at each new row count was no sample (it would pack or JIT elsewhere): 20 such calls
+    recorded nothing, and a bucket of a server kept sampling MKL, 1.4-2.2x slower, on half of its
+    sampling calls for up to 24 calls. One thread: with more, an engine call that meets a stall runs
+    serially (oversubscription.h), and its GEMMs are a bucket of their own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_new_row_counts()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_new_row_counts():
+    model = linear_model()
+    rows = torch.export.Dim("rows", min=1, max=128)
+    compiled = blade.compile_model(model, (torch.randn(64, 256),), dynamic_shapes=((rows, None),))
+
+    def calls_at(row_counts):
+        with torch.no_grad():
+            for m in row_counts:
+                x = torch.randn(m, 256)
+                assert_close(compiled(x), model(x))
+
+    def choice():
+        found = [c for c in blade._C.gemm_choices() if "rows 33-64" in c["shape"] and "B constant" in c["shape"]]
+        assert len(found) == 1, blade._C.gemm_choices()
+        assert "@ [256, 256]" in found[0]["shape"], found
+        return found[0]
+
+    mkl_before = _testing.gemm_kernel_calls("mkl")
+    calls_at(range(33, 53))
+    settled = choice()
+    assert settled["timings"] >= 5, settled
+    mkl_sampled = _testing.gemm_kernel_calls("mkl") - mkl_before
+    assert mkl_sampled <= 20  # only the sampling weight's calls: one GEMM of the two per call
+    panels_before, mkl_before = _testing.gemm_kernel_calls("panels"), _testing.gemm_kernel_calls("mkl")
+    calls_at(range(53, 65))
+    assert choice()["timings"] == settled["timings"]  # settled: no call samples any more
+    ran = {"panels": _testing.gemm_kernel_calls("panels") - panels_before,
+           "mkl": _testing.gemm_kernel_calls("mkl") - mkl_before}
+    assert ran[settled["kernel"]] == 2 * 12, ran  # both weights run the bucket's kernel
