@@ -448,7 +448,7 @@ void per_call_gemm_avx2(const GemmArgs& g) {
       rows_of_all_panels_avx2(g, g.a + batch * g.stride_a, g.c + batch * g.stride_c, packed, column, count, first,
                               std::min(g.m, first + t.chunk_rows));
     }
-  });
+  }, t.chunks);  // claimed in whole items: an item's tasks share one pack of its panels
 }
 
 // A B the engine computes (attention's K^T and V, per head: a batch), which no pack outlives.
@@ -731,7 +731,7 @@ void attention_avx2(const BladeAttention& a) {
       float* out = a.out + o * a.out_strides[0] + i * a.out_strides[1] + first * a.ldo;
       block_rows_avx2(a.n, scores, a.n, 1, v_packed, a.dv, out, a.ldo, count);
     }
-  });
+  }, blocks);  // claimed in whole heads: a head's blocks share one pack of its K and V
 }
 
 }  // namespace

@@ -1,10 +1,14 @@
 #include "python_testing.h"
 
+#include <ATen/Parallel.h>
 #include <torch/python.h>
 
 #include <algorithm>
+#include <chrono>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -58,6 +62,41 @@ std::vector<std::pair<int64_t, int64_t>> parallel_for_chunks(int64_t begin, int6
     auto* r = static_cast<Recorder*>(ctx);
     std::lock_guard<std::mutex> lock(r->mutex);
     r->chunks.emplace_back(chunk_begin, chunk_end);
+  };
+  {
+    pybind11::gil_scoped_release no_gil;
+    runtime()->parallel_for(begin, end, grain, record, &recorder);
+  }
+  std::sort(recorder.chunks.begin(), recorder.chunks.end());
+  return recorder.chunks;
+}
+
+// The chunks the runtime's parallel_for calls back with, sorted, each with the team thread that ran
+// it (at::get_thread_num); threads other than the calling one sleep `slow_ms` before their first
+// chunk, as a thread whose core another process holds.
+std::vector<std::tuple<int64_t, int64_t, int64_t>> parallel_for_threads(int64_t begin, int64_t end, int64_t grain,
+                                                                        int64_t slow_ms) {
+  struct Recorder {
+    std::mutex mutex;
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> chunks;
+    std::vector<int64_t> slept;
+    int64_t slow_ms;
+  } recorder;
+  recorder.slow_ms = slow_ms;
+  auto record = [](void* ctx, int64_t chunk_begin, int64_t chunk_end) {
+    auto* r = static_cast<Recorder*>(ctx);
+    const int64_t thread = at::get_thread_num();
+    bool sleep = false;
+    {
+      std::lock_guard<std::mutex> lock(r->mutex);
+      if (thread != 0 && std::find(r->slept.begin(), r->slept.end(), thread) == r->slept.end()) {
+        r->slept.push_back(thread);
+        sleep = true;
+      }
+    }
+    if (sleep) std::this_thread::sleep_for(std::chrono::milliseconds(r->slow_ms));
+    std::lock_guard<std::mutex> lock(r->mutex);
+    r->chunks.emplace_back(chunk_begin, chunk_end, thread);
   };
   {
     pybind11::gil_scoped_release no_gil;
@@ -138,6 +177,10 @@ void bind_testing(pybind11::module_& m) {
   m.def("parallel_for_chunks", &parallel_for_chunks,
         "The [begin, end) chunks the runtime's parallel_for hands out, sorted.", py::arg("begin"),
         py::arg("end"), py::arg("grain"));
+  m.def("parallel_for_threads", &parallel_for_threads,
+        "(begin, end, thread) of each chunk the runtime's parallel_for hands out, sorted; team threads other "
+        "than the caller sleep slow_ms before their first chunk.", py::arg("begin"), py::arg("end"),
+        py::arg("grain"), py::arg("slow_ms"));
   m.def("note_region", &note_region,
         "Reports a parallel region's times (ns) to the oversubscription check; returns whether it was a stall.",
         py::arg("worked_ns"), py::arg("waited_ns"));

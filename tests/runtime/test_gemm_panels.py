@@ -182,3 +182,34 @@ def test_threads_split_the_tasks(m, n):
     finally:
         _testing.set_gemm_backend("")
         torch.set_num_threads(threads)
+
+
+@needs_avx2
+@pytest.mark.parametrize("batch, pack", [(1, True), (3, False)])
+def test_results_do_not_depend_on_which_thread_runs_a_task(batch, pack):
+    """Threads claim tasks as they go (cpp/timed_parallel.h), so which thread runs which rows changes
+    from call to call: every task computes its outputs whole (the same k-order), so two threads give
+    bitwise what one gives, call after call."""
+    m, n, k = 197, 300, 256
+    torch.manual_seed(0)
+    a = torch.randn(batch, m, k)
+    b = torch.randn(1 if pack else batch, k, n)
+
+    def run():
+        c = torch.full((batch, m, n), float("nan"))
+        _testing.sgemm(batch, m, n, k, 1.0, a, k, m * k, False, b, n, 0 if pack else k * n, False, 0.0,
+                       c, n, m * n, pack=pack)
+        return c
+
+    threads = torch.get_num_threads()
+    _testing.set_gemm_backend("panels")
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        _testing.force_serial_for(0)
+        for _ in range(5):
+            assert torch.equal(run(), one)
+    finally:
+        _testing.set_gemm_backend("")
+        torch.set_num_threads(threads)

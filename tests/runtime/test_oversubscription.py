@@ -69,7 +69,7 @@ def test_serial_mode_runs_the_runtime_loops_inline_and_ends():
             assert _testing.parallel_for_chunks(0, 100, 10) == [(0, 100)]
         # (a real stall, on a loaded machine, could start serial mode again: end it before looking)
         _testing.force_serial_for(0)
-        assert len(_testing.parallel_for_chunks(0, 100, 10)) == 2
+        assert len(_testing.parallel_for_chunks(0, 100, 10)) > 1
 
 
 def test_serial_mode_restores_the_callers_thread_counts(add_engine):

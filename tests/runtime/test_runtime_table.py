@@ -74,7 +74,25 @@ def test_parallel_for_follows_torch_set_num_threads():
         assert _testing.parallel_for_chunks(0, 100, 10) == [(0, 100)]
         torch.set_num_threads(2)
         _testing.force_serial_for(0)  # a stall seen on a loaded machine would make it serial
-        assert len(_testing.parallel_for_chunks(0, 100, 10)) == 2
+        assert len(_testing.parallel_for_chunks(0, 100, 10)) > 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_slow_thread_leaves_its_share_of_a_parallel_for_to_the_others():
+    """Threads claim chunks as they go (cpp/timed_parallel.h): when one thread stops for a while (its
+    core held by another process), the calling thread does the rest instead of waiting for it at the
+    end of the region. ATen's fixed split gave each thread one half whatever happened."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _testing.force_serial_for(0)
+        chunks = _testing.parallel_for_threads(0, 1000, 10, slow_ms=50)
+        assert [b for b, _, _ in chunks[1:]] == [e for _, e, _ in chunks[:-1]], chunks  # the range, once
+        assert chunks[0][0] == 0 and chunks[-1][1] == 1000
+        assert all(e - b >= 10 for b, e, _ in chunks[:-1]), chunks
+        by_caller = sum(e - b for b, e, thread in chunks if thread == 0)
+        assert by_caller > 1000 * 3 // 4, chunks
     finally:
         torch.set_num_threads(before)
 
