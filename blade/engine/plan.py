@@ -197,7 +197,9 @@ def make_plan(graph: Graph) -> Plan:
                 order = channels_last_order(node.rank)
             if order is not None:
                 result.orders[node] = order
-    _plan_epilogues(result, channels_last)
+    # the stored projections whose heads a fused attention reads in place (_matmul_epilogue)
+    attention_sources = {views.view_chain(operand)[1] for operand in read_in_place}
+    _plan_epilogues(result, channels_last, attention_sources)
     return result
 
 
@@ -392,15 +394,16 @@ def _computed_from(p: Plan, node: Node, chosen: set, through: tuple) -> bool:
     return False
 
 
-def _plan_epilogues(p: Plan, channels_last: set) -> None:
+def _plan_epilogues(p: Plan, channels_last: set, attention_sources: set) -> None:
     """Conv epilogues, in the order kernels run: an addend must be written before the convolution
-    that reads it (an input, or a stored node whose kernel comes earlier)."""
+    that reads it (an input, or a stored node whose kernel comes earlier); matmul epilogues for the
+    biased projections in attention_sources."""
     written = set(p.graph.inputs)
     for node in p.live:
         if node in written or node not in p.materialized:
             continue
         if node.op == "matmul":
-            epilogue = _matmul_epilogue(p, node)
+            epilogue = _matmul_epilogue(p, node, attention_sources)
             if epilogue is not None:
                 p.epilogues[node] = epilogue
                 written.add(epilogue.target)
@@ -414,24 +417,27 @@ def _plan_epilogues(p: Plan, channels_last: set) -> None:
         written.add(node)
 
 
-def _matmul_epilogue(p: Plan, matmul: Node) -> Epilogue | None:
-    """matmul + bias when that sum is stored and is matmul's only reader, the bias a float32
-    constant the same on every row (a Linear's bias, read through the views that broadcast it):
-    the GEMM writes it, into C filled with the bias first (calls.emit_matmul, sgemm's beta 1), so
-    no kernel reads the product back to add the bias. The sum is stored where a fused attention
-    reads the heads of a biased projection in place (GPT-2's c_attn, BERT's query/key/value after
-    frontend._concat_shared_input_linears) or as a graph output; where it is not stored, its
-    readers' loops add the bias inline for free and nothing changes. The floats are the unfused
-    ones where the GEMM adds C after its whole k-sum (the panels kernel, oneDNN's packed inner
-    product: round(sum + bias)); MKL's sgemm with beta 1 need not round the same, no more than
-    eager's addmm, which is that call (it differs from mm + bias by up to 1 ulp of the result,
-    e.g. 9.5e-7 at [128, 768] @ [768, 2304]). None when the epilogue does not apply."""
+def _matmul_epilogue(p: Plan, matmul: Node, attention_sources: set) -> Epilogue | None:
+    """matmul + bias when that sum is matmul's only reader and a fused attention reads its heads
+    in place (attention_sources: GPT-2's c_attn, BERT's query/key/value after
+    frontend._concat_shared_input_linears), the bias a float32 constant the same on every row (a
+    Linear's bias, read through the views that broadcast it): the GEMM writes it, into C filled
+    with the bias first (calls.emit_matmul, sgemm's beta 1), so no copy kernel computes each head
+    with its bias. Only there: a stored sum elsewhere (ViT's patch embedding) keeps its bias add in
+    the next row loop, where the fill would be a parallel region of its own (ViT b1/b8 read 7-9%
+    slower at 2 threads in two noisy runs with the epilogue on every stored sum). The floats are
+    the unfused ones where the GEMM adds C after its whole k-sum (the panels kernel, oneDNN's
+    packed inner product: round(sum + bias)); MKL's sgemm with beta 1 need not round the same, no
+    more than eager's addmm, which is that call (it differs from mm + bias by up to 1 ulp of the
+    result, e.g. 9.5e-7 at [128, 768] @ [768, 2304]). None when the epilogue does not apply."""
     if matmul in p.attentions or any(matmul is node for _, node in p.graph.outputs):
         return None
     readers = p.users.get(matmul, [])
     if len(readers) != 1:
         return None
     (target,) = readers
+    if target not in attention_sources:
+        return None
     if not (target.op == "ew" and target.attrs.get("fn") == "Add" and target in p.materialized
             and target.dtype == "float32" and tuple(target.shape) == tuple(matmul.shape)
             and p.orders.get(target) is None):

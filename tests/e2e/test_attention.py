@@ -182,8 +182,8 @@ def test_fused_attention_at_run_time_sequence_lengths(tmp_path):
 
 @pytest.mark.parametrize("style", ["gpt2", "bert"])
 def test_biased_projections_are_read_in_place_by_the_fused_attention(tmp_path, style):
-    """GPT-2's one biased q/k/v projection and BERT's three: each GEMM adds its bias itself (C
-    filled with the bias row, sgemm's beta 1), so the fused attention reads every head where its
+    """GPT-2's one biased q/k/v projection and BERT's three: the projection's GEMM adds its bias
+    itself (C filled with the bias row, sgemm's beta 1), so the fused attention reads every head where its
     projection wrote it. No kernel copies a head (the copy used to add the bias), and the result
     matches eager."""
     torch.manual_seed(0)
@@ -198,6 +198,6 @@ def test_biased_projections_are_read_in_place_by_the_fused_attention(tmp_path, s
     assert source.count("rt->attention(") == 1, "one fused attention call"
     assert "contiguous copy" not in source
     betas = [call.split(", ")[13] for call in re.findall(r"rt->sgemm\((.*)\);", source)]
-    # the q/k/v projection (BERT's three are one GEMM: frontend._concat_shared_input_linears) and
-    # the output projection (a graph output, stored too) add their bias
-    assert betas == ["1.0f", "1.0f"], betas
+    # the q/k/v projection (BERT's three are one GEMM: frontend._concat_shared_input_linears) adds
+    # its bias; the output projection's bias (a graph output: no attention reads it) stays an add
+    assert betas == ["1.0f", "0.0f"], betas
