@@ -55,11 +55,10 @@ def _emit_copy(em, comment, copy: Strided, src: Node, along_memory: bool):
     """copy = src. along_memory (a reshape's source, as a patch GEMM's patches): the loops run along
     src's memory when src is a reordering view of it (the image is read row by row, 138 -> 60 us for
     ViT's [196, 768] patches) as long as the innermost dim stays the same, so each row written is
-    still one contiguous run. Otherwise in the copy's own order: one attention head's slice of an
-    unbiased projection ([b, s, h, d] memory read as [b, h, s, d], T5's q/k/v) then has the loop
-    rows of the kernels around it, and fuses with them (q and k copied in one kernel, v in the
-    softmax's rows) where along memory each copy was a kernel of its own; the rows read and
-    written are head_dim floats either way."""
+    still one contiguous run. Otherwise in the copy's own order: one head's slice of a projection
+    ([b, s, h, d] memory read as [b, h, s, d], for an unfused attention's GEMMs) then has the loop
+    rows of the kernels around it, and fuses with them where along memory each copy was a kernel
+    of its own; the rows read and written are head_dim floats either way."""
     source = em.memory.strided_of(src)
     order = tuple(range(src.rank))
     if along_memory and source is not None and all(isinstance(n, int) for n in (*source.shape, *source.layout.strides)):
@@ -104,14 +103,23 @@ def emit_matmul(em, node, dest):
     k = a_node.shape[-1]
     if node.numel == 0:
         return
-    if k == 0:  # an empty sum
+    if k == 0:  # an empty sum (no bias epilogue then: plan._matmul_epilogue)
         em.kernels.emit_loop(f"{node!r} = matmul with k == 0", dest, lambda scope, idx: literal(0, node.dtype))
         return
     (a, ta, lda), (b, tb, ldb) = _gemm_operand(em, a_node), _gemm_operand(em, b_node)
     # C rows may be strided (a permuted output, plan._permuted_matmul_output); columns are dense.
     assert dest.layout.strides[-1] == 1 or n == 1, "matmul output columns must be dense"
     ldc = dest.layout.strides[-2] if _may_exceed_one(m) else n
-    kernel = em.kernels.begin_call(f"{node!r} = matmul {a_node!r} @ {b_node!r}")
+    # The plan's bias epilogue (plan._matmul_epilogue): C starts as the bias row, the GEMM adds to
+    # it. The fill is a loop kernel over C's rows: it joins the row loop of the kernel before (the
+    # LayerNorm that wrote A), also across the unit dims of a [1, s, d] LayerNorm over [s, 3d] rows.
+    epilogue = em.plan.epilogues.get(node)
+    if epilogue is not None:
+        em.kernels.emit_loop(f"{epilogue.target!r} = {epilogue.addend!r}, which the GEMM of {node!r} adds to", dest,
+                             lambda scope, idx: em.values.value(epilogue.addend, idx, scope), under_unit_rows=True)
+    beta = "1.0f" if epilogue is not None else "0.0f"
+    described = f" + {epilogue.addend!r}" if epilogue is not None else ""
+    kernel = em.kernels.begin_call(f"{node!r} = matmul {a_node!r} @ {b_node!r}{described}")
     names = [kernel.use(a.buf), kernel.use(b.buf), kernel.use(dest.buf, write=True)]
     operands = (a, b, dest)
     # Batch dims (size > 1): the innermost goes to sgemm's batch, the others become loops.
@@ -129,7 +137,7 @@ def emit_matmul(em, node, dest):
             for i, (name, o) in enumerate(zip(names, operands))]
     call = [f"rt->sgemm({sgemm_batch}, {m}, {n}, {k}, {literal(node.attrs['alpha'], 'float32')}, "
             f"{ptrs[0]}, {lda}, {sgemm_strides[0]}, {ta}, {ptrs[1]}, {ldb}, {sgemm_strides[1]}, {tb}, "
-            f"0.0f, {ptrs[2]}, {ldc}, {sgemm_strides[2]});"]
+            f"{beta}, {ptrs[2]}, {ldc}, {sgemm_strides[2]});"]
     for var, (size, _) in reversed(list(zip(loop_vars, merged))):
         call = for_loop(var, 0, size, call)
     em.kernels.end_call(kernel, ["{", *indent([DECLS] + call), "}"])

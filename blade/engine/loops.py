@@ -93,11 +93,13 @@ class Kernels:
             self.blocks[self.group.number] = self.group
             self.group = None
 
-    def emit_loop(self, comment, dest: Strided, value_fn, work_per_element=1, rows=None, make=None):
+    def emit_loop(self, comment, dest: Strided, value_fn, work_per_element=1, rows=None, make=None,
+                  under_unit_rows=False):
         """dest[idx] = value_fn(scope, idx) for every idx of dest.shape, parallel over its rows
         (by default every dim but the innermost loop; `rows` overrides the number of leading dims),
         fused into the open row group when that is safe. `make` replaces loop_kernel as the
-        builder of the kernel's loops (same arguments)."""
+        builder of the kernel's loops (same arguments). under_unit_rows: dest may also join a group
+        whose rows are its own leading dims under leading unit dims ([s, n] in a loop over (1, s))."""
         if math.prod(dest.shape) == 0:
             return
         order = memory_order(dest)
@@ -107,8 +109,13 @@ class Kernels:
         shape = dest.shape
         make = make or self.loop_kernel
         group = self.group
+        joining = None
         if group is not None and shape[:len(group.rows)] == group.rows:
-            attempt = make(comment, dest, value_fn, work_per_element, group)
+            joining = dest, value_fn
+        elif group is not None and under_unit_rows:
+            joining = _under_unit_rows(dest, value_fn, group.rows)
+        if joining is not None:
+            attempt = make(comment, *joining, work_per_element, group)
             if row_local(attempt, group):
                 group.add(attempt)
                 return
@@ -145,6 +152,18 @@ class Kernels:
         kernel.prologue, kernel.body = prologue.lines, versioned(body, bool(inner) and rereadable)
         kernel.work = math.prod(shape[k:]) * work_per_element
         return kernel
+
+
+def _under_unit_rows(dest: Strided, value_fn, rows):
+    """(dest, value_fn) seen with the leading unit dims of `rows` in front, when the rest of rows
+    are dest's leading dims (a [s, n] GEMM output after a kernel over (1, s) rows): the same
+    elements, so it can share that row loop. None otherwise."""
+    units = next((d for d, n in enumerate(rows) if n != 1), len(rows))
+    if units == 0 or tuple(dest.shape[:len(rows) - units]) != tuple(rows[units:]):
+        return None
+    lifted = Strided(dest.buf, (1,) * units + tuple(dest.shape),
+                     Layout(dest.layout.offset, (0,) * units + tuple(dest.layout.strides)))
+    return lifted, lambda scope, idx: value_fn(scope, idx[units:])
 
 
 def _in_order(value_fn, order):

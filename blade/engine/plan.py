@@ -12,6 +12,9 @@ Decided from the graph alone, before any code exists (compiler.STAGES dumps it a
 - convolution epilogues: act(conv), conv + addend and act(conv + addend), act a ReLU or a clamp
   (ReLU6, hardtanh), computed by the convolution itself (the runtime's kernels, oneDNN post-ops)
   when the sum's addend is stored before the convolution runs;
+- matmul epilogues: a stored matmul + bias row (a Linear's or GPT-2's Conv1D's bias; stored as a
+  graph output, or as the projection whose heads a fused attention reads in place) is written by
+  the GEMM: C is filled with the bias, then the GEMM accumulates into it;
 - reductions in *window form* (small windows accumulated along the output row: pooling) and
   constant pads stored as a fill plus a copy of the interior.
 
@@ -61,7 +64,8 @@ class Activation:
 
 @dataclass(frozen=True)
 class Epilogue:
-    """A convolution computes `target` = act(conv), conv + addend or act(conv + addend) itself."""
+    """A convolution computes `target` = act(conv), conv + addend or act(conv + addend) itself; a
+    matmul computes `target` = matmul + addend (a bias row) itself (no activation)."""
     target: Node
     addend: Node | None
     activation: Activation | None
@@ -120,7 +124,7 @@ class Plan:
             parts.append(f"computed by the epilogue of {targets[node].name}")
         if node in self.epilogues:   # the convolution writes the target's buffer, it has none of its own
             e = self.epilogues[node]
-            value = f"conv{f' + {e.addend.name}' if e.addend is not None else ''}"
+            value = f"{node.op}{f' + {e.addend.name}' if e.addend is not None else ''}"
             parts.append(f"its epilogue writes {e.target.name} = "
                          + (f"{e.activation}({value})" if e.activation is not None else value))
         elif node in self.outputs:
@@ -163,7 +167,11 @@ def make_plan(graph: Graph) -> Plan:
     for node in live:
         for arg in node.args:
             users.setdefault(arg, []).append(node)
-    materialized = _materialized(graph, live)
+    # Fused attention: the call computes the scores, their softmax and the probabilities itself,
+    # so none of them is stored (and no kernel computes them); it reads Q, K^T and V in place.
+    attentions = find_attentions(live, users, {node for _, node in graph.outputs})
+    read_in_place = {operand for a in attentions.values() for operand in (a.q, a.kt, a.v)}
+    materialized = _materialized(graph, live, read_in_place)
     outputs = {}
     for k, (_, node) in enumerate(graph.outputs):
         if node in materialized and node not in outputs:
@@ -177,9 +185,7 @@ def make_plan(graph: Graph) -> Plan:
             outputs[source] = k
     result = Plan(graph, live, users, materialized, outputs, orders={},
                   window_form={n for n in live if n.op == "reduce" and window_form(n)})
-    # Fused attention: the call computes the scores, their softmax and the probabilities itself,
-    # so none of them is stored (and no kernel computes them).
-    result.attentions = find_attentions(live, users, {node for _, node in graph.outputs})
+    result.attentions = attentions
     for attention in result.attentions.values():
         for node in attention.interior:
             materialized.pop(node, None)
@@ -191,7 +197,9 @@ def make_plan(graph: Graph) -> Plan:
                 order = channels_last_order(node.rank)
             if order is not None:
                 result.orders[node] = order
-    _plan_epilogues(result, channels_last)
+    # the stored projections whose heads a fused attention reads in place (_matmul_epilogue)
+    attention_sources = {views.view_chain(operand)[1] for operand in read_in_place}
+    _plan_epilogues(result, channels_last, attention_sources)
     return result
 
 
@@ -224,8 +232,9 @@ def _cost(node, stored, memo):
     return memo[node]
 
 
-def _materialized(graph: Graph, live: list) -> dict:
-    """node -> why it gets memory."""
+def _materialized(graph: Graph, live: list, read_in_place: set) -> dict:
+    """node -> why it gets memory. read_in_place: the fused attentions' Q, K^T and V, which the
+    runtime reads from their source's memory whatever their strides (calls._gemm_operand)."""
     outputs = {node for _, node in graph.outputs}
     # reads[n]: how many times each element of n is read by the rest of the graph, looking
     # through views (a view is read-through; an expand multiplies reads).
@@ -247,7 +256,7 @@ def _materialized(graph: Graph, live: list) -> dict:
             else:
                 reads[arg] += reads_per_element(node)
             if node.op in DENSE_OPERANDS:
-                if _copied_gemm_operand(node, arg):
+                if arg not in read_in_place and _copied_gemm_operand(node, arg):
                     copied.add(arg)
                 else:
                     must_store.setdefault(arg, f"read from memory by {node.op}")
@@ -279,7 +288,9 @@ def _copied_gemm_operand(node: Node, arg: Node) -> bool:
     instead of from its compute source's memory: arg views a computed value whose row-major
     buffer would leave arg's matrix unpacked (views.packed_matrix; Q, K and V as heads of one
     [seq, 3 * heads * dim] projection). That source then need not be stored for the matmul: the
-    copy computes it (a bias add fuses into the copy of each head) where it would have been stored."""
+    copy computes it (a bias add fuses into the copy of each head) where it would have been stored.
+    Not asked of a fused attention's operands: the runtime reads those in place, so their source
+    is stored (a biased projection by its GEMM: _matmul_epilogue) and no copy kernel runs."""
     if node.op != "matmul":
         return False
     chain, arg = views.view_chain(arg)
@@ -383,13 +394,20 @@ def _computed_from(p: Plan, node: Node, chosen: set, through: tuple) -> bool:
     return False
 
 
-def _plan_epilogues(p: Plan, channels_last: set) -> None:
+def _plan_epilogues(p: Plan, channels_last: set, attention_sources: set) -> None:
     """Conv epilogues, in the order kernels run: an addend must be written before the convolution
-    that reads it (an input, or a stored node whose kernel comes earlier)."""
+    that reads it (an input, or a stored node whose kernel comes earlier); matmul epilogues for the
+    biased projections in attention_sources."""
     written = set(p.graph.inputs)
     for node in p.live:
         if node in written or node not in p.materialized:
             continue
+        if node.op == "matmul":
+            epilogue = _matmul_epilogue(p, node, attention_sources)
+            if epilogue is not None:
+                p.epilogues[node] = epilogue
+                written.add(epilogue.target)
+                continue
         if node.op == "conv":
             epilogue = _conv_epilogue(p, node, written, channels_last)
             if epilogue is not None:
@@ -397,6 +415,50 @@ def _plan_epilogues(p: Plan, channels_last: set) -> None:
                 written.add(epilogue.target)
                 continue
         written.add(node)
+
+
+def _matmul_epilogue(p: Plan, matmul: Node, attention_sources: set) -> Epilogue | None:
+    """matmul + bias when that sum is matmul's only reader and a fused attention reads its heads
+    in place (attention_sources: GPT-2's c_attn, BERT's query/key/value after
+    frontend._concat_shared_input_linears), the bias a float32 constant the same on every row (a
+    Linear's bias, read through the views that broadcast it): the GEMM writes it, into C filled
+    with the bias first (calls.emit_matmul, sgemm's beta 1), so no copy kernel computes each head
+    with its bias. Only there: a stored sum elsewhere (ViT's patch embedding) keeps its bias add in
+    the next row loop, where the fill would be a parallel region of its own (ViT b1/b8 read 7-9%
+    slower at 2 threads in two noisy runs with the epilogue on every stored sum). The floats are
+    the unfused ones where the GEMM adds C after its whole k-sum (the panels kernel, oneDNN's
+    packed inner product: round(sum + bias)); MKL's sgemm with beta 1 need not round the same, no
+    more than eager's addmm, which is that call (it differs from mm + bias by up to 1 ulp of the
+    result, e.g. 9.5e-7 at [128, 768] @ [768, 2304]). None when the epilogue does not apply."""
+    if matmul in p.attentions or any(matmul is node for _, node in p.graph.outputs):
+        return None
+    readers = p.users.get(matmul, [])
+    if len(readers) != 1:
+        return None
+    (target,) = readers
+    if target not in attention_sources:
+        return None
+    if not (target.op == "ew" and target.attrs.get("fn") == "Add" and target in p.materialized
+            and target.dtype == "float32" and tuple(target.shape) == tuple(matmul.shape)
+            and p.orders.get(target) is None):
+        return None
+    # k >= 1: with an empty sum the GEMM would leave C = bias, where eager's 0 + bias turns -0 to 0
+    if not proves_at_least(matmul.args[0].shape[-1], 1):
+        return None
+    others = [a for a in target.args if a is not matmul]
+    if len(others) != 1 or tuple(others[0].shape) != tuple(target.shape) or not _row_constant(others[0]):
+        return None
+    return Epilogue(target, others[0], None)
+
+
+def _row_constant(value: Node) -> bool:
+    """Whether value is a float32 constant read through views that repeat it along every dim but
+    the last (a bias row broadcast over the rows): filling C with it reads a few cache lines."""
+    chain, source = views.view_chain(value)
+    if source.op != "const" or source.dtype != "float32":
+        return False
+    layout = views.layout_through(chain, views.Layout(0, contiguous_strides(source.shape)))
+    return layout is not None and all(n == 1 or st == 0 for n, st in zip(value.shape[:-1], layout.strides[:-1]))
 
 
 def _conv_epilogue(p: Plan, conv: Node, written: set, channels_last: set) -> Epilogue | None:

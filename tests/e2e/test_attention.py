@@ -1,12 +1,13 @@
 """Attention blocks in the shapes transformers write them, engine vs eager.
 
-The engine copies an attention GEMM's operands to dense memory when they are one head's slice of a
-projection (fusing the projection's bias add into the copy), reads them in place when they are
-packed, and computes a masked softmax's row max once. These cases cover each operand layout
+The fused attention reads Q, K and V in place, also where they are one head's slice of a projection
+(whose GEMM adds the projection's bias itself), and computes a masked softmax's row max once. These cases cover each operand layout
 (fused QKV with and without bias, separate projections, heads from a transposed or sliced input),
 masks (none, causal, bool with a fully masked row, additive float), odd head counts and sizes,
 grouped-query heads (repeat_kv) and batches."""
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -39,6 +40,22 @@ class FusedQKV(torch.nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.mask == "causal")
         return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SeparateQKV(torch.nn.Module):
+    """BERT style: three biased projections, heads by view and permute, an additive mask."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.out = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, d // self.heads).permute(0, 2, 1, 3) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5 + mask
+        y = torch.softmax(scores, dim=-1) @ v
+        return self.out(y.permute(0, 2, 1, 3).reshape(b, t, d))
 
 
 class GroupedQuery(torch.nn.Module):
@@ -161,3 +178,26 @@ def test_fused_attention_at_run_time_sequence_lengths(tmp_path):
             torch.testing.assert_close(compiled(x, mask), model(x, mask), rtol=1e-4, atol=1e-5)
     assert len(capture.compiled) <= 2, "one dynamic graph serves the lengths (after the first static one)"
     assert "rt->attention(" in _engine_sources(tmp_path)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "bert"])
+def test_biased_projections_are_read_in_place_by_the_fused_attention(tmp_path, style):
+    """GPT-2's one biased q/k/v projection and BERT's three: the projection's GEMM adds its bias
+    itself (C filled with the bias row, sgemm's beta 1), so the fused attention reads every head where its
+    projection wrote it. No kernel copies a head (the copy used to add the bias), and the result
+    matches eager."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 20, 48)
+    if style == "gpt2":
+        model, inputs = FusedQKV(48, 4, mask="causal").eval(), (x,)
+    else:
+        mask = padding_mask(2, 20, additive=True).clamp(min=torch.finfo(torch.float32).min)
+        model, inputs = SeparateQKV(48, 4).eval(), (x, mask)
+    compile_and_check(model, inputs, min_cluster_size=1, dump_dir=str(tmp_path))
+    source = _engine_sources(tmp_path)
+    assert source.count("rt->attention(") == 1, "one fused attention call"
+    assert "contiguous copy" not in source
+    betas = [call.split(", ")[13] for call in re.findall(r"rt->sgemm\((.*)\);", source)]
+    # the q/k/v projection (BERT's three are one GEMM: frontend._concat_shared_input_linears) adds
+    # its bias; the output projection's bias (a graph output: no attention reads it) stays an add
+    assert betas == ["1.0f", "0.0f"], betas

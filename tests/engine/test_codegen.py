@@ -81,19 +81,37 @@ def test_transposed_operand_folds_into_gemm_flags_and_weight_broadcast_has_strid
     assert args[0] == "2" and args[11] == "0" and args[12] == "1"   # batch, stride_b == 0, trans_b
 
 
-def test_attention_heads_are_copied_dense_with_the_bias_add_and_the_row_max_is_shared():
+def test_biased_attention_heads_are_read_in_place_from_a_projection_whose_gemm_adds_the_bias():
     (case,) = [c for c in CASES if c.name == "attention-heads-of-a-fused-projection"]
     planned = plan.make_plan(ir.lower_onnx(case.model))
     text = planned.describe()
     (bias_add,) = [line for line in text.splitlines() if " = Add(" in line]
-    assert bias_add.endswith("inline (computed where it is read)"), "the copies compute the bias add"
+    (projection,) = [line for line in text.splitlines() if " = matmul(x, w)" in line]
+    assert bias_add.endswith(f"computed by the epilogue of {projection.split()[0]}"), bias_add
     assert text.count("reduce max") == 1, "softmax and the fully-masked-row check share one row max"
     program = source_of(case)
-    assert sum(k.count("contiguous copy") for k in kernels(program)) == 3
-    assert program.source.count("rt->sgemm(") == 1, "only the projection: the attention is one fused call"
+    listed = kernels(program)
+    # C = the bias row, the projection's GEMM adding to it, then the fused attention reading q, k
+    # and v where the GEMM wrote them: no copy kernel
+    assert not any("contiguous copy" in k for k in listed), listed
+    assert len(listed) == 3 and "which the GEMM of" in listed[0] and "fused attention" in listed[2], listed
+    (call,) = re.findall(r"rt->sgemm\((.*)\);", program.source)
+    assert call.split(", ")[13] == "1.0f", "beta 1: the GEMM adds its product to the bias"
     fields = dict(re.findall(r"a\.(\w+(?:\[\d\])?(?:\.\w+)?) = ([^;]+);", program.source))
-    # q @ k^T with both read dense (k^T as k with trans_k), 2 heads
-    assert (fields["inner"], fields["ldq"], fields["ldk"], fields["trans_k"]) == ("2", "4", "4", "1")
+    # q @ k^T with k^T read as the projection's rows (trans_k), 2 heads, rows 24 floats apart
+    assert (fields["inner"], fields["ldq"], fields["ldk"], fields["trans_k"], fields["ldv"]) == ("2", "24", "24", "1", "24")
+
+
+def test_a_bias_add_read_inline_stays_out_of_the_gemm():
+    """Where matmul + bias is not stored (its reader computes it inline: bias + relu), the GEMM
+    keeps beta 0 and no fill kernel runs: the add costs nothing there."""
+    case = graph_case("linear-relu", [node("MatMul", ["x", "w"], ["p"]), node("Add", ["p", "b"], ["s"]),
+                                      node("Relu", ["s"], ["y"])],
+                      {"x": ((6, 8), "float32")}, ["y"],
+                      {"w": np.ones((8, 5), np.float32), "b": np.arange(5, dtype=np.float32)})
+    program = source_of(case)
+    (call,) = re.findall(r"rt->sgemm\((.*)\);", program.source)
+    assert call.split(", ")[13] == "0.0f" and len(kernels(program)) == 2
 
 
 def test_unbiased_attention_heads_are_read_in_place_by_the_fused_attention():

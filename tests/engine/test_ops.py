@@ -351,8 +351,8 @@ CASES = [
                {"a": ((2, 3, 4, 5), "float32"), "b": ((2, 3, 5, 6), "float32")}, ["y"],
                {"shape": arr([2, 4, 18], i64)}, rtol=1e-4),
     # GPT-2's heads: one biased projection [seq, 3 * heads * dim] split into q, k and v by views. The
-    # bias add is not stored: each head's operand is copied dense with the add fused in (q, k
-    # untransposed), and the masked softmax's max is the one its fully-masked-row check reads.
+    # projection's GEMM adds the bias itself (C filled with it, beta 1), the fused attention reads
+    # each head in place, and the masked softmax's max is the one its fully-masked-row check reads.
     graph_case("attention-heads-of-a-fused-projection", [
         node("MatMul", ["x", "w"], ["p"]), node("Add", ["p", "b"], ["qkv"]),
         node("Reshape", ["qkv", "split"], ["r"]), node("Transpose", ["r"], ["h"], perm=[1, 2, 0, 3]),
@@ -369,8 +369,7 @@ CASES = [
         values={"keep": np.tril(np.ones((6, 6), bool)) & np.array([1, 1, 1, 1, 1, 0], bool)[:, None]},
         rtol=1e-4),
     # T5's heads: an unbiased projection split the same way, a constant position bias added to the
-    # scores. Each head's operand is then a plain view of the projection: q and k are copied in one
-    # kernel and v in the softmax's rows (calls._emit_copy: the copies' own order).
+    # scores. Each head's operand is a plain view of the projection, read in place.
     graph_case("attention-heads-of-an-unbiased-projection", [
         node("MatMul", ["x", "w"], ["qkv"]),
         node("Reshape", ["qkv", "split"], ["r"]), node("Transpose", ["r"], ["h"], perm=[1, 2, 0, 3]),
