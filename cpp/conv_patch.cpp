@@ -128,25 +128,37 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   // unless the weight exceeds about half an L2 (prefetching hot panels cost MobileNetV2's 16 -> 96
   // at 80x80, 6 KB of weight in 134 blocks, 4%).
   const bool large_weight = panel_count * s.depth() * kPanel * int64_t{sizeof(float)} > (int64_t{1} << 19);
-  if (blocks < 2 * threads && panel_count % threads != 0 && s.direct() && rows >= threads * kTileRows) {
-    // Few pixels and panels the threads do not divide (MobileNetV2's 960 -> 160 at 5x5: 25 pixels,
-    // 5 panels, split 3 + 2 on 2 threads): items of one panel x one of at least `threads` pixel
-    // blocks, panel by panel, so each thread gets the same pixel-panels and streams about its
-    // share of the weight (neighbouring threads share one panel).
-    const int64_t row_blocks = std::max(blocks, threads);
-    const int64_t item_work = (rows + row_blocks - 1) / row_blocks * s.depth() * kPanel;
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, item_work));
-    timed_parallel_for(0, panel_count * row_blocks, grain, [&](int64_t item_begin, int64_t item_end) {
-      for (int64_t item = item_begin; item < item_end; ++item) {
-        const int64_t panel = item / row_blocks, block = item % row_blocks;
-        block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, rows * block / row_blocks,
-                    rows * (block + 1) / row_blocks, panel, panel + 1, nullptr, staged_block(), true);
+  if (threads > 1 && blocks < 2 * threads && s.direct()) {
+    // Few pixels (MobileNetV2's 5x5 stage: 25 pixels, 5 to 40 panels): units of one panel x one
+    // pixel block, panel by panel, cut into one equal run of units a thread, so each thread
+    // streams its share of the weight once. Chunks of whole panels or of pixel blocks claimed
+    // from a counter split 10 panels 4 + 6 (chunks of 2 and 3) and 5 panels 3 + 2 (960 -> 320 at
+    // 5x5: 176 us at 2 threads against 251 at one). With panels the threads do not divide, the
+    // pixels (at least a tile a thread) are cut into at least `threads` blocks so that the runs
+    // still come out even (neighbouring threads share one panel).
+    const bool split_rows = panel_count % threads != 0 && rows >= threads * kTileRows;
+    const int64_t row_blocks = split_rows ? std::max(blocks, threads) : blocks;
+    // A run worth a thread wake-up: about 64K multiply-adds (a 1x1 image runs on one thread).
+    const int64_t work = rows * s.depth() * panel_count * kPanel;
+    const int64_t units = panel_count * row_blocks, runs = std::clamp<int64_t>(work >> 16, 1, std::min(threads, units));
+    timed_parallel_for(0, runs, 1, [&](int64_t run_begin, int64_t run_end) {
+      for (int64_t run = run_begin; run < run_end; ++run) {
+        const int64_t unit_begin = units * run / runs, unit_end = units * (run + 1) / runs;
+        for (int64_t unit = unit_begin; unit < unit_end;) {
+          const int64_t panel = unit / row_blocks, block = unit % row_blocks;
+          // A whole pixel block's run of panels in one call (its panels prefetched one ahead).
+          const int64_t panel_end = row_blocks == 1 ? unit_end : panel + 1;
+          block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, rows * block / row_blocks,
+                                      rows * (block + 1) / row_blocks, panel, panel_end, nullptr, staged_block(),
+                                      true);
+          unit = row_blocks == 1 ? unit_end : unit + 1;
+        }
       }
     });
     return;
   }
-  // Fewer pixel blocks than two a thread (MobileNet's 5x5 stage: 25 pixels, 960 channels): the
-  // panels are split across the threads too.
+  // Fewer pixel blocks than two a thread on gathered rows (or one thread): the panels are split
+  // across the threads too.
   const int64_t splits = blocks >= 2 * threads ? 1 : std::min(panel_count, (2 * threads + blocks - 1) / blocks);
   // A work item worth a thread wake-up: about 64K multiply-adds.
   const int64_t item_work = block_rows * s.depth() * kPanel * ((panel_count + splits - 1) / splits);

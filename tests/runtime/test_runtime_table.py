@@ -391,15 +391,19 @@ def test_conv_patch(case, with_bias, with_sum, activation, pack, output_channels
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-# How the patch kernel splits its work across threads (pixel blocks split evenly, panels split
-# when there are few pixels, the next panel prefetched, always on a weight past 512 KB) and its
+# How the patch kernel splits its work across threads (pixel blocks split evenly; with few pixels
+# one equal run of panel x pixel-block units a thread; the next panel prefetched, always on a
+# weight past 512 KB) and its
 # gather's whole-vector copies (short runs ending at the input's last float, channel counts off
 # the 16-float vectors): on 1 and 2 threads, against float64.
 PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-last
     ((1, 96, 10, 10), 576, 1, 1, [0, 0, 0, 0], True),      # 100 pixels: 4 blocks of 25
     ((1, 32, 20, 20), 70, 1, 1, [0, 0, 0, 0], True),       # 400 pixels: 10 blocks of 40, last panel 6 wide
     ((1, 320, 5, 5), 1280, 1, 1, [0, 0, 0, 0], True),      # 25 pixels, 40 panels split, a 1.6 MB weight
-    ((1, 160, 5, 5), 150, 1, 1, [0, 0, 0, 0], True),       # 5 panels split 4 ways
+    ((1, 160, 5, 5), 150, 1, 1, [0, 0, 0, 0], True),       # 5 panels: pixels cut in 2 blocks, 5 units a thread
+    ((1, 96, 5, 5), 320, 1, 1, [0, 0, 0, 0], True),        # 10 panels: 5 a thread, each run in one call
+    ((1, 40, 8, 8), 70, 1, 1, [0, 0, 0, 0], True),         # 64 pixels, 3 panels: 2 blocks x 3 panels, a shared panel
+    ((1, 24, 1, 1), 70, 1, 1, [0, 0, 0, 0], True),         # one pixel: too little work for a second thread
     ((3, 17, 7, 5), 33, 1, 1, [0, 0, 0, 0], True),         # 105 pixels over images
     ((1, 3, 9, 9), 32, 3, 1, [0, 0, 0, 0], False),         # runs of 9 floats, the last one ends the input
     ((1, 20, 6, 7), 24, 3, 1, [0, 0, 0, 0], True),         # runs of 60 floats, ending the input
