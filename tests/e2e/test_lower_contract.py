@@ -101,3 +101,23 @@ def test_the_engine_compilers_contract_check_reads_weights_by_type_and_shape(mon
     assert np.array_equal(weight.attrs["value"], np.ones((64, 64), np.float32))
     with pytest.raises(Exception, match="Incompatible dimensions|MatMul"):
         ir.lower_onnx(_bad_matmul())   # a weight of the wrong shape still fails the check
+
+
+@pytest.mark.parametrize("array", [np.float32(2.0), np.arange(6, dtype=np.int64).reshape(2, 3),
+                                   np.ones((3, 4), np.float64), np.array([True, False]),
+                                   np.arange(5, dtype=np.int32), np.ones((2, 3), np.float32).T,
+                                   np.ones(3, np.float16)], ids=lambda a: f"{a.dtype}{list(a.shape)}")
+def test_constants_written_in_place_are_what_onnx_makes_of_them(array):
+    """OnnxBuilder writes an initializer into its model as it is made (adding a finished one copies
+    it: GPT-2's 64 MB once more per lowering); the tensor is numpy_helper.from_array's."""
+    b = OnnxBuilder("c")
+    name = b.constant(array)
+    expected = onnx.numpy_helper.from_array(np.require(array, requirements="C"), name)
+    assert b.model().graph.initializer[0].SerializeToString() == expected.SerializeToString()
+
+
+def test_a_constant_onnx_cannot_hold_leaves_no_initializer_behind():
+    b = OnnxBuilder("c")
+    with pytest.raises(ValueError):
+        b.constant(np.ones(3, ">f4"))
+    assert len(b.model().graph.initializer) == 0
