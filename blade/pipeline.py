@@ -34,6 +34,7 @@ from blade.errors import translate_engine_error
 from blade.executor import unoptimized
 from blade.frontend import to_torchscript
 from blade.guards import FrozenWeights, ScalarValues, first_requiring_grad, module_tensors, placeholder_names
+from blade.heap import frozen_heap
 from blade.progress import Progress
 from blade.runtime import make_engine
 from blade.shared_constants import sharing_constants
@@ -287,8 +288,10 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config, s
     (success, failed lowering or compile, timeout, exception); warnings then carry the log tails.
     With ``symbols`` (blade.dynamic.SizeSymbols), the engines take those sizes at run time. The
     engines hold one tensor per distinct constant (also with those of the other graphs of an
-    export's captures: blade/shared_constants.py)."""
-    with sharing_constants():
+    export's captures: blade/shared_constants.py). The heap alive on entry is frozen (blade/heap.py):
+    lowering a large cluster at every probe point allocates enough to trigger a full collection,
+    which walked the whole process (torch, sympy, the model) for 0.3 s of a dynamic GPT-2 compile."""
+    with sharing_constants(), frozen_heap():
         if config.dump_dir:
             return _compile_fx_in(Path(config.dump_dir), gm, example_inputs, config, symbols)
         with tempfile.TemporaryDirectory(prefix="blade-", ignore_cleanup_errors=True) as work_root:

@@ -1,13 +1,13 @@
 """Lower one cluster (TorchScript nodes) to its ONNX file: the backend contract, checked."""
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import onnx.shape_inference
 
 from blade.cluster.onnx_builder import NP_TO_ONNX, OnnxBuilder
 from blade.cluster.partition import Cluster
 from blade.cluster.support import LowerCtx, LoweringError, rule_for, tensor_info
+from blade.engine.ir import without_weight_values
 
 ONNX_TO_NP = {code: dtype for dtype, code in NP_TO_ONNX.items()}
 
@@ -46,20 +46,11 @@ def lower_cluster(cluster: Cluster, name: str, run_time: dict | None = None,
     return model
 
 
-# check_contract checks a model whose floating-point initializers of more than this many elements
-# are graph inputs of the same type and shape. ONNX's shape inference reads initializer values only
-# as shape data (int32/int64 tensors, kept whole) or as small float operands (Resize scales, Range
-# bounds), so the weights decide nothing there but their type and shape; serializing them for the
-# checker and again for shape inference was most of a lowering's time.
-SHAPE_ONLY_ELEMENTS = 64
-_FLOATING = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
-
-
 def check_contract(model: onnx.ModelProto) -> None:
     """onnx.checker plus strict shape inference; the declared outputs must be what ONNX infers.
     A LoweringError for an output's shape or dtype carries ``onnx_node``: the index of the node
     computing it, whose rule disagrees (blade/dynamic.py leaves that op out, not the cluster)."""
-    checked = _without_weight_values(model)
+    checked = without_weight_values(model)  # the weights by type and shape only (blade/engine/ir.py)
     try:
         onnx.checker.check_model(checked)
         inferred = onnx.shape_inference.infer_shapes(checked, strict_mode=True, data_prop=True)
@@ -107,25 +98,6 @@ def _disagreeing_node(checked: onnx.ModelProto):
         return None
     disagreement = _first_disagreement(checked, inferred)
     return None if disagreement is None else disagreement[1]
-
-
-def _without_weight_values(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with its large floating-point initializers as typed graph inputs (see
-    SHAPE_ONLY_ELEMENTS); the model itself when it has none."""
-    graph = model.graph
-    weights = [t for t in graph.initializer
-               if t.data_type in _FLOATING and int(np.prod(t.dims, dtype=np.int64)) > SHAPE_ONLY_ELEMENTS]
-    if not weights:
-        return model
-    names = {t.name for t in weights}
-    inputs = list(graph.input) + [onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
-                                  for t in weights]
-    kept = [t for t in graph.initializer if t.name not in names]
-    checked = onnx.helper.make_model(
-        onnx.helper.make_graph(graph.node, graph.name, inputs, graph.output, kept, value_info=graph.value_info),
-        opset_imports=model.opset_import, producer_name=model.producer_name)
-    checked.ir_version = model.ir_version
-    return checked
 
 
 def _signature(value_info) -> tuple:

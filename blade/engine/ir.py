@@ -925,10 +925,40 @@ def load_model(onnx_path_or_model) -> onnx.ModelProto:
     return onnx.load(str(onnx_path_or_model))
 
 
+# The contract checks (onnx.checker, shape inference) see floating-point initializers of more than
+# this many elements as graph inputs of the same type and shape. ONNX's shape inference reads
+# initializer values only as shape data (int32/int64 tensors, kept whole) or as small float operands
+# (Resize scales, Range bounds), so the weights decide nothing there but their type and shape; and
+# both checks serialize the model they get, weights included: for GPT-2's 64 MB cluster ~0.5 s of
+# CPU a check, paid by every engine compile and by blade/dynamic.py's check of run-time sizes.
+SHAPE_ONLY_ELEMENTS = 64
+_FLOATING = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def without_weight_values(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its large floating-point initializers as typed graph inputs (see
+    SHAPE_ONLY_ELEMENTS), for the contract checks; the model itself when it has none."""
+    graph = model.graph
+    weights = [t for t in graph.initializer
+               if t.data_type in _FLOATING and int(np.prod(t.dims, dtype=np.int64)) > SHAPE_ONLY_ELEMENTS]
+    if not weights:
+        return model
+    names = {t.name for t in weights}
+    inputs = list(graph.input) + [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                                  for t in weights]
+    kept = [t for t in graph.initializer if t.name not in names]
+    checked = helper.make_model(
+        helper.make_graph(graph.node, graph.name, inputs, graph.output, kept, value_info=graph.value_info),
+        opset_imports=model.opset_import, producer_name=model.producer_name)
+    checked.ir_version = model.ir_version
+    return checked
+
+
 def lower_onnx(model: onnx.ModelProto) -> Graph:
     """Checks the backend contract and lowers the graph into IR primitives."""
-    onnx.checker.check_model(model)
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph
+    checked = without_weight_values(model)
+    onnx.checker.check_model(checked)
+    inferred = onnx.shape_inference.infer_shapes(checked, strict_mode=True).graph
     typed = {v.name: v for v in list(inferred.value_info) + list(inferred.output)}
     constants = constant_tensors(model)
     graph = model.graph
