@@ -65,10 +65,13 @@ class OnnxBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, NP_TO_ONNX[np.dtype(dtype)], list(shape)))
 
     def model(self) -> onnx.ModelProto:
-        """The model (once: it holds the initializers made so far)."""
-        # filled in place: helper.make_model copies a whole graph (weights included) once more
+        """The model, holding the initializers made so far (the same object on every call)."""
+        # filled in place: helper.make_model copies a whole graph (weights included) once more;
+        # cleared first so that a second call does not list the nodes and inputs twice
         graph = self._model.graph
         graph.name = self.name
+        for repeated in ("node", "input", "output"):
+            graph.ClearField(repeated)
         graph.node.extend(self.nodes)
         graph.input.extend(self.inputs)
         graph.output.extend(self.outputs)
