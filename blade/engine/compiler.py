@@ -28,8 +28,16 @@ DEFAULT_OPTIONS = {
 }
 # -fno-gnu-unique: inline/template statics would otherwise be process-wide unique symbols even
 # under RTLD_LOCAL, shared between engines and pinning the .so in memory.
+# -falign-loops=64: every loop starts a 64-byte block, so a loop of up to 64 bytes is fetched from
+# one block an iteration. g++'s default (16-byte alignment) put relu's and int32 bitwise_not's
+# 31- and 22-byte vector loops at [64, 4096] across a 64-byte boundary (neg's happened to fit in
+# one block), and on 2 threads those ran 3-37% slower than eager and than neg in the same process,
+# in 8 of 9 processes over three windows (1 thread: no difference; windows where the host slows all,
+# eager too, hide it). The same relu loop moved by hand to offsets 0, 16 and 32 of a block ran at
+# eager's speed, at 40 and 48 (across the boundary) ~20% slower: it is the 64-byte block, not the
+# expression. A loop entered by falling through pays the padding (a few long nops) once per entry.
 BASE_FLAGS = ["-std=c++17", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd",
-              "-fno-gnu-unique"]
+              "-fno-gnu-unique", "-falign-loops=64"]
 
 
 class EngineCompileError(RuntimeError):

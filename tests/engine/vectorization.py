@@ -47,3 +47,22 @@ def compile_with_report(model, out_dir: Path, isa: str = "native") -> list[Loop]
     source = (out_dir / "engine.cpp").read_text()
     done = {int(n) for n in VECTORIZED.findall((out_dir / "compile.log").read_text())}
     return [Loop(lines, kernel, bool(done & set(lines))) for lines, kernel in innermost_loops(source)]
+
+
+INSTRUCTION = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*([0-9a-f]*)")
+
+
+def short_loops(engine_so: Path, longest: int = 64) -> list[tuple[int, int]]:
+    """(first byte, byte after the last) of every loop of the .so's code at most `longest` bytes
+    long, read from its object code: a conditional jump back to an address before it closes a loop."""
+    import subprocess
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(engine_so)],
+                          capture_output=True, text=True, check=True).stdout
+    instructions = [m.groups() for m in map(INSTRUCTION.match, text.splitlines()) if m]
+    loops = []
+    for (address, mnemonic, target), following in zip(instructions, instructions[1:]):
+        if mnemonic.startswith("j") and mnemonic != "jmp" and target:
+            head, end = int(target, 16), int(following[0], 16)
+            if head < int(address, 16) and end - head <= longest:
+                loops.append((head, end))
+    return loops
