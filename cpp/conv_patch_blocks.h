@@ -31,15 +31,17 @@ constexpr int64_t kGatherSlack = 16;
 #define BLADE_BLOCK_PARAMS                                                                                        \
   const PatchConvShape &s, const float *input, const float *panels, const float *bias, const float *sum,          \
       Clamp clamp, float *output, int64_t begin, int64_t end, int64_t panel_begin, int64_t panel_end,             \
-      float *gathered, float *staged, bool prefetch
-#define BLADE_BLOCK_ARGS \
-  s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end, gathered, staged, prefetch
+      float *gathered, float *staged, bool prefetch, const float *after, int64_t after_depth
+#define BLADE_BLOCK_ARGS                                                                                     \
+  s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end, gathered, staged, prefetch, \
+      after, after_depth
 
 using BlockKernel = void (*)(BLADE_BLOCK_PARAMS);
 
 struct BlockKernels {
   BlockKernel patch_block;  // output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered
-                            // (or a 1x1's input read in place)
+                            // (or a 1x1's input read in place); its last panel prefetches `after`
+                            // (after_depth rows of kPanel floats) unless null
   BlockKernel image_block;  // the same reading image rows in place (PatchConvShape::image_rows)
 };
 

@@ -150,21 +150,24 @@ __attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], 
 
 // A tile of Rows pixels x `width` (<= kLanes<V> * Vectors) output channels: the sums over the depth in
 // registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
-// lda (ldc) floats apart. With Prefetch, each step over the depth also prefetches that step's
-// row of the next panel (`next`, depth x kPanel floats like `panel`; see panel_rows).
+// lda (ldc) floats apart. With Prefetch, the first of every `every` steps over the depth also
+// prefetches a row of kPanel floats, consecutive rows from `next` on (see panel_rows).
 template <typename V, int Rows, int Vectors, bool Prefetch>
 __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                 const float* bias, const float* sum, Clamp clamp, float* out,
-                                                int64_t ldc, int64_t width, const float* next) {
+                                                int64_t ldc, int64_t width, const float* next, int64_t every) {
   V acc[Rows][Vectors];
   zero_tile(acc);
-  for (int64_t k = 0; k < depth; ++k) {
-    if constexpr (Prefetch) {
-      static_assert(kPanel == 32, "a panel row is two 64-byte lines");
-      __builtin_prefetch(next + k * kPanel);
-      __builtin_prefetch(next + k * kPanel + 16);
+  if constexpr (Prefetch) {
+    static_assert(kPanel == 32, "a panel row is two 64-byte lines");
+    for (int64_t k0 = 0; k0 < depth; k0 += every, next += kPanel) {
+      __builtin_prefetch(next);
+      __builtin_prefetch(next + 16);
+      const int64_t k_end = std::min(depth, k0 + every);
+      for (int64_t k = k0; k < k_end; ++k) multiply_add(acc, a + k, lda, panel + k * kPanel);
     }
-    multiply_add(acc, a + k, lda, panel + k * kPanel);
+  } else {
+    for (int64_t k = 0; k < depth; ++k) multiply_add(acc, a + k, lda, panel + k * kPanel);
   }
   finish_tile<V, Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
 }
@@ -173,11 +176,11 @@ template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void tile_prefetching(const float* a, int64_t lda, const float* panel,
                                                             int64_t depth, const float* bias, const float* sum,
                                                             Clamp clamp, float* out, int64_t ldc, int64_t width,
-                                                            const float* next) {
+                                                            const float* next, int64_t every) {
   if (next != nullptr) {
-    tile<V, Rows, Vectors, true>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+    tile<V, Rows, Vectors, true>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
   } else {
-    tile<V, Rows, Vectors, false>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr);
+    tile<V, Rows, Vectors, false>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr, 1);
   }
 }
 
@@ -185,38 +188,53 @@ __attribute__((always_inline)) inline void tile_prefetching(const float* a, int6
 template <typename V, int Vectors, int MaxRows>
 __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const float* a, int64_t lda, const float* panel,
                                                         int64_t depth, const float* bias, const float* sum, Clamp clamp,
-                                                        float* out, int64_t ldc, int64_t width, const float* next) {
+                                                        float* out, int64_t ldc, int64_t width, const float* next,
+                                                        int64_t every) {
   if constexpr (MaxRows > 1) {
     if (rows < MaxRows) {
-      tile_of_rows<V, Vectors, MaxRows - 1>(rows, a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+      tile_of_rows<V, Vectors, MaxRows - 1>(rows, a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next,
+                                            every);
       return;
     }
   }
-  tile_prefetching<V, MaxRows, Vectors>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next);
+  tile_prefetching<V, MaxRows, Vectors>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
 }
 
 // `rows` pixels of one panel in as few tiles of at most MaxRows as it takes, of even sizes (25
 // pixels: five of 5, not four of 6 and one of 1 that streams the whole panel again for one pixel).
-// The first tile prefetches the next panel (null: none) while the later ones reuse this one from
-// the cache: a panel of a large weight (MobileNetV2's 320 -> 1280 at 5x5: 1.6 MB, cold in the
-// model) otherwise arrives at the memory's pace during its first tile, and that conv took twice
-// its cache-hot time. With `ahead` (a 1x1's next block of input rows, input_ahead), tiles 1 and 2
-// prefetch its first 2 * depth * kPanel floats, the rows of 64 pixels, through the same prefetch
-// (a block has at most kBlockRows = 48).
+// The tiles prefetch the next panel (null: none) while they reuse this one from the cache: a
+// panel of a large weight (MobileNetV2's 320 -> 1280 at 5x5: 1.6 MB, cold in the model) otherwise
+// arrives at the memory's pace during its first tile, and that conv took twice its cache-hot time.
+// Each of the panel's `slices` * tiles tiles (this call's are slice `slice`'s) prefetches an equal
+// share of the next panel's rows, one row every few steps: the whole next panel from the first
+// tile (a row of 128 bytes every step of ~5 cycles) asked more of the memory than it delivers, and
+// that tile waited on its own loads behind the prefetches. With `ahead` (a 1x1's next block of
+// input rows, input_ahead), tile 0 prefetches the whole next panel and tiles 1 and 2 the ahead
+// block's first 2 * depth * kPanel floats, the rows of 64 pixels, a row a step (a block has at
+// most kBlockRows = 48).
 template <typename V, int Vectors, int MaxRows = kTileRows>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,
                                                       int64_t ldc, int64_t width, int64_t rows, const float* next,
-                                                      const float* ahead = nullptr) {
+                                                      int64_t next_depth, const float* ahead, int64_t slice,
+                                                      int64_t slices) {
   const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
+  // Rows of the next panel (next_depth of them) a tile prefetches, one at the first of every
+  // `every` steps.
+  const int64_t sharing = ahead != nullptr ? 1 : slices * tiles;
+  const int64_t share = std::max<int64_t>(1, (next_depth + sharing - 1) / sharing);
+  const int64_t every = ahead != nullptr ? 1 : std::max<int64_t>(1, depth / share);
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int64_t end = rows * (t + 1) / tiles;
     const float* tile_sum = sum != nullptr ? sum + r * ldc : nullptr;
-    const float* tile_next = t == 0                         ? next
-                             : ahead != nullptr && t <= 2 ? ahead + (t - 1) * depth * kPanel
-                                                          : nullptr;
+    const int64_t first_row = (slice * tiles + t) * share;  // of the next panel, this tile's share
+    const float* tile_next = ahead != nullptr ? (t == 0 && slice == 0 ? next
+                                                 : t <= 2 && slice == 0 ? ahead + (t - 1) * depth * kPanel
+                                                                        : nullptr)
+                             : next != nullptr && first_row < next_depth ? next + first_row * kPanel
+                                                                    : nullptr;
     tile_of_rows<V, Vectors, MaxRows>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc,
-                                      ldc, width, tile_next);
+                                      ldc, width, tile_next, every);
     r = end;
   }
 }
@@ -277,12 +295,12 @@ __attribute__((always_inline)) inline void image_panel_rows(const ImageRows& src
 __attribute__((always_inline)) inline const float* shifted(const float* p, int64_t by) { return p != nullptr ? p + by : nullptr; }
 
 // `rows` pixels of one panel's `width` channels, as tiles of kTileChannels<V> channels (a whole
-// panel with AVX-512, its two halves with AVX2); only the first slice prefetches `next`.
+// panel with AVX-512, its two halves with AVX2), all of them sharing the prefetch of `next`.
 template <typename V>
 __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                         const float* bias, const float* sum, Clamp clamp, float* out,
                                                         int64_t ldc, int64_t width, int64_t rows, const float* next,
-                                                        const float* ahead = nullptr) {
+                                                        int64_t next_depth, const float* ahead = nullptr) {
   if constexpr (kLanes<V> == 8) {
     // 17-24 channels with AVX2 (MobileNetV2's projections to 24) as one tile of three vectors x 4
     // pixels (12 accumulators, 3 weights, 1 broadcast: 7 loads for 12 FMAs, each pixel's input read
@@ -291,20 +309,19 @@ __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t 
     // and 3083 -> 2464 us at batch 8. (32 as four vectors x 3 pixels was 15-25% slower than two
     // 16-wide tiles.)
     if (width > 2 * kLanes<V> && width <= 3 * kLanes<V>) {
-      panel_rows<V, 3, 4>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, ahead);
+      panel_rows<V, 3, 4>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, next_depth, ahead, 0, 1);
       return;
     }
   }
-  for (int64_t j = 0; j < width; j += kTileChannels<V>) {
+  const int64_t slices = (width + kTileChannels<V> - 1) / kTileChannels<V>;
+  for (int64_t slice = 0, j = 0; slice < slices; ++slice, j += kTileChannels<V>) {
     const int64_t w = std::min(kTileChannels<V>, width - j);
-    const float* slice_next = j == 0 ? next : nullptr;
-    const float* slice_ahead = j == 0 ? ahead : nullptr;
     if (w > kLanes<V>) {
       panel_rows<V, 2>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
-                       slice_next, slice_ahead);
+                       next, next_depth, ahead, slice, slices);
     } else {
       panel_rows<V, 1>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
-                       slice_next, slice_ahead);
+                       next, next_depth, ahead, slice, slices);
     }
   }
 }
@@ -476,10 +493,12 @@ __attribute__((always_inline)) inline void patch_block_for(BLADE_BLOCK_PARAMS) {
   if (s.direct() && input_ahead(s) && end < s.batch * s.out_h * s.out_w) ahead = input + end * depth;
   for (int64_t p = panel_begin; p < panel_end; ++p) {
     const PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
-    // The next panel even past this item's (its neighbour's, or this thread's next item's).
-    const float* next = prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
+    // The next panel even past this item's (its neighbour's, or this thread's next item's), or
+    // after the last one `after` (after_depth rows) when the caller knows what this thread does next.
+    const bool last = p + 1 == panel_end && after != nullptr;
+    const float* next = last ? after : prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
     panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next,
-                    p == panel_begin ? ahead : nullptr);
+                    last ? after_depth : depth, p == panel_begin ? ahead : nullptr);
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
 }
@@ -573,7 +592,7 @@ __attribute__((always_inline)) inline void image_block_for(BLADE_BLOCK_PARAMS) {
         image_panel_slices<V>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
       } else {
         const float* a = gathered + offset * depth;
-        panel_slices<V>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr);
+        panel_slices<V>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr, 0);
       }
     }
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);

@@ -448,6 +448,38 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+# A chain of patch convolutions with few pixels (MobileNetV2's 5x5 stage), run twice: from the
+# second pass on, each one's last panels prefetch the panel its thread starts the next one with
+# (conv_patch.cpp, Successors; the packs of these calls are freed after each, so the pointers it
+# learnt may be stale: a prefetch never faults), of another depth than its own. On 1 and 2
+# threads, each result against float64 of its input, and the second pass bitwise equal to the first.
+@pytest.mark.parametrize("threads", [1, 2])
+def test_conv_patch_chain_of_few_pixels(threads):
+    torch.manual_seed(11)
+    channels = [576, 160, 960, 320, 1280, 24]
+    weights = [torch.randn(o, i, 1, 1) / i ** 0.5 for i, o in zip(channels, channels[1:])]
+    biases = [torch.randn(o) for o in channels[1:]]
+    first = torch.randn(1, channels[0], 5, 5).contiguous(memory_format=torch.channels_last)
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        passes = []
+        for _ in range(2):
+            x, outs = first, []
+            for weight, bias in zip(weights, biases):
+                out = patch_output((1, weight.shape[0], 5, 5), True)
+                _testing.conv(x, weight, bias, [1, 1], [0, 0, 0, 0], [1, 1], 1, out, 3, True, None, 2, -0.5, 0.75)
+                expected = patch_reference(x, weight, bias, 1, [0, 0, 0, 0], 1, None, 2)
+                torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+                outs.append(out)
+                x = out
+            passes.append(outs)
+    finally:
+        torch.set_num_threads(before_threads)
+    for a, b in zip(*passes):
+        assert torch.equal(a, b)
+
+
 # The patch kernel's rows read straight from the image (conv_patch.cpp, image_block): on inputs of
 # at most 4 channels, the pixels of an image row whose taps all lie inside the width, at least a
 # tile of them, skip the gather. Their borders (merged across rows and images), kernel rows in the
