@@ -80,18 +80,24 @@ float* staged_block() {
 struct Successor {
   const float* panels = nullptr;
   int64_t depth = 0, panel_count = 0;
+  bool shared_panels = false;  // every thread reads every panel (else each its run's share)
 };
 
 class Successors {
  public:
   // This convolution follows the one before it on this thread; returns what followed this one last.
-  Successor follow(const float* panels, int64_t depth, int64_t panel_count) {
+  Successor follow(const float* panels, int64_t depth, int64_t panel_count, bool shared_panels) {
     if (previous_ != nullptr) {
       if (table_.size() >= kMaxEntries) table_.clear();  // engines come and go: stay small
-      table_[previous_] = Successor{panels, depth, panel_count};
+      table_[previous_] = Successor{panels, depth, panel_count, shared_panels};
     }
     previous_ = panels;
-    const auto found = table_.find(panels);
+    return upcoming();
+  }
+
+  // What followed the last patch convolution on this thread the last time: the one expected next.
+  Successor upcoming() const {
+    const auto found = table_.find(previous_);
     return found != table_.end() ? found->second : Successor{};
   }
 
@@ -107,6 +113,17 @@ Successors& successors() {
 }
 
 }  // namespace
+
+WeightSpan upcoming_patch_weights(int64_t thread, int64_t threads) {
+  const Successor next = successors().upcoming();
+  if (next.panels == nullptr || threads < 1) return {};
+  // A thread of the few-pixels path starts at its run's share of the panels (its run of the same
+  // index, as in patch_conv); on the other path every thread reads the panels from the first.
+  const int64_t first = next.shared_panels ? 0 : next.panel_count * thread / threads;
+  const int64_t end = next.shared_panels ? next.panel_count : next.panel_count * (thread + 1) / threads;
+  const int64_t panel_bytes = next.depth * kPanel * int64_t{sizeof(float)};
+  return WeightSpan{reinterpret_cast<const char*>(next.panels) + first * panel_bytes, (end - first) * panel_bytes};
+}
 
 std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
                                                const int64_t* strides, const int64_t* pads, const int64_t* dilations,
@@ -167,8 +184,9 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   // unless the weight exceeds about half an L2 (prefetching hot panels cost MobileNetV2's 16 -> 96
   // at 80x80, 6 KB of weight in 134 blocks, 4%).
   const bool large_weight = panel_count * s.depth() * kPanel * int64_t{sizeof(float)} > (int64_t{1} << 19);
-  const Successor successor = successors().follow(panels, s.depth(), panel_count);
-  if (blocks < 2 * threads && s.direct()) {
+  const bool few_pixels = blocks < 2 * threads && s.direct();
+  const Successor successor = successors().follow(panels, s.depth(), panel_count, !few_pixels);
+  if (few_pixels) {
     // Few pixels (MobileNetV2's 5x5 stage: 25 pixels, 5 to 40 panels): units of one panel x one
     // pixel block, panel by panel, cut into one equal run of units a thread, so each thread
     // streams its share of the weight once. Chunks of whole panels or of pixel blocks claimed

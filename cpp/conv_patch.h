@@ -61,6 +61,17 @@ std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* i
 // weight [out, in, kh, kw] -> panels [ceil(out / 32)][kh * kw * in][32], zero-padded.
 at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& shape);
 
+// The weight bytes thread `thread` of `threads` is expected to read first in the next patch
+// convolution on this calling thread (the one that followed the last one run, the last time: an
+// engine runs its convolutions in the same order every call); empty when none is known. For the
+// layer in between (a depthwise convolution) to prefetch while memory is idle; a stale guess only
+// prefetches lines nobody reads.
+struct WeightSpan {
+  const char* begin = nullptr;
+  int64_t bytes = 0;
+};
+WeightSpan upcoming_patch_weights(int64_t thread, int64_t threads);
+
 // output = clamp(conv(input) + bias + sum), sum in the output's layout; bias and sum may be null.
 void patch_conv(const PatchConvShape& shape, const float* input, const float* panels, const float* bias,
                 const float* sum, Clamp clamp, float* output);

@@ -1,11 +1,14 @@
 #include "depthwise.h"
 #include "activation.h"
+#include "conv_patch.h"
 #include "float_vectors.h"
 #include "timed_parallel.h"
 
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
+#include <vector>
 
 namespace blade {
 namespace {
@@ -130,12 +133,36 @@ __attribute__((always_inline)) inline void pixel_run(const DepthwiseShape& s, co
   }
 }
 
+// The next patch convolution's weight lines this thread reads first (upcoming_patch_weights),
+// prefetched a few lines per output pixel while this convolution computes from the caches: the
+// 1x1 convolutions around a small depthwise one (MobileNetV2 b1's 10x10 and 5x5 stages) stream
+// 0.2-1.6 MB of cold weight each at the memory's pace, and memory idles during the depthwise
+// one. A few lines a pixel, not all at once: a burst of prefetches waits behind itself and stalls
+// this thread's own loads (conv_patch_kernels.h, panel_rows). One line per kWeightPrefetchChannels
+// channels of an output pixel: MobileNetV2 b1 at 2 threads (one process, alternating, medians),
+// the 1x1 convolutions after its 10x10 depthwise ones 0.82-0.89 of before, its 5x5 ones 0.96-0.98,
+// model 0.977; one line per 16 or 8 channels gained less (0.986), per 64 or 128 too (0.99, 1.0).
+constexpr int64_t kWeightPrefetchChannels = 32;
+struct WeightPrefetch {
+  const char* next = nullptr;  // null: nothing to prefetch
+  const char* end = nullptr;
+  int64_t lines_per_pixel = 0;
+
+  __attribute__((always_inline)) inline void pixels(int64_t count) {
+    if (next == nullptr) return;
+    const char* stop = std::min(end, next + count * lines_per_pixel * 64);
+    for (; next < stop; next += 64) __builtin_prefetch(next);
+  }
+};
+
 // Output pixels [ow_begin, ow_end) of row `oh` one at a time, every channel.
 template <typename V>
 __attribute__((always_inline)) inline void pixels(const DepthwiseShape& s, const float* image, const float* taps,
                                                    const float* bias, const float* sum_row, Clamp clamp, int64_t oh,
-                                                   int64_t ow_begin, int64_t ow_end, float* out_row) {
+                                                   int64_t ow_begin, int64_t ow_end, float* out_row,
+                                                   WeightPrefetch& weights) {
   for (int64_t ow = ow_begin; ow < ow_end; ++ow) {
+    weights.pixels(1);
     const int64_t at = ow * s.channels;
     const auto sum_from = [&](int64_t c0) { return sum_row != nullptr ? sum_row + at + c0 : nullptr; };
     int64_t c0 = 0;
@@ -183,12 +210,13 @@ template <typename V, int64_t Width, int64_t Stride>
 __attribute__((always_inline)) inline void pixel_runs(const DepthwiseShape& s, const float* image, const float* taps,
                                                        const float* bias, const float* sum_row, Clamp clamp,
                                                        int64_t oh, int64_t ow_begin, int64_t ow_end, float* out_row,
-                                                       const RowsAhead& ahead) {
+                                                       const RowsAhead& ahead, WeightPrefetch& weights) {
   constexpr int64_t lanes = kLanes<V>;
   const int64_t vector_channels = s.channels / lanes * lanes;
   for (int64_t ow0 = ow_begin, run = kLongPixels; ow0 < ow_end; ow0 += run) {
     run = ow0 + kLongPixels <= ow_end ? kLongPixels : kPixels;
     ahead.prefetch(s, ow0, ow0 + run);
+    weights.pixels(run);
     const int64_t at = ow0 * s.channels;
     for (int64_t c0 = 0; c0 < vector_channels; c0 += lanes) {
       const float* sum_at = sum_row != nullptr ? sum_row + at + c0 : nullptr;
@@ -215,7 +243,8 @@ __attribute__((always_inline)) inline void pixel_runs(const DepthwiseShape& s, c
 template <typename V>
 __attribute__((always_inline)) inline void depthwise_rows_for(const DepthwiseShape& s, const float* input,
                                                               const float* taps, const float* bias, const float* sum,
-                                                              Clamp clamp, float* output, int64_t begin, int64_t end) {
+                                                              Clamp clamp, float* output, int64_t begin, int64_t end,
+                                                              WeightPrefetch& weights) {
   const int64_t row_floats = s.out_w * s.channels;
   const int64_t kind = s.dilation_w == 1 ? s.stride_w * 10 + s.kernel_w : 0;  // stride and width, as in the switch
   const bool runs = kind == 13 || kind == 15 || kind == 17 || kind == 23 || kind == 25;
@@ -242,25 +271,25 @@ __attribute__((always_inline)) inline void depthwise_rows_for(const DepthwiseSha
       }
     }
     ahead.prefetch(s, 0, first);
-    pixels<V>(s, image, taps, bias, sum_row, clamp, oh, 0, first, out_row);
+    pixels<V>(s, image, taps, bias, sum_row, clamp, oh, 0, first, out_row, weights);
     switch (runs ? kind : 0) {
-      case 13: pixel_runs<V, 3, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead); break;
-      case 15: pixel_runs<V, 5, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead); break;
-      case 17: pixel_runs<V, 7, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead); break;
-      case 23: pixel_runs<V, 3, 2>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead); break;
-      case 25: pixel_runs<V, 5, 2>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead); break;
+      case 13: pixel_runs<V, 3, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead, weights); break;
+      case 15: pixel_runs<V, 5, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead, weights); break;
+      case 17: pixel_runs<V, 7, 1>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead, weights); break;
+      case 23: pixel_runs<V, 3, 2>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead, weights); break;
+      case 25: pixel_runs<V, 5, 2>(s, image, taps, bias, sum_row, clamp, oh, first, run_end, out_row, ahead, weights); break;
       default: break;
     }
     ahead.prefetch(s, run_end, s.out_w);
-    pixels<V>(s, image, taps, bias, sum_row, clamp, oh, run_end, s.out_w, out_row);
+    pixels<V>(s, image, taps, bias, sum_row, clamp, oh, run_end, s.out_w, out_row, weights);
   }
 }
 
 // depthwise_rows per ISA, picked when the extension loads (g++'s function multiversioning).
 #define BLADE_DEPTHWISE_PARAMS                                                                          \
   const DepthwiseShape &s, const float *input, const float *taps, const float *bias, const float *sum, \
-      Clamp clamp, float *output, int64_t begin, int64_t end
-#define BLADE_DEPTHWISE_ARGS s, input, taps, bias, sum, clamp, output, begin, end
+      Clamp clamp, float *output, int64_t begin, int64_t end, WeightPrefetch &weights
+#define BLADE_DEPTHWISE_ARGS s, input, taps, bias, sum, clamp, output, begin, end, weights
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("arch=x86-64-v4"))) void depthwise_rows(BLADE_DEPTHWISE_PARAMS) {
   depthwise_rows_for<Floats16>(BLADE_DEPTHWISE_ARGS);
@@ -292,8 +321,27 @@ void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const flo
   // A chunk of rows worth a thread wake-up: about 32K multiply-adds.
   const int64_t per_row = std::max<int64_t>(1, shape.out_w * shape.channels * shape.kernel_h * shape.kernel_w);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / per_row);
+  // Each thread's span of the next patch convolution's weight (read on this, the calling thread:
+  // the table of what follows what is its own), when this convolution's input is in the caches
+  // (a larger one prefetches its own rows ahead, RowsAhead).
+  const int64_t threads = at::get_num_threads();
+  std::vector<WeightSpan> spans(threads);
+  const bool small = shape.batch * shape.in_h * shape.in_w * shape.channels * int64_t{sizeof(float)} <= kPrefetchInputBytes;
+  for (int64_t t = 0; small && t < threads; ++t) spans[t] = upcoming_patch_weights(t, threads);
+  // Where each thread is in its span: its chunks of rows continue where its last one stopped.
+  static std::atomic<int64_t> calls{0};
+  const int64_t call = calls.fetch_add(1, std::memory_order_relaxed);
   timed_parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    depthwise_rows(shape, input, tap_weight, bias, sum, clamp, output, begin, end);
+    thread_local int64_t cursor_call = -1, cursor = 0;
+    const int64_t t = std::min<int64_t>(at::get_thread_num(), threads - 1);
+    if (cursor_call != call) cursor_call = call, cursor = 0;
+    WeightPrefetch weights;
+    if (spans[t].begin != nullptr && cursor < spans[t].bytes) {
+      weights = WeightPrefetch{spans[t].begin + cursor, spans[t].begin + spans[t].bytes,
+                               std::max<int64_t>(1, shape.channels / kWeightPrefetchChannels)};
+    }
+    depthwise_rows(shape, input, tap_weight, bias, sum, clamp, output, begin, end, weights);
+    if (weights.next != nullptr) cursor = weights.next - spans[t].begin;
   });
 }
 

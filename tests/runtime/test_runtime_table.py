@@ -480,6 +480,46 @@ def test_conv_patch_chain_of_few_pixels(threads):
         assert torch.equal(a, b)
 
 
+# MobileNetV2's inverted residual blocks at 10x10 and 5x5 (1x1 expand, depthwise 3x3, 1x1 reduce),
+# run twice: from the second pass on, each depthwise convolution prefetches, pixel by pixel, the
+# weight lines its thread will read first in the patch convolution after it (depthwise.cpp,
+# WeightPrefetch, from conv_patch.cpp's learnt successors; one that follows a patch convolution on
+# the other path (10x10: every thread reads every panel) and one on the few-pixels path (5x5: each
+# its share). On 1 and 2 threads, each result against float64 of its input, the second pass
+# bitwise equal to the first (prefetches only).
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("size, channels", [(10, [96, 576, 96, 576, 96]), (5, [160, 960, 160, 960, 320])])
+def test_depthwise_prefetches_next_patch_weights(threads, size, channels):
+    torch.manual_seed(12)
+    layers = []  # (weight, bias, groups, pads) in order: expand, depthwise, reduce, ...
+    for c_in, c_out in zip(channels, channels[1:]):
+        layers.append((torch.randn(c_out, c_in, 1, 1) / c_in ** 0.5, torch.randn(c_out), 1, [0, 0, 0, 0]))
+        if c_out > c_in:
+            layers.append((torch.randn(c_out, 1, 3, 3) / 3, torch.randn(c_out), c_out, [1, 1, 1, 1]))
+    first = torch.randn(1, channels[0], size, size).contiguous(memory_format=torch.channels_last)
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    depthwise_before = _testing.conv_kernel_calls("depthwise")
+    try:
+        passes = []
+        for _ in range(2):
+            x, outs = first, []
+            for weight, bias, groups, pads in layers:
+                out = patch_output((1, weight.shape[0], size, size), True)
+                _testing.conv(x, weight, bias, [1, 1], pads, [1, 1], groups, out, 3, True, None, 2, -0.5, 0.75)
+                padded = torch.nn.functional.pad(x.double(), [pads[1], pads[3], pads[0], pads[2]])
+                expected = torch.conv2d(padded, weight.double(), bias.double(), 1, 0, 1, groups).clamp(-0.5, 0.75)
+                torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+                outs.append(out)
+                x = out
+            passes.append(outs)
+    finally:
+        torch.set_num_threads(before_threads)
+    assert _testing.conv_kernel_calls("depthwise") - depthwise_before == 2 * (len(channels) // 2)
+    for a, b in zip(*passes):
+        assert torch.equal(a, b)
+
+
 # The patch kernel's rows read straight from the image (conv_patch.cpp, image_block): on inputs of
 # at most 4 channels, the pixels of an image row whose taps all lie inside the width, at least a
 # tile of them, skip the gather. Their borders (merged across rows and images), kernel rows in the
