@@ -172,6 +172,7 @@ def make_plan(graph: Graph) -> Plan:
     attentions = find_attentions(live, users, {node for _, node in graph.outputs})
     read_in_place = {operand for a in attentions.values() for operand in (a.q, a.kt, a.v)}
     materialized = _materialized(graph, live, read_in_place)
+    _store_attention_masks(attentions, materialized)
     outputs = {}
     for k, (_, node) in enumerate(graph.outputs):
         if node in materialized and node not in outputs:
@@ -201,6 +202,23 @@ def make_plan(graph: Graph) -> Plan:
     attention_sources = {views.view_chain(operand)[1] for operand in read_in_place}
     _plan_epilogues(result, channels_last, attention_sources)
     return result
+
+
+def _store_attention_masks(attentions: dict, materialized: dict) -> None:
+    """Stores the computed source of each score step's mask that the fused attention can read
+    through strides (a broadcast over heads: stride 0) and that is no larger than the mask.
+    Inline, the call needed a dense copy of the mask at the scores' full shape, one per attention:
+    BERT's padding mask And(row mask, column mask) [b, 1, s, s] was copied to [b, heads, s, s] in
+    every layer; stored, it is computed once and read by every layer's call."""
+    for attention in attentions.values():
+        for step in attention.steps:
+            if step.mask is None:
+                continue
+            chain, source = views.view_chain(step.mask)
+            if source.op not in COMPUTED or source in materialized or not proves_at_least(step.mask.numel, source.numel):
+                continue
+            if views.layout_through(chain, views.Layout(0, contiguous_strides(source.shape))) is not None:
+                materialized[source] = f"read through strides by the fused attention of {step.mask!r}"
 
 
 def reshaped_source(node):

@@ -127,6 +127,20 @@ def test_unbiased_attention_heads_are_read_in_place_by_the_fused_attention():
     assert (fields["ldq"], fields["ldk"], fields["trans_k"], fields["ldv"]) == ("24", "24", "1", "24")
 
 
+def test_an_attention_mask_broadcast_over_heads_is_stored_once_and_read_with_head_stride_zero():
+    (case,) = [c for c in CASES if c.name == "attention-masks-broadcast-over-heads"]
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    (mask,) = [line for line in planned.describe().splitlines() if " = And(" in line]
+    assert "read through strides by the fused attention" in mask, mask
+    program = source_of(case)
+    listed = kernels(program)
+    assert not any("contiguous copy" in k for k in listed), listed
+    assert sum("fused attention" in k for k in listed) == 2, listed
+    # both calls read the one [1, 1, 6, 6] mask: batch and head strides 0, rows 6 apart
+    steps = re.findall(r"a\.steps\[1\]\.strides\[(\d)\] = (\d+);", program.source)
+    assert steps == [("0", "0"), ("1", "0"), ("2", "6"), ("3", "1")] * 2, steps
+
+
 def test_a_patch_embedding_is_one_gemm_and_other_convolutions_stay_convolutions():
     programs = {c.name: source_of(c) for c in CASES if c.name.startswith("Conv-")}
     for name in ("Conv-patches-as-gemm", "Conv-1d-patches-as-gemm", "Conv-3d-patches-as-gemm"):

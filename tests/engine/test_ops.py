@@ -382,6 +382,25 @@ CASES = [
          "s0": arr([0], i64), "s1": arr([1], i64), "s2": arr([2], i64), "s3": arr([3], i64),
          "ax0": arr([0], i64), "bias": np.random.default_rng(3).standard_normal((1, 2, 6, 6)).astype(f32)},
         rtol=1e-4),
+    # BERT's padding mask: And(row mask, column mask) [1, 1, s, s] broadcast over the heads of two
+    # attentions. The plan stores it once and each fused call reads it with head stride 0 (no dense
+    # copy per attention); the masked fill is finite, so the fully masked row is uniform, not NaN.
+    graph_case("attention-masks-broadcast-over-heads", [
+        node("And", ["rows", "pad"], ["keep"]),
+        *[n for layer in ("a", "b") for n in (
+            node("MatMul", ["x", f"w{layer}"], [f"p{layer}"]), node("Reshape", [f"p{layer}", "heads"], [f"r{layer}"]),
+            node("Transpose", [f"r{layer}"], [f"q{layer}"], perm=[0, 2, 1, 3]),
+            node("Transpose", [f"r{layer}"], [f"kt{layer}"], perm=[0, 2, 3, 1]),
+            node("MatMul", [f"q{layer}", f"kt{layer}"], [f"s{layer}"]), node("Mul", [f"s{layer}", "scale"], [f"m{layer}"]),
+            node("Where", ["keep", f"m{layer}", "fill"], [f"k{layer}"]),
+            node("Softmax", [f"k{layer}"], [f"a{layer}"], axis=-1),
+            node("MatMul", [f"a{layer}", f"q{layer}"], [f"y{layer}"]))]],
+        {"x": ((1, 6, 8), "float32"), "pad": ((1, 1, 1, 6), "bool")}, ["ya", "yb"],
+        {"wa": np.random.default_rng(4).standard_normal((8, 8)).astype(f32) * 0.3,
+         "wb": np.random.default_rng(5).standard_normal((8, 8)).astype(f32) * 0.3,
+         "heads": arr([1, 6, 2, 4], i64), "scale": arr(0.5, f32), "fill": arr(-1e4, f32),
+         "rows": arr([1, 1, 1, 1, 1, 0], bool).reshape(1, 1, 6, 1)},
+        values={"pad": arr([1, 1, 1, 1, 0, 1], bool).reshape(1, 1, 1, 6)}, rtol=1e-4, atol=1e-5),
     graph_case("shared-exp-two-outputs", [node("Exp", ["x"], ["e"]), node("Add", ["e", "e"], ["y"]),
                                           node("Neg", ["e"], ["z"])],
                {"x": ((5, 6), "float32")}, ["y", "z", "e"]),
