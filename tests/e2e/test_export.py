@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import zipfile
 
@@ -114,10 +115,38 @@ class _Breaks(torch.nn.Module):
         return y + 1
 
 
-def test_export_names_the_graph_break(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "declared-dims"])
+def test_export_names_the_graph_break(tmp_path, dynamic):
+    shapes = {"x": {0: torch.export.Dim("n", min=2, max=64)}} if dynamic else None
     with pytest.raises(ExportError, match=r"(?s)one graph.*print.*test_export\.py"):
-        blade.export(_Breaks(), (torch.randn(3),), str(tmp_path / "never.pt"))
+        blade.export(_Breaks(), (torch.randn(3),), str(tmp_path / "never.pt"), dynamic_shapes=shapes)
     assert not list(tmp_path.iterdir())
+
+
+class _DictInput(torch.nn.Module):
+    def forward(self, x, inputs, scale=None):
+        return {"out": x * inputs["ids"].sum() + scale, "ids": inputs["ids"] + 1}
+
+
+def test_a_capture_with_declared_dims_is_the_graph_a_static_one_is():
+    """The capture with declared dims (torch.export's way, export._symbolic_capture) gives the graph
+    interface the static one (torch._dynamo.export) does: inputs named after the model's arguments
+    (the names blade's messages use), the flat outputs as a list, the same pytree structures."""
+    from blade.guards import placeholder_names
+    capture_graph = importlib.import_module("blade.export").capture_graph   # (blade.export is also the function)
+    n = torch.export.Dim("n", min=2, max=64)
+    args, kwargs = (torch.randn(5, 3), {"ids": torch.ones(5, 2, dtype=torch.int64)}), {"scale": torch.randn(3)}
+    static = capture_graph(_DictInput(), args, kwargs)
+    dynamic = capture_graph(_DictInput(), args, kwargs, {"x": {0: n}, "inputs": {"ids": {0: n}}, "scale": None})
+    assert placeholder_names(dynamic) == placeholder_names(static) == ["l_x_", "l_inputs_ids_", "l_scale_"]
+    assert static.meta["pytree_info"].in_spec == dynamic.meta["pytree_info"].in_spec
+    assert static.meta["pytree_info"].out_spec == dynamic.meta["pytree_info"].out_spec
+    for gm in (static, dynamic):
+        assert isinstance(next(n for n in gm.graph.nodes if n.op == "output").args[0], list)
+    for size in (2, 7):
+        flat = [torch.randn(size, 3), torch.arange(2 * size).reshape(size, 2), kwargs["scale"]]
+        for got, want in zip(dynamic(*flat), _DictInput()(flat[0], {"ids": flat[1]}, scale=flat[2]).values()):
+            torch.testing.assert_close(got, want)
 
 
 class _Nested(torch.nn.Module):
