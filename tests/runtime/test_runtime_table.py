@@ -448,6 +448,31 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def run_conv_chain_twice(first, layers, size, threads):
+    """Runs layers [(weight, bias, groups, pads)] (stride 1, clamp [-0.5, 0.75]) as a chain from
+    `first` twice on `threads` threads: each result against float64 of its input, the second pass
+    bitwise equal to the first (the chains' prefetches must not change a result)."""
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        passes = []
+        for _ in range(2):
+            x, outs = first, []
+            for weight, bias, groups, pads in layers:
+                out = patch_output((1, weight.shape[0], size, size), True)
+                _testing.conv(x, weight, bias, [1, 1], pads, [1, 1], groups, out, 3, True, None, 2, -0.5, 0.75)
+                padded = torch.nn.functional.pad(x.double(), [pads[1], pads[3], pads[0], pads[2]])
+                expected = torch.conv2d(padded, weight.double(), bias.double(), 1, 0, 1, groups).clamp(-0.5, 0.75)
+                torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+                outs.append(out)
+                x = out
+            passes.append(outs)
+    finally:
+        torch.set_num_threads(before_threads)
+    for a, b in zip(*passes):
+        assert torch.equal(a, b)
+
+
 # A chain of patch convolutions with few pixels (MobileNetV2's 5x5 stage), run twice: from the
 # second pass on, each one's last panels prefetch the panel its thread starts the next one with
 # (conv_patch.cpp, Successors; the packs of these calls are freed after each, so the pointers it
@@ -457,27 +482,9 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
 def test_conv_patch_chain_of_few_pixels(threads):
     torch.manual_seed(11)
     channels = [576, 160, 960, 320, 1280, 24]
-    weights = [torch.randn(o, i, 1, 1) / i ** 0.5 for i, o in zip(channels, channels[1:])]
-    biases = [torch.randn(o) for o in channels[1:]]
+    layers = [(torch.randn(o, i, 1, 1) / i ** 0.5, torch.randn(o), 1, [0, 0, 0, 0]) for i, o in zip(channels, channels[1:])]
     first = torch.randn(1, channels[0], 5, 5).contiguous(memory_format=torch.channels_last)
-    before_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        passes = []
-        for _ in range(2):
-            x, outs = first, []
-            for weight, bias in zip(weights, biases):
-                out = patch_output((1, weight.shape[0], 5, 5), True)
-                _testing.conv(x, weight, bias, [1, 1], [0, 0, 0, 0], [1, 1], 1, out, 3, True, None, 2, -0.5, 0.75)
-                expected = patch_reference(x, weight, bias, 1, [0, 0, 0, 0], 1, None, 2)
-                torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-                outs.append(out)
-                x = out
-            passes.append(outs)
-    finally:
-        torch.set_num_threads(before_threads)
-    for a, b in zip(*passes):
-        assert torch.equal(a, b)
+    run_conv_chain_twice(first, layers, 5, threads)
 
 
 # MobileNetV2's inverted residual blocks at 10x10 and 5x5 (1x1 expand, depthwise 3x3, 1x1 reduce),
@@ -497,27 +504,9 @@ def test_depthwise_prefetches_next_patch_weights(threads, size, channels):
         if c_out > c_in:
             layers.append((torch.randn(c_out, 1, 3, 3) / 3, torch.randn(c_out), c_out, [1, 1, 1, 1]))
     first = torch.randn(1, channels[0], size, size).contiguous(memory_format=torch.channels_last)
-    before_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
     depthwise_before = _testing.conv_kernel_calls("depthwise")
-    try:
-        passes = []
-        for _ in range(2):
-            x, outs = first, []
-            for weight, bias, groups, pads in layers:
-                out = patch_output((1, weight.shape[0], size, size), True)
-                _testing.conv(x, weight, bias, [1, 1], pads, [1, 1], groups, out, 3, True, None, 2, -0.5, 0.75)
-                padded = torch.nn.functional.pad(x.double(), [pads[1], pads[3], pads[0], pads[2]])
-                expected = torch.conv2d(padded, weight.double(), bias.double(), 1, 0, 1, groups).clamp(-0.5, 0.75)
-                torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-                outs.append(out)
-                x = out
-            passes.append(outs)
-    finally:
-        torch.set_num_threads(before_threads)
+    run_conv_chain_twice(first, layers, size, threads)
     assert _testing.conv_kernel_calls("depthwise") - depthwise_before == 2 * (len(channels) // 2)
-    for a, b in zip(*passes):
-        assert torch.equal(a, b)
 
 
 # The patch kernel's rows read straight from the image (conv_patch.cpp, image_block): on inputs of
