@@ -1,8 +1,8 @@
 // timed_parallel_for: the parallel loop of every parallel region of the runtime: its parallel_for
 // (the generated loops) and its own kernels (convolutions, the panels GEMM, the fused attention,
-// the MKL column and head splits). Its threads claim the range in chunks as they go, and its
-// team's times go to the oversubscription check (oversubscription.h). A region that runs on one
-// thread is not timed. (MKL's own threaded GEMMs cannot be timed: their regions are MKL's.)
+// the MKL column and head splits). Its threads claim the range in chunks as they go, each from its
+// own share first (Shares), and its team's times go to the oversubscription check
+// (oversubscription.h). A region that runs on one thread is not timed. (MKL's own threaded GEMMs cannot be timed: their regions are MKL's.)
 //
 // Why claimed chunks: ATen's parallel_for gives each thread one fixed share, so a thread that
 // loses its core for a while (another process runs there; on this VM also the host) delays the
@@ -46,6 +46,45 @@ inline int64_t claim_size(int64_t count, int64_t grain, int64_t threads, int64_t
   return (count + in_units - 1) / in_units >= threads ? in_units : claim;
 }
 
+// The range in contiguous shares of whole chunks, one per team member (up to kMaxShares), each
+// with its own claim counter: a member claims its own share's chunks first, in order, then what is
+// left of the others'. Without a stall each member runs the same share on every call (an engine's
+// regions repeat), so the outputs it wrote and the operands it read in the last call are still in
+// its core's cache; one shared counter dealt the chunks out anew on every call. A member that
+// loses its core still has its chunks taken by the others.
+class Shares {
+ public:
+  Shares(int64_t begin, int64_t end, int64_t claim, int64_t members)
+      : count_(std::min(members, kMaxShares)), claim_(claim) {
+    const int64_t chunks = (end - begin + claim - 1) / claim;
+    int64_t at = begin;
+    for (int64_t s = 0; s < count_; ++s) {  // the first chunks % count_ shares take one chunk more
+      share_[s].next.store(at, std::memory_order_relaxed);
+      at = std::min(end, at + (chunks / count_ + (s < chunks % count_ ? 1 : 0)) * claim);
+      share_[s].end = at;
+    }
+  }
+
+  template <typename F>
+  void run(int64_t member, const F& f) {
+    for (int64_t k = 0; k < count_; ++k) {
+      Share& share = share_[(member + k) % count_];
+      for (int64_t chunk; (chunk = share.next.fetch_add(claim_, std::memory_order_relaxed)) < share.end;) {
+        f(chunk, std::min(share.end, chunk + claim_));
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kMaxShares = 16;  // more members start in the shares in turn
+  struct alignas(64) Share {                 // a cache line each: the members' claims do not collide
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  Share share_[kMaxShares];
+  int64_t count_, claim_;
+};
+
 template <typename F>
 void timed_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, int64_t unit = 1) {
   grain = grain < 1 ? 1 : grain;  // ATen divides by it
@@ -67,14 +106,10 @@ void timed_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, i
   // When the first thread found nothing left to claim: what the others then make it wait (their
   // last chunks, or a thread that has not started yet) shows whether they have cores.
   const int64_t start = steady_ns();
-  std::atomic<int64_t> next{begin};
+  Shares shares(begin, end, claim, members);
   std::atomic<int64_t> first_done{0};
   at::parallel_for(0, members, 1, [&](int64_t member_begin, int64_t member_end) {
-    for (int64_t member = member_begin; member < member_end; ++member) {
-      for (int64_t chunk; (chunk = next.fetch_add(claim, std::memory_order_relaxed)) < end;) {
-        f(chunk, std::min(end, chunk + claim));
-      }
-    }
+    for (int64_t member = member_begin; member < member_end; ++member) shares.run(member, f);
     // the clock is read by the first to finish only (a read costs 40 ns in this VM: 4 a region
     // were 1-2% of a 9 us elementwise call at 2 threads)
     if (first_done.load(std::memory_order_relaxed) != 0) return;
