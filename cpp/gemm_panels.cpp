@@ -236,59 +236,23 @@ at::Tensor panels_of(const GemmArgs& g, PackedWeights* weights) {
   return weights->get(pack_key(g), [&] { return pack_panels(g); });
 }
 
-// A constant B on AVX2 (16-column panels): (row chunk, group of panels) tasks, chunk-major. A
-// chunk's rows of A (at most kAvx2ChunkFloats floats: 128 KiB) stay in L2 while its group's panels
-// pass; a panel (k x 16 floats) stays in L1 across the chunk's row blocks. Panel by panel over all
-// rows, 1024 rows of A (1-4 MiB, more than a core's L2) came from L3 again for every panel. Each
-// output's sum is still one FMA chain over the whole of K: results are bitwise what they were.
-// (Passes over 256 depths at a time, MLAS's blocking, measured no better at K = 1024 here.)
-constexpr int64_t kAvx2ChunkFloats = 1 << 15;
-
-struct Avx2Tiles {
-  int64_t chunk_rows, chunks, group, groups;
-};
-
-Avx2Tiles avx2_tiles(const GemmArgs& g, int64_t panels) {
-  const int64_t blocks = (g.m + kAvx2BlockRows - 1) / kAvx2BlockRows;
-  const int64_t limit_rows = std::max<int64_t>(kAvx2BlockRows, kAvx2ChunkFloats / g.k);
-  const int64_t chunks = std::min(blocks, (g.m + limit_rows - 1) / limit_rows);
-  const int64_t chunk_rows = (blocks + chunks - 1) / chunks * kAvx2BlockRows;
-  // about kClaimsPerThread tasks per thread: fewer would leave a stalled thread's share to no one
-  const int64_t wanted = kClaimsPerThread * static_cast<int64_t>(at::get_num_threads());
-  const int64_t groups = std::clamp<int64_t>((wanted + chunks - 1) / chunks, 1, panels);
-  const int64_t group = (panels + groups - 1) / groups;
-  return {chunk_rows, (g.m + chunk_rows - 1) / chunk_rows, group, (panels + group - 1) / group};
-}
-
-void packed_gemm_avx2(const GemmArgs& g, const float* panels) {
-  const int64_t count = (g.n + kAvx2Half - 1) / kAvx2Half;
-  const Avx2Tiles t = avx2_tiles(g, count);
-  const int64_t task_fmas = t.chunk_rows * g.k * t.group * kAvx2Half;
-  timed_parallel_for(0, t.chunks * t.groups, std::max<int64_t>(1, (1 << 16) / task_fmas), [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t first = task / t.groups * t.chunk_rows, last = std::min(g.m, first + t.chunk_rows);
-      const int64_t first_panel = task % t.groups * t.group, last_panel = std::min(count, first_panel + t.group);
-      for (int64_t p = first_panel; p < last_panel; ++p) {
-        panel_rows_avx2(g, panels + p * g.k * kAvx2Half, p * kAvx2Half, std::min(kAvx2Half, g.n - p * kAvx2Half),
-                        first, last);
-      }
-    }
-  });
-}
-
-// A constant B: packed once per engine (PackedWeights); with AVX-512, (panel, row chunk) tasks.
+// A constant B: packed once per engine (PackedWeights).
 void packed_gemm(const GemmArgs& g, PackedWeights* weights) {
   const at::Tensor packed = panels_of(g, weights);
   const float* panels = packed.const_data_ptr<float>();
-  if (!avx512_usable()) return packed_gemm_avx2(g, panels);
-  const int64_t count = (g.n + kPanel - 1) / kPanel;
-  const Tasks t = split_tasks(g, count);
+  const int64_t columns = packed_panel_columns(), count = (g.n + columns - 1) / columns;
+  const Tasks t = split_tasks(g, count, columns);
   timed_parallel_for(0, count * t.chunks, t.grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t p = task / t.chunks, first = task % t.chunks * t.chunk_rows;
       if (first >= g.m) continue;
-      const int64_t width = std::min(kPanel, g.n - p * kPanel), last = std::min(g.m, first + t.chunk_rows);
-      panel_rows<false>(g, g.a, g.c, panels + p * g.k * kPanel, kPanel, 1.0f, p * kPanel, width, first, last);
+      const float* panel = panels + p * g.k * columns;
+      const int64_t width = std::min(columns, g.n - p * columns), last = std::min(g.m, first + t.chunk_rows);
+      if (avx512_usable()) {
+        panel_rows<false>(g, g.a, g.c, panel, kPanel, 1.0f, p * kPanel, width, first, last);
+      } else {
+        panel_rows_avx2(g, panel, p * columns, width, first, last);
+      }
     }
   });
 }

@@ -188,10 +188,10 @@ def test_threads_split_the_tasks(m, n):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("m, n, k", [(300, 70, 600), (1030, 33, 1024), (7, 17, 257), (128, 200, 256)])
 @pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (0.5, 1.0), (1.0, -2.0)])
-def test_constant_b_in_row_chunks_and_panel_groups(panels, threads, m, n, k, alpha, beta):
-    """A constant B on AVX2 runs in (chunk of rows, group of panels) tasks: many rows or a deep K
-    give several chunks (the last one short), few rows groups of panels (the last one short), on
-    one and two threads, beta applied once (0: C's NaN never enters)."""
+def test_constant_b_many_rows_and_deep(panels, threads, m, n, k, alpha, beta):
+    """A constant B at many rows (row chunks on two threads when panels are few, the last one short)
+    and deep K (a panel larger than L1), on one and two threads, beta applied once (0: C's NaN
+    never enters)."""
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
