@@ -185,12 +185,29 @@ def test_threads_split_the_tasks(m, n):
 
 
 @needs_avx2
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m, n, k", [(300, 70, 600), (1030, 33, 1024), (7, 17, 257), (128, 200, 256)])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (0.5, 1.0), (1.0, -2.0)])
+def test_constant_b_many_rows_and_deep(panels, threads, m, n, k, alpha, beta):
+    """A constant B at many rows (row chunks on two threads when panels are few, the last one short)
+    and deep K (a panel larger than L1), on one and two threads, beta applied once (0: C's NaN
+    never enters)."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run_sgemm(1, m, n, k, alpha, beta, False, True, pack=True, pad=1, seed=m + k)
+        run_sgemm(1, m, n, k, alpha, beta, True, False, pack=True, pad=0, seed=n)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@needs_avx2
 @pytest.mark.parametrize("batch, pack", [(1, True), (3, False)])
 def test_results_do_not_depend_on_which_thread_runs_a_task(batch, pack):
     """Threads claim tasks as they go (cpp/timed_parallel.h), so which thread runs which rows changes
     from call to call: every task computes its outputs whole (the same k-order), so two threads give
     bitwise what one gives, call after call."""
-    m, n, k = 197, 300, 256
+    m, n, k = 197, 300, 1000
     torch.manual_seed(0)
     a = torch.randn(batch, m, k)
     b = torch.randn(1 if pack else batch, k, n)
