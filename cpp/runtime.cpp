@@ -170,10 +170,15 @@ ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
 // (transformed once per engine), at least kWinogradMinChannels channels each way (below that the
 // transforms cost more than the multiplies they save) and kWinogradMinTiles 2x2 output tiles: the
 // GEMMs stream a transformed weight 16/9 the size of the original, and with few tiles they are
-// bound by that stream (ResNet's 512-channel 7x7 stage, 16 tiles: no faster than oneDNN, measured
-// in one process; its 14x14 stage, 49 tiles: 0.2-0.4 ms faster per convolution).
+// bound by that stream (ResNet's 512-channel 7x7 stage, 16 tiles: on one core slower than oneDNN,
+// ~1 ms per convolution; its 14x14 stage, 49 tiles: 0.2-0.4 ms faster per convolution). On more
+// threads the 16 GEMMs split evenly by point, where oneDNN's batch-1 7x7 convolution scales badly:
+// there Winograd takes from kWinogradMinTilesThreaded tiles (ResNet-18 b1 at 2 threads with its
+// three 512-channel 3x3 convolutions on Winograd: 3.7% and 8% off the whole model, two runs, each
+// in one process, alternating; at 1 thread, CPU time, the same switch cost 8%).
 constexpr int64_t kWinogradMinChannels = 64;
 constexpr int64_t kWinogradMinTiles = 32;
+constexpr int64_t kWinogradMinTilesThreaded = 16;
 
 std::optional<Conv3x3Shape> winograd_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
                                            const float* weight, const int64_t* strides, const int64_t* pads,
@@ -188,7 +193,8 @@ std::optional<Conv3x3Shape> winograd_shape(int32_t spatial, const int64_t* input
   const Conv3x3Shape shape{input_shape[0], input_shape[2], input_shape[3], weight_shape[1], weight_shape[0],
                            pads[0], pads[1], input_shape[2] + pads[0] + pads[2] - 2,
                            input_shape[3] + pads[1] + pads[3] - 2};
-  if (winograd_tiles(shape) < kWinogradMinTiles) return std::nullopt;
+  const bool threaded = at::get_num_threads() > 1 && !serial_now();
+  if (winograd_tiles(shape) < (threaded ? kWinogradMinTilesThreaded : kWinogradMinTiles)) return std::nullopt;
   return shape;
 }
 

@@ -1,5 +1,6 @@
 """The BladeRuntime table engines call back into: sgemm against numpy over its whole contract, and
 parallel_for's chunking on ATen's pool."""
+import contextlib
 import itertools
 
 import pytest
@@ -134,6 +135,16 @@ def test_conv_epilogue(layout, pack, with_sum, activation):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@contextlib.contextmanager
+def torch_threads(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, residual=None, activation=0):
     """The runtime's stride-1 channels-last conv, run once letting it take Winograd and once not."""
     outputs = []
@@ -193,13 +204,42 @@ def test_conv_winograd_threads(threads, n, c_in, c_out, h, w):
     torch.testing.assert_close(with_winograd.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n, c_in, h, w, pack", [(1, 64, 7, 7, True), (1, 32, 12, 12, True), (1, 64, 12, 12, False)])
-def test_conv_winograd_not_taken(n, c_in, h, w, pack):
-    """Few tiles (16 for 7x7), few channels or a weight that is no engine constant: oneDNN's conv."""
+@pytest.mark.parametrize("threads, n, c_in, h, w, pack", [(1, 1, 64, 7, 7, True), (2, 1, 64, 7, 5, True),
+                                                            (2, 1, 32, 12, 12, True), (2, 1, 64, 12, 12, False)])
+def test_conv_winograd_not_taken(threads, n, c_in, h, w, pack):
+    """Few tiles (16 for 7x7 on one thread, 12 for 7x5 on two), few channels or a weight that is no
+    engine constant: oneDNN's conv."""
     torch.manual_seed(3)
     x, weight = torch.randn(n, c_in, h, w), torch.randn(64, c_in, 3, 3)
-    with_winograd, without = conv_with_and_without_winograd(x, weight, None, [1, 1, 1, 1], (n, 64, h, w), pack)
+    with torch_threads(threads):
+        with_winograd, without = conv_with_and_without_winograd(x, weight, None, [1, 1, 1, 1], (n, 64, h, w), pack)
     assert torch.equal(with_winograd, without)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_conv_winograd_few_tiles_threaded(threads):
+    """On more than one thread Winograd takes 16 tiles (ResNet-18's 512-channel 7x7 stage at batch
+    1): its 16 point GEMMs split evenly where oneDNN's convolution scales badly."""
+    torch.manual_seed(5)
+    x, weight, bias = torch.randn(1, 64, 7, 7), torch.randn(96, 64, 3, 3) / (9 * 64) ** 0.5, torch.randn(96)
+    residual = torch.randn(1, 96, 7, 7).contiguous(memory_format=torch.channels_last)
+    expected = (torch.conv2d(x.double(), weight.double(), bias.double(), padding=1) + residual.double()).relu()
+    with torch_threads(threads):
+        _testing.force_serial_for(0)  # a stall seen on a loaded machine runs calls serially: oneDNN's then
+        calls = _testing.conv_kernel_calls("winograd")
+        with_winograd, without = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True,
+                                                                residual, 1)
+        assert _testing.conv_kernel_calls("winograd") == calls + 1
+    for out in (with_winograd, without):
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(with_winograd, without)
+    try:  # serial (oversubscribed): one thread's rule
+        _testing.force_serial_for(10_000)
+        with torch_threads(threads):
+            serial, _ = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True, residual, 1)
+    finally:
+        _testing.force_serial_for(0)
+    assert torch.equal(serial, without)
 
 
 
