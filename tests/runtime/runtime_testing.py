@@ -107,6 +107,7 @@ def operand(rng, batch, batch_stride, rows, cols, ld, transposed):
 
 def run_sgemm(batch, m, n, k, alpha, beta, trans_a, trans_b, shared_a=False, shared_b=False, pad=3, seed=0,
               pack=False):
+    """C = alpha op(A) op(B) + beta C through the runtime's sgemm, checked against float64; returns C."""
     rng = np.random.default_rng(seed)
     lda = max(1, (m if trans_a else k) + pad)  # BLAS wants ld >= 1 even for an empty dimension
     ldb = max(1, (k if trans_b else n) + pad)
@@ -132,3 +133,4 @@ def run_sgemm(batch, m, n, k, alpha, beta, trans_a, trans_b, shared_a=False, sha
         for bi, i in itertools.product(range(batch), range(m)):
             row_end = bi * stride_c + i * ldc + n
             assert np.isnan(c_flat[row_end: row_end + pad]).all()
+    return got

@@ -202,6 +202,23 @@ def test_constant_b_many_rows_and_deep(panels, threads, m, n, k, alpha, beta):
 
 
 @needs_avx2
+@pytest.mark.parametrize("m, n, k", [(1030, 580, 192), (700, 1000, 256), (13, 2049, 64)])
+def test_constant_b_in_groups_of_panels(panels, m, n, k):
+    """A constant B of many panels runs each row block across a group of them (AVX2: 37 panels of
+    K = 192 in groups of 10, 10, 10 and 7), over row chunks: right on one and two threads, and
+    bitwise the same on both (every output is still one FMA chain over the whole of K)."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(run_sgemm(1, m, n, k, 1.0, 0.0, False, True, pack=True, pad=1, seed=m))
+        np.testing.assert_array_equal(results[0], results[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_avx2
 @pytest.mark.parametrize("batch, pack", [(1, True), (3, False)])
 def test_results_do_not_depend_on_which_thread_runs_a_task(batch, pack):
     """Threads claim tasks as they go (cpp/timed_parallel.h), so which thread runs which rows changes
