@@ -242,7 +242,7 @@ at::Tensor panels_of(const GemmArgs& g, PackedWeights* weights) {
   return weights->get(pack_key(g), [&] { return pack_panels(g); });
 }
 
-// A constant B on AVX2: (group of panels, row chunk) tasks, each running its rows register block
+// A constant B on AVX2: (row chunk, group of panels) tasks, each running its rows register block
 // by register block across its whole group (rows_of_all_panels_avx2): a block's 6 rows of A stay
 // in L1 while the group's panels (kPackedGroupFloats: 128 KiB, in L2) stream past, as MLAS runs a
 // 128-column slice. Panel by panel over every row, all of A came from L2 or L3 again for every
@@ -264,7 +264,8 @@ struct GroupTasks {
 
 GroupTasks group_tasks(const GemmArgs& g, int64_t panels) {
   const int64_t largest = std::max<int64_t>(1, kPackedGroupFloats / (g.k * kAvx2Half));
-  const int64_t group = (panels + (panels + largest - 1) / largest - 1) / ((panels + largest - 1) / largest);
+  const int64_t fewest_groups = (panels + largest - 1) / largest;
+  const int64_t group = (panels + fewest_groups - 1) / fewest_groups;  // the panels split evenly over them
   const int64_t groups = (panels + group - 1) / group;
   const int64_t blocks = (g.m + kAvx2BlockRows - 1) / kAvx2BlockRows;
   const int64_t wanted = kClaimsPerThread * static_cast<int64_t>(at::get_num_threads());
