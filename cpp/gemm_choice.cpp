@@ -144,6 +144,12 @@ bool met_before_locked(Choice& choice, const ShapeKey& exact) {
   return !fresh && it->second < now;
 }
 
+// The nearest settled neighbour's best kernel without JIT, if it can run here; else -1.
+int settled_neighbours_locked(const Choice& choice) {
+  const int neighbours = choice.neighbours_without_jit;
+  return neighbours >= 0 && ((choice.kernels | choice.rejected) & bit(Kernel(neighbours))) ? neighbours : -1;
+}
+
 // The fastest kernel without JIT by the bucket's samples, else by its nearest settled neighbour's;
 // -1 when neither sampled one.
 int measured_without_jit_locked(const Choice& choice) {
@@ -153,9 +159,7 @@ int measured_without_jit_locked(const Choice& choice) {
     if (!(runnable & bit(Kernel(k))) || jits(k) || std::isnan(choice.ns_per_flop[k])) continue;
     if (best < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[best]) best = k;
   }
-  if (best >= 0) return best;
-  const int neighbours = choice.neighbours_without_jit;
-  return neighbours >= 0 && (runnable & bit(Kernel(neighbours))) ? neighbours : -1;
+  return best >= 0 ? best : settled_neighbours_locked(choice);
 }
 
 // The kernel that needs no JIT a call at a new exact shape runs: the measured one, else the one
@@ -344,7 +348,9 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, bool shapes_
       choice.since_sampling_b.clear();
     }
     if (choice.sampling_b != g.b) {
-      measured = measured_without_jit_locked(choice);
+      // In an engine with run-time sizes the evidence for the other weights is a settled neighbour's
+      // (its samples are many; the bucket's own first ones are single calls, see run_chosen).
+      measured = shapes_vary ? settled_neighbours_locked(choice) : measured_without_jit_locked(choice);
       return met ? -2 : -3;
     }
   }
@@ -519,12 +525,14 @@ void run_chosen(const GemmArgs& g, bool b_constant, bool shapes_vary, PackedWeig
   // A weight that is not the bucket's sampling one, already packed for the panels kernel (at load,
   // in an engine with run-time sizes; else by another bucket): panels packs nothing more and trails
   // MKL's pack-free kernel by 2-2.5x on BERT's row counts, so it runs there until the bucket
-  // settles. In an engine with run-time sizes it runs there even when the bucket's samples so far
-  // favour another kernel: MKL, its only rival there, was 1.4-2.2x slower on GPT-2/BERT's weights at
-  // 2 threads, and a bucket's first samples are single calls, so a noisy panels sample could make
-  // MKL "measured" and every other weight of the bucket ran it until the bucket settled.
+  // settles, unless the evidence says otherwise. In an engine with run-time sizes that evidence is
+  // a settled neighbouring bucket's winner only (next_sample), not the bucket's own first samples:
+  // single calls, where one noisy panels sample made MKL "measured" and every other weight ran it
+  // until the bucket settled (1.4-2.2x slower on an AMD EPYC). Where MKL wins the neighbours (an
+  // Intel Xeon, by 1.3x), the other weights ran the panels kernel through every new bucket's
+  // sampling calls: a server's first ~10 calls at each new row bucket took up to 1.25x the settled call.
   const bool panels_ready = (kernels & bit(kPanels)) && panels_packed(g, weights);
-  if ((kernel == -2 || (kernel == -3 && (measured < 0 || shapes_vary))) && panels_ready) {
+  if ((kernel == -2 || (kernel == -3 && measured < 0)) && panels_ready) {
     return run(kPanels, g, weights);
   }
   if (kernel == -2) return run_or_mkl(kernels & bit(kOnednnMatmul) ? kOnednnMatmul : kMkl, g, nullptr);  // packs nothing

@@ -134,3 +134,37 @@ def run_new_row_counts():
     ran = {"panels": _testing.gemm_kernel_calls("panels") - panels_before,
            "mkl": _testing.gemm_kernel_calls("mkl") - mkl_before}
     assert ran[settled["kernel"]] == 2 * 12, ran  # both weights run the bucket's kernel
+
+
+@needs_panels
+def test_a_new_buckets_other_weights_run_the_kernel_its_settled_neighbour_chose(auto_gemm):
+    """While a new row bucket samples on one weight, its other weights run the kernel the nearest
+    settled bucket chose, not always the panels kernel: where MKL won the neighbours (an Intel
+    Xeon, by 1.3x) every new bucket's first ~10 calls ran its other weights on the slower kernel
+    (a server's first calls at each new row bucket up to 1.25x the settled call). Where the panels
+    kernel wins, this is what ran before. One thread, as above (a stall's serial mode is a bucket
+    of its own)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = linear_model()
+        rows = torch.export.Dim("rows", min=1, max=128)
+        compiled = blade.compile_model(model, (torch.randn(64, 256),), dynamic_shapes=((rows, None),))
+        with torch.no_grad():
+            for m in range(33, 65):  # settles the 33-64 bucket (20 calls did, above)
+                compiled(torch.randn(m, 256))
+            settled = [c for c in blade._C.gemm_choices() if "rows 33-64" in c["shape"] and "B constant" in c["shape"]]
+            assert len(settled) == 1, blade._C.gemm_choices()
+            winner = settled[0]["kernel"]
+            before = {k: _testing.gemm_kernel_calls(k) for k in ("panels", "mkl")}
+            calls = 4  # fewer than the new bucket needs to settle (5 samples of each candidate)
+            for m in range(65, 65 + calls):
+                x = torch.randn(m, 256)
+                assert_close(compiled(x), model(x))
+        ran = {k: _testing.gemm_kernel_calls(k) - before[k] for k in before}
+        sampling = [c for c in blade._C.gemm_choices() if "rows 65-128" in c["shape"]]
+        assert all(c["timings"] < 10 for c in sampling), sampling  # still sampling
+        assert sum(ran.values()) == 2 * calls, ran
+        assert ran[winner] >= calls, (winner, ran)  # the other weight's GEMM in every call, and some samples
+    finally:
+        torch.set_num_threads(threads)
