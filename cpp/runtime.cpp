@@ -28,6 +28,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/convolution.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mkldnn_reorder_conv2d_weight.h>
@@ -36,8 +37,12 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -173,9 +178,10 @@ ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
 // bound by that stream (ResNet's 512-channel 7x7 stage, 16 tiles: on one core slower than oneDNN,
 // ~1 ms per convolution; its 14x14 stage, 49 tiles: 0.2-0.4 ms faster per convolution). On more
 // threads the 16 GEMMs split evenly by point, where oneDNN's batch-1 7x7 convolution scales badly:
-// there Winograd takes from kWinogradMinTilesThreaded tiles (ResNet-18 b1 at 2 threads with its
-// three 512-channel 3x3 convolutions on Winograd: 3.7% and 8% off the whole model, two runs, each
-// in one process, alternating; at 1 thread, CPU time, the same switch cost 8%).
+// there Winograd may take from kWinogradMinTilesThreaded tiles (ResNet-18 b1 at 2 threads with its
+// three 512-channel 3x3 convolutions on Winograd: 3.7% and 8% off the whole model on an AMD EPYC,
+// two runs, each in one process, alternating; at 1 thread, CPU time, the same switch cost 8%), and
+// whether it does is timed per shape (winograd_wins: on an Intel Xeon oneDNN's was 2x faster there).
 constexpr int64_t kWinogradMinChannels = 64;
 constexpr int64_t kWinogradMinTiles = 32;
 constexpr int64_t kWinogradMinTilesThreaded = 16;
@@ -232,30 +238,23 @@ at::Tensor relaid_weight(const float* weight, int64_t kind, const int64_t* weigh
                                                             : relayout();
 }
 
-void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
-          const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
-          const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
-          const BladeActivation* activation) {
-  // Engine::execute decides serial mode once per call, but a stall seen by an earlier region of the
-  // same call starts it too: from then on, this call's GEMMs and convolutions (MKL's and ATen's own
-  // OpenMP regions, which no timed region covers) run on the calling thread as well. Under load a
-  // T5 b8 call that started parallel took ~1 s instead of ~150 ms serially, its GEMMs still on 2
-  // threads after serial mode had begun.
-  const SerialScope serial_while_oversubscribed;
-  const Clamp clamp = clamp_of(activation);
-  TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
-  if (const auto shape = winograd_shape(spatial, input_shape, weight_shape, weight, strides, pads, dilations, groups,
-                                       layout)) {
-    PackedWeights* weights = current_weights;
-    const at::Tensor u = weights->get(conv_pack_key(weight, -1 /* winograd */, weight_shape), [&] {
-      return winograd_weight(weight, shape->out_channels, shape->in_channels);
-    });
-    // so its GEMMs pack it (also when another engine of the same weight transformed it)
-    if (!weights->is_constant(u.const_data_ptr())) weights->add_constant(u.const_data_ptr(), u.nbytes());
-    winograd_conv3x3(*shape, input, u.const_data_ptr<float>(), bias, sum, clamp, output, weights);
-    winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
-    return;
-  }
+void conv_winograd(const Conv3x3Shape& shape, const float* input, const int64_t* weight_shape, const float* weight,
+                   const float* bias, const float* sum, Clamp clamp, float* output) {
+  PackedWeights* weights = current_weights;
+  const at::Tensor u = weights->get(conv_pack_key(weight, -1 /* winograd */, weight_shape), [&] {
+    return winograd_weight(weight, shape.out_channels, shape.in_channels);
+  });
+  // so its GEMMs pack it (also when another engine of the same weight transformed it)
+  if (!weights->is_constant(u.const_data_ptr())) weights->add_constant(u.const_data_ptr(), u.nbytes());
+  winograd_conv3x3(shape, input, u.const_data_ptr<float>(), bias, sum, clamp, output, weights);
+  winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+// Every convolution Winograd does not run: the runtime's other kernels, else oneDNN or ATen.
+void conv_other(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
+                const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
+                const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
+                Clamp clamp) {
   if (const auto shape = depthwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
     const int64_t taps = shape->kernel_h * shape->kernel_w;
     const at::Tensor tap_weight = relaid_weight(weight, -2 /* depthwise */, weight_shape, [&] {
@@ -323,6 +322,83 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
     engine_tensor(output, y.sizes(), out_channels_last).copy_(y);
     if (clamp.on) copy_clamped(output, output, y.numel(), clamp);
   }
+}
+
+// Where Winograd may or may not pay (a few tiles on several threads, winograd_marginal) one timing
+// per process and shape decides: the first call at the shape runs both ways a few times on its own
+// operands into a scratch output, each packing its weight into packs of its own that are dropped
+// afterwards (so only the winner's packs live in the engine), and the faster runs from then on.
+// ResNet-18 b1's three 512-channel 3x3 convolutions at 7x7 (16 tiles), 2 threads: on an AMD EPYC
+// (AVX2) Winograd took 3.7-8% off the whole model; on an Intel Xeon (AVX-512) it took 2.37 ms a
+// convolution where oneDNN's took 1.23 (ONNX Runtime's 1.36), 13% of the model.
+constexpr int kWinogradTimings = 3;  // timed calls each, after each way's first (packing) call
+
+bool winograd_marginal(const Conv3x3Shape& shape) {
+  return at::get_num_threads() > 1 && !serial_now() && winograd_tiles(shape) < kWinogradMinTiles;
+}
+
+struct WinogradTimings {
+  std::mutex mutex;  // held while a shape is timed: two timings at once would time each other
+  std::map<std::array<int64_t, 10>, bool> wins;
+};
+
+WinogradTimings& winograd_timings() {
+  static WinogradTimings timings;
+  return timings;
+}
+
+bool winograd_wins(const Conv3x3Shape& shape, int64_t weight_bytes, const float* weight,
+                   const std::function<void(float*)>& winograd, const std::function<void(float*)>& other) {
+  const std::array<int64_t, 10> key = {shape.batch, shape.in_h, shape.in_w, shape.in_channels, shape.out_channels,
+                                       shape.pad_top, shape.pad_left, shape.out_h, shape.out_w, at::get_num_threads()};
+  WinogradTimings& timings = winograd_timings();
+  std::lock_guard<std::mutex> lock(timings.mutex);
+  if (const auto it = timings.wins.find(key); it != timings.wins.end()) return it->second;
+  PackedWeights own;  // the timing's packs, freed when it ends
+  own.add_constant(weight, weight_bytes);
+  const PackingScope scope(&own);
+  at::Tensor scratch = at::empty({shape.batch * shape.out_h * shape.out_w * shape.out_channels}, at::kFloat);
+  float* out = scratch.mutable_data_ptr<float>();
+  winograd(out);  // each way's first call packs
+  other(out);
+  std::array<double, 2> best = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
+  for (int i = 0; i < kWinogradTimings; ++i) {
+    for (int way = 0; way < 2; ++way) {
+      const auto start = std::chrono::steady_clock::now();
+      (way == 0 ? winograd : other)(out);
+      best[way] = std::min(best[way], std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  return timings.wins[key] = best[0] <= best[1];
+}
+
+void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
+          const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
+          const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
+          const BladeActivation* activation) {
+  // Engine::execute decides serial mode once per call, but a stall seen by an earlier region of the
+  // same call starts it too: from then on, this call's GEMMs and convolutions (MKL's and ATen's own
+  // OpenMP regions, which no timed region covers) run on the calling thread as well. Under load a
+  // T5 b8 call that started parallel took ~1 s instead of ~150 ms serially, its GEMMs still on 2
+  // threads after serial mode had begun.
+  const SerialScope serial_while_oversubscribed;
+  const Clamp clamp = clamp_of(activation);
+  TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
+  const auto run_other = [&](float* out) {
+    conv_other(spatial, input_shape, input, weight_shape, weight, bias, strides, pads, dilations, groups, out, layout,
+               sum, clamp);
+  };
+  if (const auto shape = winograd_shape(spatial, input_shape, weight_shape, weight, strides, pads, dilations, groups,
+                                       layout)) {
+    const auto run_winograd = [&](float* out) {
+      conv_winograd(*shape, input, weight_shape, weight, bias, sum, clamp, out);
+    };
+    const int64_t weight_bytes = weight_shape[0] * weight_shape[1] * 9 * static_cast<int64_t>(sizeof(float));
+    if (!winograd_marginal(*shape) || winograd_wins(*shape, weight_bytes, weight, run_winograd, run_other)) {
+      return run_winograd(output);
+    }
+  }
+  run_other(output);
 }
 
 void attention(const BladeAttention* a) {
