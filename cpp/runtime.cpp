@@ -432,6 +432,8 @@ int64_t conv_kernel_calls(const std::string& kernel) {
 
 // ---- PackedWeights ----
 
+PackedWeights::~PackedWeights() = default;
+
 void PackedWeights::add_constant(const void* data, size_t bytes) {
   const auto begin = reinterpret_cast<uintptr_t>(data);
   std::unique_lock<std::shared_mutex> lock(ranges_mutex_);

@@ -71,6 +71,9 @@ class PackedWeights {
  public:
   using Key = std::vector<int64_t>;  // the operand's address first, then whatever shapes the packing
 
+  PackedWeights() = default;
+  ~PackedWeights();  // defined in the runtime library only (blade._C defines none of it)
+
   // Thread-safe: the runtime also registers buffers it derives from constants (a Winograd
   // weight) while other threads look up.
   void add_constant(const void* data, size_t bytes);
