@@ -333,8 +333,12 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
 // convolution where oneDNN's took 1.23 (ONNX Runtime's 1.36), 13% of the model.
 constexpr int kWinogradTimings = 3;  // timed calls each, after each way's first (packing) call
 
+// Not inside a parallel region (an engine's own loop): a timing holds a lock while its
+// convolutions use the thread pool, which a pool thread waiting on that lock would deadlock; such
+// a call keeps the rule from before (Winograd from kWinogradMinTilesThreaded tiles).
 bool winograd_marginal(const Conv3x3Shape& shape) {
-  return at::get_num_threads() > 1 && !serial_now() && winograd_tiles(shape) < kWinogradMinTiles;
+  return at::get_num_threads() > 1 && !serial_now() && !at::in_parallel_region() &&
+         winograd_tiles(shape) < kWinogradMinTiles;
 }
 
 struct WinogradTimings {
