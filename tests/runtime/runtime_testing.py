@@ -2,6 +2,7 @@
 engine compiler does (against cpp/blade_abi.h) and wrap them into torch.classes.blade.Engine."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import subprocess
 import threading
@@ -16,6 +17,17 @@ from blade._C import _testing
 from blade.engine.manifest import Manifest, SizeSymbol, TensorSpec
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch's intra-op thread count set to `threads` for the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _cpu_flags() -> set:

@@ -15,7 +15,7 @@ import torch
 
 import blade._C
 from blade._C import _testing
-from runtime_testing import PANELS_USABLE, REPO, run_sgemm
+from runtime_testing import PANELS_USABLE, REPO, run_sgemm, torch_threads
 
 # torch's fp32 oneDNN matmul wants AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere the oneDNN
 # modes fall back to MKL, which the tests above still check, but nothing tells the kernels apart.
@@ -140,12 +140,8 @@ def one_thread():
     a loaded machine a stall puts the calls in serial mode (1 thread) part of the way through, and
     the 2-thread calls before it had made an entry of their own (seen where oneDNN runs, so these
     tests do: 2 entries for one bucket). At 1 thread serial mode changes nothing in the key."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.usefixtures("one_thread")

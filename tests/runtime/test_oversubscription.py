@@ -8,7 +8,7 @@ import torch
 
 import blade
 import blade._C as _C
-from runtime_testing import PANELS_USABLE
+from runtime_testing import PANELS_USABLE, torch_threads
 
 _testing = _C._testing
 
@@ -22,14 +22,8 @@ def serial_for(ms: int):
         _testing.force_serial_for(0)
 
 
-@contextlib.contextmanager
 def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return torch_threads(2)
 
 
 def test_long_waits_after_short_work_are_stalls_and_two_start_a_serial_window():

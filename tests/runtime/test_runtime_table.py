@@ -1,13 +1,12 @@
 """The BladeRuntime table engines call back into: sgemm against numpy over its whole contract, and
 parallel_for's chunking on ATen's pool."""
-import contextlib
 import itertools
 
 import pytest
 import torch
 
 from blade._C import _testing
-from runtime_testing import run_sgemm
+from runtime_testing import run_sgemm, torch_threads
 
 
 @pytest.mark.parametrize("trans_a, trans_b", list(itertools.product([False, True], repeat=2)))
@@ -133,16 +132,6 @@ def test_conv_epilogue(layout, pack, with_sum, activation):
     _testing.conv(x.contiguous(memory_format=memory_format), w, b, [1, 1], [1, 1, 1, 1], [1, 1], 1, out, layout,
                   pack, residual if with_sum else None, activation)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-
-
-@contextlib.contextmanager
-def torch_threads(threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, residual=None, activation=0):
