@@ -16,6 +16,7 @@ std::atomic<int64_t> serial_until_ns{0};  // steady-clock time until which engin
 std::atomic<int64_t> window_ns{kSerialWindowNs};  // the length of the current (or last) serial window
 std::atomic<int64_t> stalls{0};
 std::atomic<int64_t> last_stall_ns{0};
+std::atomic<int64_t> stall_debt_ns{0};  // kDebtDrain: the stalls' waits, net of the calm since
 std::atomic<int64_t> regions_noted{0};
 
 }  // namespace
@@ -29,15 +30,18 @@ bool note_region(int64_t worked_ns, int64_t waited_ns) {
   regions_noted.fetch_add(1, std::memory_order_relaxed);
   if (waited_ns <= kStallNs || waited_ns <= kStallRatio * worked_ns) return false;
   stalls.fetch_add(1, std::memory_order_relaxed);
-  // One stall alone may be a passing job (a quiet machine sees one now and then): serial mode
-  // starts at the second within kConfirmNs, which a lasting load brings within a few regions.
-  // "Within" counts from the previous stall's end to this region's start: a region's own wait
-  // is not calm time, and stalls of more than kConfirmNs each (seen at load ~3: whole rounds of
-  // 430 ms calls) would otherwise never confirm one another.
+  // One stall alone may be a passing job (a VM's host taking a core for a few ms): serial mode starts
+  // only when earlier stalls' debt is still there. The calm counts from the previous stall's end to
+  // this region's start: a region's own wait is not calm time, and stalls of more than 100 ms
+  // each (seen at load ~3: whole rounds of 430 ms calls) must still add up.
   const int64_t now = steady_ns();
   const int64_t region_start = now - waited_ns - worked_ns;
   const int64_t previous = last_stall_ns.exchange(now, std::memory_order_relaxed);
-  if (previous == 0 || region_start - previous > kConfirmNs) return true;
+  const int64_t calm = std::max<int64_t>(0, region_start - previous);
+  const int64_t left =
+      previous == 0 ? 0 : std::max<int64_t>(0, stall_debt_ns.load(std::memory_order_relaxed) - calm / kDebtDrain);
+  stall_debt_ns.store(left + waited_ns, std::memory_order_relaxed);
+  if (left == 0 || left + waited_ns < kSerialDebtNs) return true;
   // A stall soon after a serial window ended: the load lasts, so the next window is twice as long
   // (each try costs a stall); after a longer calm, the first window again.
   const int64_t last_until = serial_until_ns.load(std::memory_order_relaxed);
@@ -82,6 +86,7 @@ int64_t noted_region_count() { return regions_noted.load(std::memory_order_relax
 
 void force_serial_for(int64_t ms) {
   last_stall_ns.store(0, std::memory_order_relaxed);
+  stall_debt_ns.store(0, std::memory_order_relaxed);
   serial_until_ns.store(ms > 0 ? steady_ns() + ms * 1'000'000 : 0, std::memory_order_relaxed);
 }
 

@@ -23,15 +23,25 @@ namespace blade {
 constexpr int64_t kSerialWindowNs = 200'000'000;
 constexpr int64_t kSerialWindowMaxNs = 10'000'000'000;
 constexpr int64_t kStallNs = 1'000'000;
-constexpr int64_t kConfirmNs = 100'000'000;  // serial mode starts at a second stall within this
 constexpr int64_t kStallRatio = 4;
+// When stalls start serial mode: each adds its wait to a debt that the calm between stalls drains
+// at 1 ns per kDebtDrain ns; a stall that finds earlier ones' debt not yet drained and brings it to
+// kSerialDebtNs starts a window. So serial mode needs stalls that keep coming and whose waits are
+// a large part of the time (more than a third: a serial call costs about twice a parallel one).
+// Why not a count: a VM's host took a core for 1.3-5.4 ms about 4 times a second on a quiet AMD
+// EPYC (T5 encoder b1 through blade.load, 37 stalls in 10 s, 14-1000 ms apart, under 1% of the
+// time); "a second stall within 100 ms" made 10-15% of the calls serial at twice their time (median
+// 3.7 ms, p10 2.95). Under load every region waits a slice (~4 ms) after ~0.2 ms of work, and
+// the second such stall starts the window, as before.
+constexpr int64_t kDebtDrain = 2;
+constexpr int64_t kSerialDebtNs = 6'000'000;
 
 // The steady clock in nanoseconds (what the region times below are differences of).
 int64_t steady_ns();
 
 // A parallel region's times: from its start until the first thread finished its chunk
 // (`worked_ns`), and from then until the region ended (`waited_ns`). Returns whether that was a
-// stall (a second one within kConfirmNs makes engine calls run serially for a while).
+// stall (stalls that keep coming, waiting much of the time, make engine calls run serially for a while).
 bool note_region(int64_t worked_ns, int64_t waited_ns);
 
 // Whether engine calls run serially now.
