@@ -78,9 +78,9 @@ void panels_pack(const GemmArgs& g, PackedWeights* weights);
 // Whether g's constant B is packed for panels_gemm already (so running it packs nothing).
 bool panels_packed(const GemmArgs& g, PackedWeights* weights);
 
-// BladeRuntime::attention (blade_abi.h): on AVX2, (head, block of query rows) tasks whose score rows
-// stay in cache between Q.K^T, the softmax and P.V (K^T and V packed once per head and thread in
-// 16-column panels); elsewhere head by head through gemm().
+// BladeRuntime::attention (blade_abi.h): with AVX-512 or AVX2, (head, block of query rows) tasks whose
+// score rows stay in cache between Q.K^T, the softmax and P.V (K^T and V packed once per head and
+// thread in 32- or 16-column panels); elsewhere head by head through gemm().
 void attention(const BladeAttention& a, PackedWeights* weights);
 
 // ---- the choice (gemm_choice.cpp) ----

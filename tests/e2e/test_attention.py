@@ -144,8 +144,9 @@ def _engine_sources(dump_dir) -> str:
 
 
 # Sequence lengths past one block of query rows per head (the runtime takes 16384 / seq rows at a
-# time, in register blocks of 6): 700 keys give blocks of 18 rows, the last one 16 (6 + 6 + 4), and
-# a last 16-key panel 12 wide; head dim 12 is no multiple of the 8-float transpose.
+# time, in register blocks of 6 with AVX2, 8 with AVX-512): 700 keys give blocks of 18 rows, the
+# last one 16 (6 + 6 + 4), and a last 16-key panel 12 wide (AVX-512: blocks of 16, the last 12 = 8 + 4,
+# a last 32-key panel 28 wide); head dim 12 is no multiple of the 8- or 16-float transpose.
 @pytest.mark.parametrize("mask", ["padded", "causal", "none"])
 @pytest.mark.parametrize("length", [9, 700])
 def test_attention_is_one_fused_call(tmp_path, mask, length):
