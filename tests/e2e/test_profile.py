@@ -42,6 +42,19 @@ def test_profile_reports_every_kernel():
         assert "GEMM kernels chosen per bucket of call shapes" in text
 
 
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1) @ v
+
+
+def test_the_fused_attention_is_its_own_category():
+    """Its kernel is not counted as loops (BERT b8's 'loops 23%' was mostly attention)."""
+    q, k, v = (torch.randn(2, 3, 16, 16) for _ in range(3))
+    profile = blade.profile(Attention(), q, k, v, runs=2, warmup=1, min_cluster_size=1)
+    assert [k.category for k in profile.kernels if "fused attention" in k.name] == ["attention"], str(profile)
+    assert "attention" in profile.by_category()
+
+
 def test_profiled_engines_match_eager_and_plain_engines_report_nothing():
     torch.manual_seed(0)
     model, x = Block().eval(), torch.randn(16, 64)
