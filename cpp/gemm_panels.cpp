@@ -47,6 +47,11 @@ constexpr int64_t kPackTag = -3;  // PackedWeights key slot 1 (MKL: trans_b, one
 
 #define BLADE_AVX512 __attribute__((target("avx512f,fma")))
 
+// The first `count` lanes of a 16-lane mask.
+BLADE_AVX512 inline __mmask16 first_lanes16(int64_t count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
 // One register block: rows [0, R) of A (element (r, kk) at a[r * row_step + kk * k_step]) times one
 // panel (row kk's 32 floats at panel + kk * panel_step), into C's columns [0, width) of those rows
 // (beta as BLAS reads it: 0 ignores C). kInPlace: the panel is B itself (a computed, untransposed
@@ -56,9 +61,7 @@ template <int R, bool kInPlace>
 BLADE_AVX512 inline void block(int64_t k, const float* a, int64_t row_step, int64_t k_step, const float* panel,
                                int64_t panel_step, float alpha, float beta, float* c, int64_t ldc, int64_t width) {
   // The panel's padding columns (past n) are computed and not stored.
-  const __mmask16 low_mask = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-  const __mmask16 high_mask =
-      width >= kPanel ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
+  const __mmask16 low_mask = first_lanes16(width), high_mask = width > 16 ? first_lanes16(width - 16) : 0;
   __m512 low[R], high[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) low[r] = high[r] = _mm512_setzero_ps();
@@ -346,7 +349,7 @@ BLADE_AVX512 void pack_transposed_panel(const float* b, int64_t ldb, int64_t k, 
   const __m512 scale = _mm512_set1_ps(alpha);
   for (int64_t k0 = 0; k0 < k; k0 += 16) {
     const int64_t depth = std::min<int64_t>(16, k - k0);
-    const __mmask16 depth_mask = depth == 16 ? 0xFFFF : static_cast<__mmask16>((1u << depth) - 1);
+    const __mmask16 depth_mask = first_lanes16(depth);
     for (int64_t half = 0; half < kPanel; half += 16) {
       __m512 rows[16];
 #pragma GCC unroll 16
@@ -729,11 +732,6 @@ float* aligned_buffer(std::vector<float>& buffer, int64_t floats) {
 }
 
 // ---- the fused attention's AVX-512 pieces: 16-lane softmax steps, 32-column panels ----
-
-// The first `count` lanes of a 16-lane mask.
-BLADE_AVX512 inline __mmask16 first_lanes16(int64_t count) {
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-}
 
 // expf_avx2 on 16 lanes: the same operations in the same order (the runtime's blade_expf), so the
 // fused softmax rounds alike on both ISAs.
