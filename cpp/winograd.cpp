@@ -80,6 +80,29 @@ const OutputTransform kOutputTransforms[2][2] = {{output_transform<false, false>
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A weight of at most kBlockedWeightFloats transformed floats (64 x 64 channels: 256 KiB) is run
+// block of tiles by block of tiles (tile_blocks), each block's transformed inputs and outputs at
+// most kBlockFloats (512 KiB; 768 with the weight: within the L2 of every x86 core we ran on, 1 MiB
+// and up). In three passes over every tile, ResNet-18's 64-channel 3x3 at 56x56 (784 tiles) wrote and
+// read 3.2 MB buffers twice, beyond an L2, and spent about as long in its transforms as in its
+// GEMMs: blocks of 56 tiles took it from 0.80-0.93 to 0.63-0.72 ms (2 threads, an Intel Xeon with
+// AVX-512, in the model; ONNX Runtime's direct convolution ~0.7). A larger weight is streamed once
+// per block: ResNet's 128-channel one (1 MiB transformed, 196 tiles) was 3-20% slower in blocks of
+// 16-128 tiles, so from there on the passes stay.
+constexpr int64_t kBlockedWeightFloats = kPoints * 64 * 64;
+constexpr int64_t kBlockFloats = int64_t{1} << 17;
+
+// How many blocks of tiles to run (0: run in three passes): as few as hold at most kBlockFloats
+// each, at least one a thread, and a multiple of the threads where there are more (784 tiles on 2
+// threads: 14 blocks of 56, not 13 of up to 64, one of them left for one thread at the end).
+int64_t tile_blocks(int64_t c_in, int64_t c_out, int64_t tiles, int64_t threads) {
+  if (kPoints * c_in * c_out > kBlockedWeightFloats) return 0;
+  const int64_t most_tiles = std::max<int64_t>(1, kBlockFloats / (kPoints * (c_in + c_out)));
+  int64_t blocks = std::max(ceil_div(tiles, most_tiles), std::min(threads, tiles));
+  if (blocks > threads && blocks % threads != 0) blocks = ceil_div(blocks, threads) * threads;
+  return std::min(blocks, tiles);
+}
+
 }  // namespace
 
 int64_t winograd_tiles(const Conv3x3Shape& shape) {
@@ -121,22 +144,16 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
     row = 2 * (tile % (tiles_h * tiles_w) / tiles_w);
     col = 2 * (tile % tiles_w);
   };
-  // Scratch kept per calling thread (engine calls on several threads each get their own): a fresh
-  // multi-megabyte buffer per call comes from mmap, and its page faults cost more than the
-  // convolution (measured: +1.3 ms per call on a 64-channel 56x56 convolution).
-  thread_local std::vector<float> scratch;
-  scratch.resize(std::max<size_t>(scratch.size(), kPoints * tiles * (c_in + c_out) + std::max(c_in, c_out)));
-  float* v = scratch.data();                     // [16, tiles, c_in]
-  float* m = v + kPoints * tiles * c_in;         // [16, tiles, c_out]
-  float* zeros = m + kPoints * tiles * c_out;    // pixels outside the image, a missing bias or sum
-  std::fill(zeros, zeros + std::max(c_in, c_out), 0.0f);
-  // Tiles per task: about 16K channel values, but no more than an equal share per thread (the 14x14
-  // stage's 49 tiles x 256 channels were one task: both transforms ran on one thread while the
-  // other waited).
+  // Pixels outside the image, a missing bias or sum: read, never written (the calling thread's, which
+  // waits while the tasks read it).
+  thread_local std::vector<float> zero_row;
+  zero_row.resize(std::max<size_t>(zero_row.size(), std::max(c_in, c_out)));
+  const float* zeros = zero_row.data();
   const int64_t threads = at::get_num_threads();
-  const int64_t grain = std::max<int64_t>(1, std::min(16384 / std::max(c_in, c_out), ceil_div(tiles, threads)));
 
-  timed_parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  // Tiles [begin, end)'s transformed inputs at v (tile t's channels at v + (t - begin) * c_in, point
+  // e's plane `plane` floats after point e - 1's), and their outputs from m (laid out alike).
+  const auto transform_inputs = [&](int64_t begin, int64_t end, float* v, int64_t plane) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t n, row, col;
       origin(t, n, row, col);
@@ -146,24 +163,11 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
         const bool inside = ih >= 0 && ih < s.in_h && iw >= 0 && iw < s.in_w;
         pixel[e] = inside ? input + ((n * s.in_h + ih) * s.in_w + iw) * c_in : zeros;
       }
-      input_transform(pixel, c_in, v + t * c_in, tiles * c_in);
+      input_transform(pixel, c_in, v + (t - begin) * c_in, plane);
     }
-  });
-  // One GEMM per point, each on its own slice of the transformed weight, which the runtime packs
-  // once (the slices lie in the engine's constants). The points are split across the threads, each
-  // GEMM serial in its task: one fork-join for all 16 instead of one per GEMM, and equal shares
-  // on 2 or 4 threads (each threaded GEMM split [tiles x c_out] in blocks of its own and waited
-  // for the slowest: ResNet-18's 14x14 stage has 49 tiles).
-  timed_parallel_for(0, kPoints, 1, [&](int64_t begin, int64_t end) {
-    const PackingScope scope(weights);  // per thread: the scope is thread-local
-    for (int64_t e = begin; e < end; ++e) {
-      runtime()->sgemm(1, tiles, c_out, c_in, 1.0f, v + e * tiles * c_in, c_in, 0, 0,
-                       transformed_weight + e * c_in * c_out, c_out, 0, 0, 0.0f, m + e * tiles * c_out, c_out, 0);
-    }
-  });
+  };
   const OutputTransform transform = kOutputTransforms[sum != nullptr][clamp.on];
-  timed_parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> discard(c_out);  // outputs of edge tiles that fall outside the image
+  const auto transform_outputs = [&](int64_t begin, int64_t end, const float* m, int64_t plane, float* discard) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t n, row, col;
       origin(t, n, row, col);
@@ -173,11 +177,65 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
         const int64_t oh = row + q / 2, ow = col + q % 2;
         const bool inside = oh < s.out_h && ow < s.out_w;
         const int64_t offset = ((n * s.out_h + oh) * s.out_w + ow) * c_out;
-        out[q] = inside ? output + offset : discard.data();
+        out[q] = inside ? output + offset : discard;
         addend[q] = inside && sum != nullptr ? sum + offset : zeros;
       }
-      transform(m + t * c_out, tiles * c_out, c_out, bias != nullptr ? bias : zeros, addend, clamp, out);
+      transform(m + (t - begin) * c_out, plane, c_out, bias != nullptr ? bias : zeros, addend, clamp, out);
     }
+  };
+  const auto multiply = [&](int64_t rows, const float* v, float* m, int64_t e) {
+    runtime()->sgemm(1, rows, c_out, c_in, 1.0f, v + e * rows * c_in, c_in, 0, 0,
+                     transformed_weight + e * c_in * c_out, c_out, 0, 0, 0.0f, m + e * rows * c_out, c_out, 0);
+  };
+  if (const int64_t blocks = tile_blocks(c_in, c_out, tiles, threads); blocks > 0) {
+    // Each task transforms a block of tiles, runs its 16 GEMMs and transforms their outputs while
+    // the block's transformed values are still in the thread's L2 (the weight, at most
+    // kBlockedWeightFloats, stays there across the thread's blocks).
+    const int64_t block_tiles = ceil_div(tiles, blocks);
+    timed_parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      const PackingScope scope(weights);  // per thread: the scope is thread-local
+      thread_local std::vector<float> own;
+      own.resize(std::max<size_t>(own.size(), kPoints * block_tiles * (c_in + c_out) + c_out));
+      float* v = own.data();                            // [16, block tiles, c_in]
+      float* m = v + kPoints * block_tiles * c_in;      // [16, block tiles, c_out]
+      float* discard = m + kPoints * block_tiles * c_out;
+      for (int64_t b = first; b < last; ++b) {
+        const int64_t begin = tiles * b / blocks, end = tiles * (b + 1) / blocks, rows = end - begin;
+        transform_inputs(begin, end, v, rows * c_in);
+        for (int64_t e = 0; e < kPoints; ++e) multiply(rows, v, m, e);
+        transform_outputs(begin, end, m, rows * c_out, discard);
+      }
+    });
+    return;
+  }
+  // Else in three passes over all tiles, each split across the threads, through [16, tiles, c]
+  // buffers.
+  // Scratch kept per calling thread (engine calls on several threads each get their own): a fresh
+  // multi-megabyte buffer per call comes from mmap, and its page faults cost more than the
+  // convolution (measured: +1.3 ms per call on a 64-channel 56x56 convolution).
+  thread_local std::vector<float> scratch;
+  scratch.resize(std::max<size_t>(scratch.size(), kPoints * tiles * (c_in + c_out)));
+  float* v = scratch.data();                     // [16, tiles, c_in]
+  float* m = v + kPoints * tiles * c_in;         // [16, tiles, c_out]
+  // Tiles per task: about 16K channel values, but no more than an equal share per thread (the 14x14
+  // stage's 49 tiles x 256 channels were one task: both transforms ran on one thread while the
+  // other waited).
+  const int64_t grain = std::max<int64_t>(1, std::min(16384 / std::max(c_in, c_out), ceil_div(tiles, threads)));
+  timed_parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    transform_inputs(begin, end, v + begin * c_in, tiles * c_in);
+  });
+  // One GEMM per point, each on its own slice of the transformed weight, which the runtime packs
+  // once (the slices lie in the engine's constants). The points are split across the threads, each
+  // GEMM serial in its task: one fork-join for all 16 instead of one per GEMM, and equal shares
+  // on 2 or 4 threads (each threaded GEMM split [tiles x c_out] in blocks of its own and waited
+  // for the slowest: ResNet-18's 14x14 stage has 49 tiles).
+  timed_parallel_for(0, kPoints, 1, [&](int64_t begin, int64_t end) {
+    const PackingScope scope(weights);  // per thread: the scope is thread-local
+    for (int64_t e = begin; e < end; ++e) multiply(tiles, v, m, e);
+  });
+  timed_parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> discard(c_out);  // outputs of edge tiles that fall outside the image
+    transform_outputs(begin, end, m + begin * c_out, tiles * c_out, discard.data());
   });
 }
 
