@@ -153,8 +153,8 @@ def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, resid
 # constant weight, channels-last in and out, >= 64 channels each way and >= 32 output tiles.
 # Checked against a float64 convolution on edge cases of its tiling (odd and 1x1 images, asymmetric
 # pads, batches) and its epilogue; it must also actually differ from oneDNN's direct convolution
-# (in rounding only), or the dispatch never took it. Up to 64 x 128 channels it runs in blocks of
-# tiles, above in three passes over all tiles (cpp/winograd.cpp, tile_blocks): both are here.
+# (in rounding only), or the dispatch never took it. Up to 64 x 64 channels (a 256 KiB transformed
+# weight) it runs in blocks of tiles, above in three passes over all tiles (cpp/winograd.cpp, tile_blocks): both are here.
 @pytest.mark.parametrize("n, c_in, c_out, h, w, pads", [(1, 64, 64, 12, 12, [1, 1, 1, 1]), (2, 64, 96, 9, 7, [1, 1, 1, 1]),
                                                          (1, 80, 64, 13, 11, [0, 1, 2, 0]), (32, 64, 64, 1, 1, [1, 1, 1, 1]),
                                                          (40, 128, 64, 3, 3, [0, 0, 0, 0]), (1, 96, 128, 11, 13, [1, 0, 0, 2]),
@@ -179,10 +179,10 @@ def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activati
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("n, c_in, c_out, h, w", [(1, 256, 128, 14, 14), (3, 64, 80, 9, 11), (2, 64, 64, 29, 31)])
 def test_conv_winograd_threads(threads, n, c_in, c_out, h, w):
-    """In three passes (256 -> 128): the 16 point GEMMs split across the threads (3 threads: 6, 6
-    and 4 points) and transforms in equal shares of few tiles (49 for 14x14). In blocks of tiles
-    (64 -> 80, 64 -> 64): 480 tiles at 29x31 in 8 blocks, 9 on 3 threads, their last tiles past
-    the image's edge."""
+    """In three passes (256 -> 128, 64 -> 80): the 16 point GEMMs split across the threads (3
+    threads: 6, 6 and 4 points) and transforms in equal shares of few tiles (49 for 14x14). In
+    blocks of tiles (64 -> 64): 480 tiles at 29x31 in 8 blocks, 9 on 3 threads, their last tiles
+    past the image's edge."""
     torch.manual_seed(4)
     x, weight, bias = torch.randn(n, c_in, h, w), torch.randn(c_out, c_in, 3, 3) / (9 * c_in) ** 0.5, torch.randn(c_out)
     expected = torch.conv2d(x.double(), weight.double(), bias.double(), padding=1)
