@@ -14,8 +14,10 @@
 // g++ on x86-64: versions per ISA level, each compiled under its target attribute.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define BLADE_CONV_PATCH_ISA_VERSIONS 1
+#define BLADE_ISA_TARGET(level) __attribute__((target("arch=" level)))
 #else
 #define BLADE_CONV_PATCH_ISA_VERSIONS 0
+#define BLADE_ISA_TARGET(level)
 #endif
 
 namespace blade::conv_patch_blocks {

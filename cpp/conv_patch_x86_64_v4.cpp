@@ -1,14 +1,15 @@
 // conv_patch's block functions for x86-64-v4 (AVX-512): 16-float vectors (conv_patch_blocks.h).
+#define BLADE_PATCH_TARGET BLADE_ISA_TARGET("x86-64-v4")
 #include "conv_patch_kernels.h"
 
 namespace blade::conv_patch_blocks {
 #if BLADE_CONV_PATCH_ISA_VERSIONS
 namespace {
 
-__attribute__((target("arch=x86-64-v4"))) void patch_block(BLADE_BLOCK_PARAMS) {
+BLADE_PATCH_TARGET void patch_block(BLADE_BLOCK_PARAMS) {
   patch_block_for<float_vectors::Floats16>(BLADE_BLOCK_ARGS);
 }
-__attribute__((target("arch=x86-64-v4"))) void image_block(BLADE_BLOCK_PARAMS) {
+BLADE_PATCH_TARGET void image_block(BLADE_BLOCK_PARAMS) {
   image_block_for<float_vectors::Floats16>(BLADE_BLOCK_ARGS);
 }
 
