@@ -22,10 +22,20 @@ def boolean(*shape):
     return lambda: torch.rand(shape) > 0.5
 
 
+def with_edges(*shape):
+    """randn with a NaN, +inf and -inf planted apart (a conv spreads each over its window)."""
+    def make():
+        x = torch.randn(shape)
+        x.view(-1)[[5, x.numel() // 2, x.numel() - 7]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        return x
+    return make
+
+
 W = torch.randn(32, 16)   # weights shared by the linear-algebra cases
 B = torch.randn(32)
 K = torch.randn(8, 4, 3, 3)   # conv kernels
 K1 = torch.randn(6, 4, 5)
+K2 = torch.randn(3, 8, 1, 1)  # a 1x1 conv after a pooling of K's output
 BN = [torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)]   # mean, var, weight, bias
 
 # integer division and powers: negative operands, values past 2**53, wrapping like eager
@@ -125,6 +135,14 @@ CASES = {
     "conv1d": (lambda x: F.conv1d(x, K1, B[:6], stride=2, padding="valid"), [f32(2, 4, 17)]),
     "conv_bn_relu_residual": (lambda x: F.relu(F.batch_norm(F.conv2d(x, K[:, :4], padding=1), *BN) + 1) + x.sum(1, keepdim=True),
                               [f32(2, 4, 8, 8)]),
+    # a ResNet stem's pooling between convolutions: channels-last, its padded windows read from
+    # the ReLU'd conv output in place (plan._inline_pooling_pads), NaN and infinities included
+    "conv_relu_max_pool2d_conv": (lambda x: F.conv2d(F.max_pool2d(F.relu(F.conv2d(x, K, padding=1)), 3, 2, 1), K2),
+                                  [f32(2, 4, 11, 10)]),
+    "conv_max_pool2d_conv_edges": (lambda x: F.conv2d(F.max_pool2d(F.conv2d(x, K, padding=1), 3, 2, (0, 1)), K2),
+                                   [with_edges(2, 4, 11, 10)]),
+    "conv_avg_pool2d_conv": (lambda x: F.conv2d(F.avg_pool2d(F.relu(F.conv2d(x, K, padding=1)), 3, 2, 1), K2),
+                             [f32(2, 4, 11, 10)]),
     "batch_norm": (lambda x: F.batch_norm(x, *BN, eps=1e-3), [f32(3, 8, 5)]),
     "batch_norm_noaffine": (lambda x: F.batch_norm(x, BN[0], BN[1]), [f32(2, 8, 4, 4)]),
     "group_norm": (lambda x: F.group_norm(x, 4, BN[2], BN[3]), [f32(2, 8, 3, 3)]),
