@@ -49,20 +49,43 @@ def compile_with_report(model, out_dir: Path, isa: str = "native") -> list[Loop]
     return [Loop(lines, kernel, bool(done & set(lines))) for lines, kernel in innermost_loops(source)]
 
 
-INSTRUCTION = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*([0-9a-f]*)")
+INSTRUCTION = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*([0-9a-f]*)(.*)$")
+FUNCTION = re.compile(r"^[0-9a-f]+ <(.*)>:$")
+
+
+def functions_and_loops(so: Path) -> list[tuple[str, list, list]]:
+    """Per function of the .so's code: (its demangled name, its instructions as (address, mnemonic,
+    operands), its loops as (index of the head, index of the jump back)): a conditional jump back
+    to an address before it, within the function, closes a loop."""
+    import subprocess
+    text = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(so)],
+                          capture_output=True, text=True, check=True).stdout
+    functions, name, instructions = [], None, []
+    for line in text.splitlines() + [""]:
+        head, match = FUNCTION.match(line), INSTRUCTION.match(line)
+        if match and name is not None:
+            address, mnemonic, target, rest = match.groups()
+            instructions.append((int(address, 16), mnemonic, (target + rest).strip()))
+        elif (head or not line) and name is not None:
+            at = {address: i for i, (address, _, _) in enumerate(instructions)}
+            loops = [(at[int(ops.split()[0], 16)], i) for i, (address, mnemonic, ops) in enumerate(instructions)
+                     if mnemonic.startswith("j") and mnemonic != "jmp" and ops
+                     and re.fullmatch(r"[0-9a-f]+", ops.split()[0]) and int(ops.split()[0], 16) in at
+                     and int(ops.split()[0], 16) < address]
+            functions.append((name, instructions, loops))
+            name, instructions = None, []
+        if head:
+            name = head.group(1)
+    return functions
 
 
 def short_loops(engine_so: Path, longest: int = 64) -> list[tuple[int, int]]:
     """(first byte, byte after the last) of every loop of the .so's code at most `longest` bytes
-    long, read from its object code: a conditional jump back to an address before it closes a loop."""
-    import subprocess
-    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(engine_so)],
-                          capture_output=True, text=True, check=True).stdout
-    instructions = [m.groups() for m in map(INSTRUCTION.match, text.splitlines()) if m]
+    long, read from its object code."""
     loops = []
-    for (address, mnemonic, target), following in zip(instructions, instructions[1:]):
-        if mnemonic.startswith("j") and mnemonic != "jmp" and target:
-            head, end = int(target, 16), int(following[0], 16)
-            if head < int(address, 16) and end - head <= longest:
-                loops.append((head, end))
+    for _, instructions, function_loops in functions_and_loops(engine_so):
+        for head, jump in function_loops:
+            end = instructions[jump + 1][0] if jump + 1 < len(instructions) else instructions[jump][0] + 2
+            if end - instructions[head][0] <= longest:
+                loops.append((instructions[head][0], end))
     return loops
