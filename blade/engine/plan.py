@@ -16,7 +16,8 @@ Decided from the graph alone, before any code exists (compiler.STAGES dumps it a
   graph output, or as the projection whose heads a fused attention reads in place) is written by
   the GEMM: C is filled with the bias, then the GEMM accumulates into it;
 - reductions in *window form* (small windows accumulated along the output row: pooling) and
-  constant pads stored as a fill plus a copy of the interior.
+  constant pads stored as a fill plus a copy of the interior (except a channels-last pooling's,
+  read inline by its window reduction).
 
 What it leaves to code generation: loop kernels fuse into row groups (one parallel loop) by their
 actual memory accesses (loops.py), and row-local scratch moves to the stack (render.py).
@@ -360,11 +361,14 @@ def _inline_pooling_pads(p: Plan, channels_last: set) -> None:
     alone: the reduce's innermost loop then runs along the channels, so a tap's bounds check is
     the same for the whole loop (hoisted out of it) and the load stays a vector one. Stored, the
     pad cost a pass over the activation: ResNet-18's max pool read a 3.2 MB stem output into a
-    114x114 copy (105 us at 2 threads) before its window reduce (68 us)."""
+    114x114 copy (105 us at 2 threads) before its window reduce (68 us). Only over a cheap inline
+    source (ResNet's ReLU): overlapping windows read each element several times."""
     for node in p.live:
         if node not in p.materialized or not stored_pad(node) or node in p.outputs or node not in channels_last:
             continue
         if any(node.attrs["begins"][d] != 0 or node.shape[d] != node.args[0].shape[d] for d in (0, 1)):
+            continue
+        if _cost(node.args[0], p.materialized, {}) > RECOMPUTE_MAX_COST:
             continue
         readers = p.users.get(node, [])
         windows = [r for r in readers if r.op == "view" and r.attrs["view"] == "window"]

@@ -267,7 +267,8 @@ def test_a_pooling_pad_between_channels_last_values_is_read_inline():
     """ResNet's stem: the max pool's -inf pad, read only by its channels-last window reduction, is
     no stored copy: the reduction's loop over the channels reads the conv's output (its ReLU
     inline) with each tap's bounds checked once per tap, outside that loop. An NCHW pool (a pad
-    along the innermost loop's dim) keeps its stored pad."""
+    along the innermost loop's dim) keeps its stored pad, and so does one over a costly inline
+    source (a Sigmoid, computed again for every window that reads it)."""
     for name in ("conv-maxpool-conv-channels-last", "conv-maxpool-residual-epilogue"):
         (case,) = [c for c in CASES if c.name == name]
         planned = plan.make_plan(ir.lower_onnx(case.model))
@@ -276,9 +277,10 @@ def test_a_pooling_pad_between_channels_last_values_is_read_inline():
         (pool,) = [n for n in planned.live if n.op == "reduce"]
         assert pool in planned.window_form and planned.orders.get(pool) is not None
         assert not any(k.startswith("pad") for k in kernels(source_of(case)))
-    (nchw,) = [c for c in CASES if c.name == "MaxPool-window-form"]
-    planned = plan.make_plan(ir.lower_onnx(nchw.model))
-    assert [n for n in planned.live if n.op == "pad" and n in planned.materialized]
+    for name in ("MaxPool-window-form", "conv-sigmoid-maxpool-conv"):
+        (case,) = [c for c in CASES if c.name == name]
+        planned = plan.make_plan(ir.lower_onnx(case.model))
+        assert [n for n in planned.live if n.op == "pad" and n in planned.materialized]
 
 
 def test_a_stored_pad_fills_only_its_border():

@@ -230,6 +230,15 @@ CASES = [
         {"x": ((1, 3, 21, 19), "float32")}, ["y"],
         {"w1": np.random.default_rng(9).standard_normal((16, 3, 7, 7)).astype(f32),
          "w2": np.random.default_rng(10).standard_normal((16, 16, 3, 3)).astype(f32)}, rtol=1e-4, atol=1e-4),
+    # The same with a Sigmoid before the pool: overlapping windows would compute it ~2.25 times per
+    # element read inline, so the padded copy stays stored.
+    graph_case("conv-sigmoid-maxpool-conv", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[3, 3, 3, 3], strides=[2, 2]), node("Sigmoid", ["c1"], ["r1"]),
+        node("MaxPool", ["r1"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+        node("Conv", ["p", "w2"], ["y"], pads=[1, 1, 1, 1])],
+        {"x": ((1, 3, 21, 19), "float32")}, ["y"],
+        {"w1": np.random.default_rng(9).standard_normal((16, 3, 7, 7)).astype(f32),
+         "w2": np.random.default_rng(10).standard_normal((16, 16, 3, 3)).astype(f32)}, rtol=1e-4, atol=1e-4),
     # ResNet's first block: the residual is the max pool's output, a reshaped view of its window
     # reduction, which the second convolution's epilogue adds (asymmetric pool pads: the pad's
     # border fill is one slab per side).
