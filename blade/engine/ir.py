@@ -804,6 +804,14 @@ def _pool(kind):
         if attrs.get("auto_pad", "NOTSET") != "NOTSET" or attrs.get("storage_order", 0):
             raise UnsupportedOnnxOp(f"{kind} pool with auto_pad or storage_order")
         size = x.shape[-spatial:]
+        for d in range(spatial):
+            # A window longer than the padded input (ceil_mode lets EfficientNet's head pool a 2x2
+            # map with a 320-wide kernel) has only fill past it, and that dim has one window: take
+            # the taps that land in the padded input (padding 2 up to 320 made a 262 MB buffer).
+            extent = size[d] + pads[d] + pads[spatial + d]
+            reach = -(-extent // dilations[d]) if isinstance(extent, int) else None
+            if reach is not None and kernel[d] > reach:
+                kernel[d], strides[d] = reach, extent
         ends = list(pads[spatial:])
         if attrs.get("ceil_mode", 0):  # extra windows that start inside the (begin-padded) input
             for d in range(spatial):

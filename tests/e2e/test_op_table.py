@@ -153,6 +153,15 @@ CASES = {
     "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), [f32(2, 3, 8, 8)]),
     "avg_pool2d_pad_exclude": (lambda x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False), [f32(1, 3, 6, 7)]),
     "avg_pool2d_pad_include": (lambda x: F.avg_pool2d(x, 3, 2, 1), [f32(1, 3, 6, 7)]),
+    # windows longer than the padded input (ceil_mode; EfficientNet's head pools 2x2 with a
+    # 320-wide kernel): the engine reads the taps inside it, not a pad up to the kernel's size
+    "avg_pool2d_kernel_over_input": (lambda x: F.avg_pool2d(x, 320, ceil_mode=True), [f32(2, 8, 2, 3)]),
+    "avg_pool2d_kernel_over_input_exclude": (lambda x: F.avg_pool2d(x, 7, 5, 1, ceil_mode=True, count_include_pad=False),
+                                             [f32(1, 3, 3, 4)]),
+    "avg_pool2d_kernel_over_one_dim": (lambda x: F.avg_pool2d(x, (7, 2), (5, 2), 1, ceil_mode=True), [f32(1, 3, 3, 4)]),
+    "max_pool2d_kernel_over_input": (lambda x: F.max_pool2d(x, 9, ceil_mode=True), [with_edges(1, 3, 3, 4)]),
+    "max_pool2d_kernel_over_input_dilated": (lambda x: F.max_pool2d(x, 4, 3, 1, dilation=2, ceil_mode=True), [f32(1, 3, 3, 4)]),
+    "max_pool1d_kernel_over_input_dilated": (lambda x: F.max_pool1d(x, 5, 6, 2, dilation=3, ceil_mode=True), [f32(3, 3, 4)]),
     "adaptive_avg_pool2d_1": (lambda x: F.adaptive_avg_pool2d(x, 1).flatten(1), [f32(2, 8, 5, 5)]),
     "adaptive_avg_pool2d_div": (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), [f32(2, 8, 4, 6)]),
     "pad_constant": (lambda x: F.pad(x, (1, 2, 0, 1), value=0.5) * 2, [f32(2, 3, 4)]),

@@ -283,6 +283,18 @@ def test_a_pooling_pad_between_channels_last_values_is_read_inline():
         assert [n for n in planned.live if n.op == "pad" and n in planned.materialized]
 
 
+def test_a_pooling_kernel_past_the_input_reads_only_the_input():
+    """EfficientNet's head: avg_pool2d(320, ceil_mode=True) over a 2x2 map. The window's taps past
+    the input are all fill, so the engine reduces the input itself: no pad up to the kernel's size
+    (a [2, 320, 320, 320] buffer, 262 MB and 36 ms, before). Its values are checked against eager
+    in tests/e2e/test_op_table.py (onnx's reference evaluator gives NaN for this window)."""
+    case = op_case("AveragePool", [(2, 8, 2, 3)], kernel_shape=[320, 320], strides=[320, 320], ceil_mode=1)
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    assert not [n for n in planned.live if n.op == "pad"]
+    assert max(int(np.prod(n.shape)) for n in planned.live) == 2 * 8 * 2 * 3
+    assert source_of(case).scratch_bytes == 0
+
+
 def test_a_stored_pad_fills_only_its_border():
     """One fill per padded side (none for an unpadded one), each over the slab outside the interior."""
     (case,) = [c for c in CASES if c.name == "Pad-2x3x4-float32"]   # [2, 3, 4] padded [0, 1, 2] before, [0, 2, 1] after
