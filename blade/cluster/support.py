@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from blade.cluster import einsum
 from blade.cluster.onnx_builder import OnnxBuilder
 
 TORCH_TO_NP = {
@@ -569,6 +570,24 @@ def _linear(ctx: LowerCtx, node):
 def _matmul(ctx: LowerCtx, node):
     a, b = _args(node)[:2]
     return [ctx.b.op("MatMul", [ctx.tensor(a), ctx.tensor(b)])]
+
+
+def _einsum(ctx: LowerCtx, node):
+    """einsum(equation, tensors, path=None): pairwise batched products (blade/cluster/einsum.py);
+    a contraction path only reorders them, so it is not read."""
+    equation, tensors = _args(node)[:2]
+    members = list(tensors.node().inputs())
+    return [einsum.lower(ctx.b, ctx.const(equation), [ctx.tensor(v) for v in members], [ctx.shape(v) for v in members])]
+
+
+def _einsum_check(node):
+    equation, tensors = _args(node)[:2]
+    if tensors.node().kind() != "prim::ListConstruct" or not is_constant(equation):
+        return "aten::einsum of a list not built by prim::ListConstruct or a computed equation"
+    shapes = [static_shape_of(v) for v in tensors.node().inputs()]
+    if any(shape is None for shape in shapes):
+        return "aten::einsum of an operand without a static shape"
+    return einsum.refusal(constant_value(equation), shapes)
 
 
 def _scaled_add(ctx: LowerCtx, node, product: str):
@@ -1782,6 +1801,7 @@ LOWERING: dict[str, Rule] = {
     "aten::bmm": Rule(_matmul),
     "aten::mm": Rule(_matmul),
     "aten::addmm": Rule(_addmm),
+    "aten::einsum": Rule(_einsum, _einsum_check, tensor_lists=True),
     "aten::baddbmm": Rule(_addmm),
     "aten::scaled_dot_product_attention": Rule(_sdpa, _sdpa_check),
     # shapes and data movement

@@ -187,7 +187,7 @@ _CREATION = "tensor creation from constants: no input values"
 NOT_EDGE_TESTED = {
     **{kind: "linear algebra: GEMM through MKL, tested by test_op_table/test_models" for kind in (
         "aten::linear", "aten::matmul", "aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm",
-        "aten::scaled_dot_product_attention")},
+        "aten::scaled_dot_product_attention", "aten::einsum")},
     **{kind: "convolution and pooling windows: tested by test_op_table" for kind in (
         "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution", "aten::_convolution",
         "aten::max_pool1d", "aten::max_pool2d", "aten::avg_pool1d", "aten::avg_pool2d",

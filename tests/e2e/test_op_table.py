@@ -125,6 +125,18 @@ CASES = {
     "hardtanh": (lambda x: F.hardtanh(x, -0.5, 0.8), [f32(4, 33)]),
     "relu6": (lambda x: F.relu6(x * 4), [f32(4, 33)]),
     "softplus": (lambda x: F.softplus(x * 10, beta=2, threshold=5), [f32(4, 33)]),
+    # einsum: pairwise batched products (blade/cluster/einsum.py)
+    "einsum_attention_scores": (lambda q, k: torch.einsum("b h i d, b h j d -> b h i j", q, k),
+                                [f32(2, 3, 5, 4), f32(2, 3, 6, 4)]),
+    "einsum_implicit_output": (lambda a, b: torch.einsum("jk,ij", a, b), [f32(4, 5), f32(3, 4)]),
+    "einsum_outer": (lambda a, b: torch.einsum("i,j->ij", a, b), [f32(3), f32(4)]),
+    "einsum_ellipsis_broadcast": (lambda a, b: torch.einsum("...ij,...jk->...ik", a, b), [f32(2, 1, 3, 4), f32(5, 4, 2)]),
+    "einsum_size1_label_broadcasts": (lambda a, b: torch.einsum("bi,i->b", a, b), [f32(3, 1), f32(4)]),
+    "einsum_three_operands": (lambda a, b, c: torch.einsum("bn,anm,bm->ba", a, b, c), [f32(2, 3), f32(4, 3, 5), f32(2, 5)]),
+    "einsum_sum_and_permute": (lambda a: torch.einsum("ijk->kj", a), [f32(2, 3, 4)]),
+    "einsum_full_contraction": (lambda a, b: torch.einsum("ab,cd->", a, b), [f32(2, 3), f32(4, 5)]),
+    "einsum_int": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [i64(3, 4), i64(4, 2)]),
+    "einsum_empty_label": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [f32(3, 0), f32(0, 2)]),
     # convolution, batch norm, pooling, padding
     "conv2d": (lambda x: F.conv2d(x, K, B[:8], padding=1), [f32(2, 4, 9, 9)]),
     "conv2d_stride_dilation": (lambda x: F.conv2d(x, K, stride=2, dilation=2), [f32(1, 4, 12, 11)]),

@@ -1,0 +1,142 @@
+"""aten::einsum as ONNX Transpose / Reshape / MatMul / Mul / ReduceSum / Expand.
+
+The engine has no einsum of its own: like torch's CPU kernel, the operands are contracted left to
+right, two at a time, each pair as one batched matrix product [batch, left, k] @ [batch, k, right]
+(an outer product, k empty, is a broadcast Mul the engine fuses). Before a pair is contracted, a
+label that neither the rest of the operands nor the output needs is summed out of the operand that
+alone holds it. A label of size 1 in one operand and n in another broadcasts (torch's rule), so
+the operand holding 1 is expanded first.
+
+Refused (the node stays in TorchScript, with the reason): a label repeated within one operand
+(a diagonal) and anything torch itself rejects.
+"""
+from __future__ import annotations
+
+import math
+
+ELLIPSIS = "..."
+
+
+def parse(equation: str, ranks: list[int]) -> tuple[list[list[str]], list[str]]:
+    """(each operand's labels, the output's labels) of an einsum equation; an ellipsis becomes
+    labels '...0', '...1', ... aligned to the right (the broadcast dims, in front of the implicit
+    output as torch puts them)."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise ValueError(f"einsum equation {equation!r} names {len(terms)} operands, got {len(ranks)}")
+    broadcast = max((rank - len(term.replace(ELLIPSIS, "")) for term, rank in zip(terms, ranks)
+                     if ELLIPSIS in term), default=0)
+    ellipsis = [f"{ELLIPSIS}{k}" for k in range(broadcast)]
+
+    def labels(term: str, rank: int) -> list[str]:
+        head, dots, tail = term.partition(ELLIPSIS)
+        middle = ellipsis[len(ellipsis) - (rank - len(head) - len(tail)):] if dots else []
+        if not dots and len(term) != rank or any(not c.isalpha() for c in head + tail):
+            raise ValueError(f"einsum term {term!r} does not fit an operand of rank {rank}")
+        return list(head) + middle + list(tail)
+
+    operands = [labels(term, rank) for term, rank in zip(terms, ranks)]
+    if arrow:
+        output = labels(rhs, len(rhs.replace(ELLIPSIS, "")) + (broadcast if ELLIPSIS in rhs else 0))
+    else:  # implicit: the broadcast dims, then the labels used once, in alphabetical order
+        used = [label for term in operands for label in term if not label.startswith(ELLIPSIS)]
+        output = ellipsis + sorted(label for label in set(used) if used.count(label) == 1)
+    return operands, output
+
+
+def refusal(equation: str, shapes: list[list[int]]) -> str | None:
+    """Why einsum(equation, operands of these shapes) cannot be lowered, else None."""
+    try:
+        operands, output = parse(equation, [len(s) for s in shapes])
+    except ValueError as err:
+        return str(err)
+    if any(len(set(term)) != len(term) for term in operands):
+        return "einsum with a label repeated in one operand (a diagonal)"
+    if len(set(output)) != len(output) or not set(output) <= {label for term in operands for label in term}:
+        return f"einsum output {output} repeats a label or names one no operand has"
+    sizes: dict = {}
+    for term, shape in zip(operands, shapes):
+        for label, size in zip(term, shape):
+            if not isinstance(size, int):
+                return "einsum over a run-time size"
+            if sizes.get(label, 1) != 1 and size not in (1, sizes[label]):
+                return f"einsum label {label!r} has sizes {sizes[label]} and {size}"
+            sizes[label] = size if sizes.get(label, 1) == 1 else sizes[label]
+    return None
+
+
+class _Operand:
+    """An ONNX value and the label of each of its dims."""
+
+    def __init__(self, name: str, labels: list[str], shape: list[int]):
+        self.name, self.labels, self.shape = name, list(labels), list(shape)
+
+
+def lower(b, equation: str, names: list[str], shapes: list[list[int]]) -> str:
+    """The ONNX name of einsum(equation, operands) built with OnnxBuilder `b` (refusal() is None)."""
+    terms, output = parse(equation, [len(s) for s in shapes])
+    sizes: dict = {}
+    for term, shape in zip(terms, shapes):
+        for label, size in zip(term, shape):
+            sizes[label] = size if sizes.get(label, 1) == 1 else sizes[label]
+    operands = [_Operand(name, term, shape) for name, term, shape in zip(names, terms, shapes)]
+    result = operands[0]
+    for k, other in enumerate(operands[1:], start=1):
+        needed = set(output).union(*(op.labels for op in operands[k + 1:]))
+        result = _sum_out(b, result, set(result.labels) - needed - set(other.labels))
+        other = _sum_out(b, other, set(other.labels) - needed - set(result.labels))
+        result = _contract(b, result, other, needed, sizes)
+    result = _sum_out(b, result, set(result.labels) - set(output))
+    return _transpose(b, result, output).name
+
+
+def _sum_out(b, x: _Operand, labels: set) -> _Operand:
+    if not labels:
+        return x
+    axes = [d for d, label in enumerate(x.labels) if label in labels]
+    name = b.op("ReduceSum", [x.name, b.ints(axes)], keepdims=0)
+    kept = [d for d in range(len(x.labels)) if d not in axes]
+    return _Operand(name, [x.labels[d] for d in kept], [x.shape[d] for d in kept])
+
+
+def _transpose(b, x: _Operand, order: list[str]) -> _Operand:
+    perm = [x.labels.index(label) for label in order]
+    if perm == list(range(len(perm))):
+        return x
+    return _Operand(b.op("Transpose", [x.name], perm=perm), order, [x.shape[d] for d in perm])
+
+
+def _reshape(b, x: _Operand, shape: list[int]) -> str:
+    return x.name if shape == x.shape else b.op("Reshape", [x.name, b.ints(shape)], allowzero=1)
+
+
+def _expand(b, x: _Operand, sizes: dict) -> _Operand:
+    """x with its size-1 dims broadcast to the label's size elsewhere."""
+    full = [sizes[label] for label in x.labels]
+    if full == x.shape:
+        return x
+    return _Operand(b.op("Expand", [x.name, b.ints(full)]), x.labels, full)
+
+
+def _contract(b, x: _Operand, y: _Operand, needed: set, sizes: dict) -> _Operand:
+    """x and y contracted over their shared labels not needed later: [batch, left, right]."""
+    shared = [label for label in x.labels if label in y.labels]
+    batch = [label for label in shared if label in needed]
+    summed = [label for label in shared if label not in needed]
+    left = [label for label in x.labels if label not in shared]
+    right = [label for label in y.labels if label not in shared]
+    x, y = _expand(b, x, sizes), _expand(b, y, sizes)
+    x, y = _transpose(b, x, batch + left + summed), _transpose(b, y, batch + summed + right)
+    batch_shape = [sizes[label] for label in batch]
+    rows, inner, columns = (math.prod(sizes[label] for label in group) for group in (left, summed, right))
+    if summed:
+        product = b.op("MatMul", [_reshape(b, x, batch_shape + [rows, inner]),
+                                  _reshape(b, y, batch_shape + [inner, columns])])
+    else:  # an outer product: a broadcast multiply, not a GEMM with k = 1
+        product = b.op("Mul", [_reshape(b, x, batch_shape + [rows, 1]), _reshape(b, y, batch_shape + [1, columns])])
+    labels = batch + left + right
+    shape = [sizes[label] for label in labels]
+    flat = _Operand(product, [], batch_shape + [rows, columns])
+    return _Operand(_reshape(b, flat, shape), labels, shape)
