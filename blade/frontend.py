@@ -61,6 +61,10 @@ FROZEN_PREFIX = "_blade_frozen_"
 # dynamo's functions on symbolic scalars (``math.sqrt(2 / math.pi)`` with math.pi passed as a
 # wrapped scalar) -> the plain function TorchScript scripts, with the same value on Python scalars
 SCRIPTABLE_SYM_FUNCTIONS = {torch._sym_sqrt: math.sqrt}
+# calls that compute nothing and that TorchScript cannot script, left out of the graph: the usage
+# log of an nn.Module built inside forward (transformers 5's decoders do), which made scripting
+# fail, so a dynamic graph compiled once per shape
+DROPPED_CALLS = {torch._C._log_api_usage_once}
 
 
 def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, written=frozenset()):
@@ -92,6 +96,8 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, 
             env[node] = graph.placeholder(node.name, type_expr=int if isinstance(value, torch.SymInt) else node.type)
             runtime_inputs.append(position)
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in DROPPED_CALLS and not node.users:
+            continue
         if node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
             if node.op == "call_function" and node.target in SCRIPTABLE_SYM_FUNCTIONS:

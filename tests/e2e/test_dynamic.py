@@ -152,6 +152,24 @@ def test_an_op_that_computes_from_a_size_stays_in_torchscript():
     assert report.left_out
 
 
+class BuildsAModule(torch.nn.Module):
+    """transformers 5's decoders (Mistral, Qwen2, Phi...) build a module inside forward, which puts
+    nn.Module's usage log call (torch._C._log_api_usage_once) into dynamo's graph."""
+
+    def forward(self, x):
+        return torch.nn.SiLU()(x * 2.0) + 1.0
+
+
+def test_a_module_built_inside_forward_still_compiles_once(engine_compiles):
+    """The usage log computes nothing and TorchScript cannot script it: it is left out, so the graph
+    scripts and one compile with run-time sizes serves every shape (before: one per shape)."""
+    capture = compile_dynamic_and_check(BuildsAModule().eval(), [(4, 8), (5, 8), (7, 3)])
+    assert len(capture.compiled) == 1 and not isinstance(capture.compiled[0], ShapeSpecialized)
+    report = capture.report
+    assert report.size_symbols and report.coverage == 1.0, report.left_out
+    assert len(engine_compiles) == 1
+
+
 def test_gather_along_a_run_time_dim_joins_the_engine():
     """BERT's token types: a buffer cut to the run-time length, gathered at the position ids
     (``buffer[:, :seq].gather(1, positions)``). The gather reads the length from the shape, so it
