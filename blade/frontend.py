@@ -285,9 +285,11 @@ def _specialize_sizes(graph: torch.Graph) -> None:
 
 def _specialize_known_items(graph: torch.Graph) -> None:
     """Items of ``x.size()`` that are static where others are run-time sizes (``b, s, d = x.shape``
-    with d static): ``__getitem__`` with a constant index and ``prim::ListUnpack`` outputs."""
+    with d static): ``__getitem__`` with a constant index and ``prim::ListUnpack`` outputs; and
+    its ``len``, the rank (F.adaptive_avg_pool2d's check of the rank, which kept an If, and the
+    tensor it reads as an engine output, in TorchScript)."""
     for node in list(graph.nodes()):
-        if node.kind() not in ("aten::__getitem__", "prim::ListUnpack"):
+        if node.kind() not in ("aten::__getitem__", "prim::ListUnpack", "aten::len"):
             continue
         source = node.inputsAt(0).node()
         if source.kind() != "aten::size" or len(list(source.inputs())) != 1:
@@ -295,7 +297,9 @@ def _specialize_known_items(graph: torch.Graph) -> None:
         shape = known_sizes(source.inputsAt(0))
         if shape is None:
             continue
-        if node.kind() == "prim::ListUnpack":
+        if node.kind() == "aten::len":
+            items = [(node.output(), len(shape))]
+        elif node.kind() == "prim::ListUnpack":
             items = list(zip(node.outputs(), shape))
         else:
             index = node.inputsAt(1).toIValue() if node.inputsAt(1).node().kind() == "prim::Constant" else None

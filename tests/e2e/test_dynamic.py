@@ -170,6 +170,18 @@ def test_a_module_built_inside_forward_still_compiles_once(engine_compiles):
     assert len(engine_compiles) == 1
 
 
+def test_adaptive_pooling_at_run_time_sizes_is_all_in_the_engine():
+    """F.adaptive_avg_pool2d scripts a check of its input's rank (len(x.size()), an If): the rank
+    is known, so nothing stays in TorchScript, and the pooled tensor is no engine output
+    (RegNet, EfficientNet, MobileNetV1 pool this way)."""
+    capture = compile_dynamic_and_check(lambda x: F.adaptive_avg_pool2d(torch.relu(x), 1) * 2.0,
+                                        [(2, 8, 5, 5), (3, 8, 7, 7), (5, 8, 4, 4)])
+    report = capture.report
+    assert report.size_symbols and report.coverage == 1.0, report.left_out
+    (cluster,) = report.clusters
+    assert len(cluster.output_shapes) == 1
+
+
 def test_gather_along_a_run_time_dim_joins_the_engine():
     """BERT's token types: a buffer cut to the run-time length, gathered at the position ids
     (``buffer[:, :seq].gather(1, positions)``). The gather reads the length from the shape, so it
