@@ -1347,6 +1347,29 @@ def _repeat(ctx: LowerCtx, node):
     return [reshape_exact(ctx, wide, ctx.shape(node.output()))]
 
 
+def _repeat_interleave(ctx: LowerCtx, node):
+    """repeat_interleave(x, r, dim): each element r times in a row: view x as [.., n, 1, ..],
+    expand to [.., n, r, ..], merge the pair (dim None: of the flattened x)."""
+    x, repeats, dim = _args(node)[:3]
+    shape, r, dim = ctx.shape(x), ctx.const(repeats), ctx.const(dim)
+    name = ctx.tensor(x)
+    if dim is None:
+        shape, dim, name = [int(np.prod(shape))], 0, reshape_exact(ctx, name, [int(np.prod(shape))])
+    dim %= max(len(shape), 1)
+    spread = reshape_exact(ctx, name, shape[:dim + 1] + [1] + shape[dim + 1:])
+    wide = ctx.b.op("Expand", [spread, ctx.b.ints(shape[:dim + 1] + [r] + shape[dim + 1:])])
+    return [reshape_exact(ctx, wide, ctx.shape(node.output()))]
+
+
+def _repeat_interleave_check(node):
+    args = _args(node)
+    if len(args) < 3 or is_tensor(args[1]) or not isinstance(constant_value(args[1]), int):
+        return "repeat_interleave with per-element (tensor) repeats"
+    if static_shape_of(args[0]) == [] and constant_value(args[2]) is not None:
+        return "repeat_interleave along a dim of a 0-d tensor (eager raises)"
+    return None
+
+
 def _roll(ctx: LowerCtx, node):
     """roll(x, shifts, dims): per dim, the last `shift` elements move to the front."""
     x, shifts, dims = _args(node)[:3]
@@ -1833,6 +1856,7 @@ LOWERING: dict[str, Rule] = {
     "aten::tril": Rule(_triangle),
     "aten::triu": Rule(_triangle),
     "aten::repeat": Rule(_repeat),
+    "aten::repeat_interleave": Rule(_repeat_interleave, _repeat_interleave_check),
     "aten::roll": Rule(_roll),
     "aten::flip": Rule(_flip),
     "aten::stack": Rule(_stack, _cat_check, tensor_lists=True),

@@ -137,6 +137,10 @@ CASES = {
     "einsum_full_contraction": (lambda a, b: torch.einsum("ab,cd->", a, b), [f32(2, 3), f32(4, 5)]),
     "einsum_int": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [i64(3, 4), i64(4, 2)]),
     "einsum_empty_label": (lambda a, b: torch.einsum("ij,jk->ik", a, b), [f32(3, 0), f32(0, 2)]),
+    "repeat_interleave_dim": (lambda x: torch.repeat_interleave(x * 2.0, 2, dim=1), [f32(2, 3, 4)]),
+    "repeat_interleave_flat": (lambda x: torch.repeat_interleave(x * 2.0, 3), [f32(2, 3)]),
+    "repeat_interleave_zero_times": (lambda x: torch.repeat_interleave(x * 2.0, 0, dim=-1), [f32(2, 3)]),
+    "repeat_interleave_int": (lambda x: x.repeat_interleave(2, 0) + 1, [i64(4)]),
     # convolution, batch norm, pooling, padding
     "conv2d": (lambda x: F.conv2d(x, K, B[:8], padding=1), [f32(2, 4, 9, 9)]),
     "conv2d_stride_dilation": (lambda x: F.conv2d(x, K, stride=2, dilation=2), [f32(1, 4, 12, 11)]),
