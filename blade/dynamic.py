@@ -324,7 +324,13 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
     """The cluster's ONNX with its run-time dims as dim_params (see the module docstring)."""
     run_time = run_time_dims(probe_types)
     origins = []
-    models = [lower_cluster(cluster, name, run_time, origins)]  # at the example's sizes: the graph's types
+    try:  # at the example's sizes: the graph's types
+        models = [lower_cluster(cluster, name, run_time, origins)]
+    except LoweringError as err:  # a rule refusing a run-time dim (Bloom's reshape to b * heads):
+        # that node stays out, not the whole cluster
+        blamed = cluster.nodes[len(origins)] if len(origins) < len(cluster.nodes) else \
+            _origin(origins, getattr(err, "onnx_node", None))
+        raise SymbolicRefusal(f"it does not lower with run-time sizes: {err}", blamed) from err
     try:
         for point, types in zip(symbols.points[1:], probe_types[1:]):
             stamp(types)

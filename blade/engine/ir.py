@@ -342,8 +342,9 @@ def _absorb_zero_pad(x: Node, pads) -> tuple:
         return x, pads
     source = x.args[0]
     begins = x.attrs["begins"]
-    ends = [n - m - lo for n, m, lo in zip(x.shape, source.shape, begins)]
-    if any(begins[:2]) or any(ends[:2]) or min(begins + ends) < 0:
+    # (with run-time sizes a dim's end is an expression: s0 - s0 is 0, a spatial one may stay symbolic)
+    ends = [_dim(n - m - lo) for n, m, lo in zip(x.shape, source.shape, begins)]
+    if not is_static(begins + ends) or any(begins[:2]) or any(ends[:2]) or min(begins + ends) < 0:
         return x, pads
     return source, [p + extra for p, extra in zip(pads, begins[2:] + ends[2:])]
 

@@ -182,6 +182,56 @@ def test_adaptive_pooling_at_run_time_sizes_is_all_in_the_engine():
     assert len(cluster.output_shapes) == 1
 
 
+class PadThenConv(torch.nn.Module):
+    """TF "same" padding written as F.pad before a strided conv (MobileNetV1, EfficientNet)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, stride=2)
+
+    def forward(self, x):
+        return torch.relu(self.conv(F.pad(x, (0, 1, 0, 1))))
+
+
+def test_a_zero_pad_before_a_conv_at_run_time_sizes_joins_the_engine():
+    """The conv takes the pad over (its batch dim's pad end is s0 - s0, an expression of 0): the
+    engine compiler compared that with 0 and raised, which kept the conv in TorchScript."""
+    torch.manual_seed(0)
+    model, capture = PadThenConv().eval(), Capture()
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for batch in (2, 3, 5):
+            x = torch.randn(batch, 4, 9, 9)
+            torch._dynamo.mark_dynamic(x, 0)   # the batch only (dynamo guards H == W at square images)
+            assert_close(compiled(x), model(x))
+    assert len(capture.compiled) == 1
+    report = capture.report
+    assert report.size_symbols and report.coverage == 1.0, report.left_out
+
+
+class MergedHeads(torch.nn.Module):
+    """Bloom's attention: [batch, heads, seq, dim] reshaped to [batch * heads, seq, dim]."""
+
+    def __init__(self, heads=4, dim=8):
+        super().__init__()
+        self.heads, self.dim, self.proj = heads, dim, torch.nn.Linear(heads * dim, heads * dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.proj(x).view(b, s, self.heads, self.dim).transpose(1, 2).reshape(b * self.heads, s, self.dim)
+        return torch.softmax(q @ q.transpose(1, 2), dim=-1).sum(-1) * 2.0
+
+
+def test_an_op_refused_at_run_time_sizes_leaves_only_itself_out():
+    """A reshape whose merged run-time dims no single -1 infers is refused by its rule: that op stays
+    in TorchScript with the reason, its neighbours still compile (the whole cluster did before)."""
+    torch.manual_seed(0)
+    capture = compile_dynamic_and_check(MergedHeads().eval(), [(3, 12, 32), (2, 7, 32), (4, 20, 32)])
+    report = capture.report
+    assert report.size_symbols and report.aten_in_engines >= report.aten_total - 3, report.left_out
+    assert any("run-time" in reason for _, reason in report.left_out)
+
+
 def test_gather_along_a_run_time_dim_joins_the_engine():
     """BERT's token types: a buffer cut to the run-time length, gathered at the position ids
     (``buffer[:, :seq].gather(1, positions)``). The gather reads the length from the shape, so it
