@@ -58,12 +58,21 @@ def is_frozen_input(value) -> bool:
 
 
 FROZEN_PREFIX = "_blade_frozen_"
-# dynamo's functions on symbolic scalars (``math.sqrt(2 / math.pi)`` with math.pi passed as a
-# wrapped scalar) -> the plain function TorchScript scripts, with the same value on Python scalars
-SCRIPTABLE_SYM_FUNCTIONS = {torch._sym_sqrt: math.sqrt}
+# What dynamo's FX graphs spell in ways torch.jit.script rejects, respelled the way it takes them
+# (the same computation): a graph with symbolic sizes is only scripted, and compiled once per shape
+# when that fails. Functions on symbolic scalars (``math.sqrt(2 / math.pi)`` with math.pi passed as
+# a wrapped scalar; sum() of sizes: Wav2Vec2, KV-cache decoders) -> the plain builtins. Not max()
+# and min() of sizes: the probe points can all fall on one side of the bend (max(s, 10) is 10 at
+# each), which would make a size that varies look constant; such graphs stay per shape.
+SCRIPTABLE_FUNCTIONS = {torch._sym_sqrt: math.sqrt, torch.sym_sum: sum}
+# Tensor methods TorchScript lacks -> (the method it has, arguments appended): DeBERTa's mask.bool()
+SCRIPTABLE_METHODS = {"bool": ("to", (torch.bool,))}
+# numpy's keyword names -> torch's: torch.cat(xs, axis=1) (Funnel)
+KEYWORD_ALIASES = {torch.cat: {"axis": "dim"}, torch.concat: {"axis": "dim"}, torch.concatenate: {"axis": "dim"}}
+# float arguments written as ints (F.pad(x, p, "constant", 0): BiT) -> (position, keyword)
+FLOAT_ARGUMENTS = {torch.nn.functional.pad: (3, "value"), torch._C._nn.pad: (3, "value")}
 # calls that compute nothing and that TorchScript cannot script, left out of the graph: the usage
-# log of an nn.Module built inside forward (transformers 5's decoders do), which made scripting
-# fail, so a dynamic graph compiled once per shape
+# log of an nn.Module built inside forward (transformers 5's decoders do)
 DROPPED_CALLS = {torch._C._log_api_usage_once}
 
 
@@ -100,12 +109,30 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, 
             continue
         if node.op != "placeholder":
             env[node] = graph.node_copy(node, lambda n: env[n])
-            if node.op == "call_function" and node.target in SCRIPTABLE_SYM_FUNCTIONS:
-                env[node].target = SCRIPTABLE_SYM_FUNCTIONS[node.target]
+            _respell(env[node])
     for name, value in vars(gm).items():  # constants dynamo attached as plain attributes
         if isinstance(value, torch.Tensor) and not hasattr(root, name):
             setattr(root, name, value)
     return torch.fx.GraphModule(root, graph).eval(), runtime_inputs
+
+
+def _respell(node: torch.fx.Node) -> None:
+    """node as torch.jit.script takes it (the tables above)."""
+    if node.op == "call_method" and node.target in SCRIPTABLE_METHODS:
+        node.target, extra = SCRIPTABLE_METHODS[node.target]
+        node.args = tuple(node.args) + extra
+    if node.op != "call_function":
+        return
+    node.target = SCRIPTABLE_FUNCTIONS.get(node.target, node.target)
+    aliases = KEYWORD_ALIASES.get(node.target, {})
+    if any(k in aliases for k in node.kwargs):
+        node.kwargs = {aliases.get(k, k): v for k, v in node.kwargs.items()}
+    if node.target in FLOAT_ARGUMENTS:
+        position, keyword = FLOAT_ARGUMENTS[node.target]
+        if len(node.args) > position and type(node.args[position]) is int:
+            node.args = (*node.args[:position], float(node.args[position]), *node.args[position + 1:])
+        if type(node.kwargs.get(keyword)) is int:
+            node.kwargs = {**node.kwargs, keyword: float(node.kwargs[keyword])}
 
 
 def _script(module: torch.fx.GraphModule, inputs: list):

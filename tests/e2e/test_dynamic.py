@@ -232,6 +232,36 @@ def test_an_op_refused_at_run_time_sizes_leaves_only_itself_out():
     assert any("run-time" in reason for _, reason in report.left_out)
 
 
+RESPELLED = {   # what dynamo's graph spells in a way torch.jit.script rejects (blade/frontend.py _respell)
+    "mask_bool_method": lambda x: x.masked_fill(~(x > 0).int().bool(), -1.0) * 2.0,          # DeBERTa-v2
+    "cat_axis_keyword": lambda x: torch.cat([x, x * 2.0], axis=1) + 1.0,                      # Funnel
+    "pad_int_value": lambda x: F.pad(x * 2.0, (1, 2), "constant", 0) + 1.0,                   # BiT
+    "sum_of_sizes": lambda x: F.pad(x, (0, sum([x.shape[1], x.shape[1], 1]) - x.shape[1])) * 2.0,  # Wav2Vec2
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESPELLED))
+def test_constructs_torchscript_rejects_are_respelled_and_compile_once(name):
+    """Scripting is the only converter with run-time sizes: these used to fail it, and the graph
+    compiled once per shape (eager after 8)."""
+    capture = compile_dynamic_and_check(RESPELLED[name], [(2, 8), (3, 12), (5, 16)])
+    assert len(capture.compiled) == 1 and not isinstance(capture.compiled[0], ShapeSpecialized)
+    assert capture.report.size_symbols
+
+
+def test_max_of_sizes_is_right_at_every_size():
+    """max(s, 10) is 10 at probe points below 10, so a run-time-size compile would take it for a
+    constant (and refuse s = 12 at the engine's door): sym_max is not respelled, TorchScript's
+    refusal keeps such a graph off the run-time-size path."""
+    def padded(x):
+        return F.pad(x, (0, max(x.shape[1], 10) - x.shape[1])) * 2.0
+    compiled = torch.compile(padded, backend="tt_infer", dynamic=True)
+    with torch.no_grad():
+        for shape in [(2, 8), (3, 12), (5, 16), (4, 9)]:
+            x = torch.randn(*shape)
+            assert_close(compiled(x), padded(x))
+
+
 def test_gather_along_a_run_time_dim_joins_the_engine():
     """BERT's token types: a buffer cut to the run-time length, gathered at the position ids
     (``buffer[:, :seq].gather(1, positions)``). The gather reads the length from the shape, so it
