@@ -319,16 +319,14 @@ def _vit_like(cls_name, cfg_name, summary_extra="", image=32, **cfg_kw):
     return build
 
 
-def swin():
-    import transformers as t
-    cfg = t.SwinConfig(image_size=32, patch_size=2, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4)
-    return t.SwinModel(cfg).eval(), (_image(32),), {}, f"depths 2-2, dim 32, window 4, 32x32 b{BATCH}"
-
-
-def swinv2():
-    import transformers as t
-    cfg = t.Swinv2Config(image_size=32, patch_size=2, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4)
-    return t.Swinv2Model(cfg).eval(), (_image(32),), {}, f"depths 2-2, dim 32, window 4, 32x32 b{BATCH}"
+def _vision(cls_name, cfg_name, image, summary, reinit=True, **cfg_kw):
+    """A vision model from its config, fed one batch of image x image pictures; conv models get
+    PyTorch's default init (_reinit)."""
+    def build():
+        import transformers as t
+        model = getattr(t, cls_name)(getattr(t, cfg_name)(**cfg_kw))
+        return (_reinit(model) if reinit else model).eval(), (_image(image),), {}, f"{summary}, {image}x{image} b{BATCH}"
+    return build
 
 
 def clip_vision():
@@ -345,53 +343,6 @@ def clip_text():
     ids, mask = _padded_text()
     return t.CLIPTextModel(cfg).eval(), (), {"input_ids": ids, "attention_mask": mask}, \
         f"2L h64 causal, seq {SEQ} b{BATCH}, padded mask"
-
-
-def segformer():
-    import transformers as t
-    cfg = t.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[4, 2], hidden_sizes=[16, 32],
-                            patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
-                            decoder_hidden_size=32)
-    return _reinit(t.SegformerModel(cfg)).eval(), (_image(64),), {}, f"2 blocks 16-32, sr 4-2, 64x64 b{BATCH}"
-
-
-def regnet():
-    import transformers as t
-    cfg = t.RegNetConfig(embedding_size=16, hidden_sizes=[16, 32, 48], depths=[1, 1, 1], groups_width=8,
-                         layer_type="y")
-    return _reinit(t.RegNetModel(cfg)).eval(), (_image(32),), {}, f"Y, 16-32-48, group width 8, SE, 32x32 b{BATCH}"
-
-
-def efficientnet():
-    import transformers as t
-    cfg = t.EfficientNetConfig(image_size=64, width_coefficient=0.25, depth_coefficient=0.3, hidden_dim=320)
-    return _reinit(t.EfficientNetModel(cfg)).eval(), (_image(64),), {}, f"width 0.25 depth 0.3, SE+swish, 64x64 b{BATCH}"
-
-
-def mobilevit():
-    import transformers as t
-    cfg = t.MobileViTConfig(image_size=64, hidden_sizes=[32, 40, 48], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
-                            expand_ratio=2.0)
-    return _reinit(t.MobileViTModel(cfg)).eval(), (_image(64),), {}, f"xx-small-ish, 64x64 b{BATCH}"
-
-
-def levit():
-    import transformers as t
-    cfg = t.LevitConfig(image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 3, 4], depths=[1, 1, 1],
-                        key_dim=[16, 16, 16])
-    return _reinit(t.LevitModel(cfg)).eval(), (_image(64),), {}, f"32-48-64, depths 1-1-1, 64x64 b{BATCH}"
-
-
-def convnextv2():
-    import transformers as t
-    cfg = t.ConvNextV2Config(depths=[1, 1], hidden_sizes=[16, 32], num_stages=2, image_size=32)
-    return t.ConvNextV2Model(cfg).eval(), (_image(32),), {}, f"GRN, depths 1-1, 16-32, 32x32 b{BATCH}"
-
-
-def mobilenet_v1():
-    import transformers as t
-    cfg = t.MobileNetV1Config(image_size=32, depth_multiplier=0.25)
-    return _reinit(t.MobileNetV1Model(cfg)).eval(), (_image(32),), {}, f"depth 0.25, TF padding, 32x32 b{BATCH}"
 
 
 def squeezebert():
@@ -422,32 +373,6 @@ def ast_audio():
     return t.ASTModel(cfg).eval(), (torch.randn(BATCH, 64, 32),), {}, f"2L h64, 64 frames x 32 mels b{BATCH}"
 
 
-def bit():
-    import transformers as t
-    cfg = t.BitConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="bottleneck",
-                      global_padding="SAME", num_groups=4)
-    return _reinit(t.BitModel(cfg)).eval(), (_image(32),), {}, f"weight-std conv, SAME pad, group norm 4, 16-32, 32x32 b{BATCH}"
-
-
-def regnet_medium():
-    import transformers as t
-    cfg = t.RegNetConfig(embedding_size=32, hidden_sizes=[48, 104, 208, 440], depths=[1, 3, 6, 6], groups_width=8,
-                         layer_type="y")
-    return _reinit(t.RegNetModel(cfg)).eval(), (_image(96),), {}, f"RegNetY-400MF widths, 96x96 b{BATCH}"
-
-
-def efficientnet_b0():
-    import transformers as t
-    cfg = t.EfficientNetConfig(image_size=96, width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280)
-    return _reinit(t.EfficientNetModel(cfg)).eval(), (_image(96),), {}, f"B0 widths/depths, 96x96 b{BATCH}"
-
-
-def mobilevit_small():
-    import transformers as t
-    cfg = t.MobileViTConfig(image_size=128)
-    return _reinit(t.MobileViTModel(cfg)).eval(), (_image(128),), {}, f"MobileViT-S defaults, 128x128 b{BATCH}"
-
-
 def wav2vec2_base_conv():
     import transformers as t
     import torch
@@ -455,12 +380,6 @@ def wav2vec2_base_conv():
                            num_conv_pos_embeddings=32, num_conv_pos_embedding_groups=8)
     return t.Wav2Vec2Model(cfg).eval(), (torch.randn(BATCH, 8000),), {}, \
         f"base feature encoder (7 convs x 512), 2L h128, 0.5 s audio b{BATCH}"
-
-
-def swin_tiny():
-    import transformers as t
-    cfg = t.SwinConfig(image_size=112, patch_size=4, embed_dim=96, depths=[2, 2, 2], num_heads=[3, 6, 12], window_size=7)
-    return t.SwinModel(cfg).eval(), (_image(112),), {}, f"Swin-T widths, depths 2-2-2, window 7, 112x112 b{BATCH}"
 
 
 def bert_like_medium(cls_name, cfg_name, **kw):
@@ -492,22 +411,33 @@ MODELS = {
     "Wav2Vec2": wav2vec2,
     "HuBERT": hubert,
     "AST": ast_audio,
-    "Swin": swin,
-    "Swinv2": swinv2,
+    "Swin": _vision("SwinModel", "SwinConfig", 32, "depths 2-2, dim 32, window 4", reinit=False, image_size=32,
+                    patch_size=2, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4),
+    "Swinv2": _vision("Swinv2Model", "Swinv2Config", 32, "depths 2-2, dim 32, window 4", reinit=False, image_size=32,
+                      patch_size=2, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4),
     "DeiT": _vit_like("DeiTModel", "DeiTConfig"),
     "BEiT": _vit_like("BeitModel", "BeitConfig", use_relative_position_bias=True, use_mean_pooling=True,
                       summary_extra=", rel-pos bias, layer scale"),
     "DINOv2": _vit_like("Dinov2Model", "Dinov2Config", mlp_ratio=2, summary_extra=", layer scale, pos interp"),
     "CLIP vision": clip_vision,
     "CLIP text": clip_text,
-    "SegFormer": segformer,
-    "RegNet": regnet,
-    "EfficientNet": efficientnet,
-    "MobileViT": mobilevit,
-    "LeViT": levit,
-    "ConvNeXt-V2": convnextv2,
-    "MobileNetV1": mobilenet_v1,
-    "BiT": bit,
+    "SegFormer": _vision("SegformerModel", "SegformerConfig", 64, "2 blocks 16-32, sr 4-2", num_encoder_blocks=2,
+                         depths=[1, 1], sr_ratios=[4, 2], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                         num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32),
+    "RegNet": _vision("RegNetModel", "RegNetConfig", 32, "Y, 16-32-48, group width 8, SE", embedding_size=16,
+                      hidden_sizes=[16, 32, 48], depths=[1, 1, 1], groups_width=8, layer_type="y"),
+    "EfficientNet": _vision("EfficientNetModel", "EfficientNetConfig", 64, "width 0.25 depth 0.3, SE+swish", image_size=64,
+                            width_coefficient=0.25, depth_coefficient=0.3, hidden_dim=320),
+    "MobileViT": _vision("MobileViTModel", "MobileViTConfig", 64, "xx-small-ish", image_size=64, hidden_sizes=[32, 40, 48],
+                         neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64], expand_ratio=2.0),
+    "LeViT": _vision("LevitModel", "LevitConfig", 64, "32-48-64, depths 1-1-1", image_size=64, hidden_sizes=[32, 48, 64],
+                     num_attention_heads=[2, 3, 4], depths=[1, 1, 1], key_dim=[16, 16, 16]),
+    "ConvNeXt-V2": _vision("ConvNextV2Model", "ConvNextV2Config", 32, "GRN, depths 1-1, 16-32", reinit=False,
+                           depths=[1, 1], hidden_sizes=[16, 32], num_stages=2, image_size=32),
+    "MobileNetV1": _vision("MobileNetV1Model", "MobileNetV1Config", 32, "depth 0.25, TF padding", image_size=32,
+                           depth_multiplier=0.25),
+    "BiT": _vision("BitModel", "BitConfig", 32, "weight-std conv, SAME pad, group norm 4, 16-32", embedding_size=16,
+                   hidden_sizes=[16, 32], depths=[1, 1], layer_type="bottleneck", global_padding="SAME", num_groups=4),
     "Mistral": _decoder("MistralModel", "MistralConfig", num_key_value_heads=2, sliding_window=8,
                         summary_extra=", GQA 4/2, sliding window 8"),
     "Qwen2": _decoder("Qwen2Model", "Qwen2Config", num_key_value_heads=2, summary_extra=", GQA 4/2, qkv bias"),
@@ -551,11 +481,14 @@ MODELS = {
     "Qwen2 KV-cache decode no-mask b1": _decode("Qwen2Model", "Qwen2Config", num_key_value_heads=2, masked=False,
                                                 summary_extra=", GQA 4/2"),
     # medium sizes: the runtime's other kernels (Winograd >= 64 channels, depthwise 5x5, wide convolutions, longer GEMMs)
-    "RegNet medium": regnet_medium,
-    "EfficientNet-B0 medium": efficientnet_b0,
-    "MobileViT-S medium": mobilevit_small,
+    "RegNet medium": _vision("RegNetModel", "RegNetConfig", 96, "RegNetY-400MF widths", embedding_size=32,
+                             hidden_sizes=[48, 104, 208, 440], depths=[1, 3, 6, 6], groups_width=8, layer_type="y"),
+    "EfficientNet-B0 medium": _vision("EfficientNetModel", "EfficientNetConfig", 96, "B0 widths/depths", image_size=96,
+                                      width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280),
+    "MobileViT-S medium": _vision("MobileViTModel", "MobileViTConfig", 128, "MobileViT-S defaults", image_size=128),
     "Wav2Vec2 medium": wav2vec2_base_conv,
-    "Swin-T medium": swin_tiny,
+    "Swin-T medium": _vision("SwinModel", "SwinConfig", 112, "Swin-T widths, depths 2-2-2, window 7", reinit=False,
+                             image_size=112, patch_size=4, embed_dim=96, depths=[2, 2, 2], num_heads=[3, 6, 12], window_size=7),
     "DeBERTa-v2 medium": bert_like_medium("DebertaV2Model", "DebertaV2Config", relative_attention=True,
                                           position_buckets=64, max_relative_positions=128, pos_att_type=["p2c", "c2p"]),
     "Mistral medium": bert_like_medium("MistralModel", "MistralConfig", num_key_value_heads=2, sliding_window=64,
