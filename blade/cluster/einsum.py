@@ -56,15 +56,25 @@ def refusal(equation: str, shapes: list[list[int]]) -> str | None:
         return "einsum with a label repeated in one operand (a diagonal)"
     if len(set(output)) != len(output) or not set(output) <= {label for term in operands for label in term}:
         return f"einsum output {output} repeats a label or names one no operand has"
-    sizes: dict = {}
-    for term, shape in zip(operands, shapes):
-        for label, size in zip(term, shape):
-            if not isinstance(size, int):
-                return "einsum over a run-time size"
-            if sizes.get(label, 1) != 1 and size not in (1, sizes[label]):
-                return f"einsum label {label!r} has sizes {sizes[label]} and {size}"
-            sizes[label] = size if sizes.get(label, 1) == 1 else sizes[label]
+    if not all(isinstance(size, int) for shape in shapes for size in shape):
+        return "einsum over a run-time size"
+    try:
+        label_sizes(operands, shapes)
+    except ValueError as err:
+        return str(err)
     return None
+
+
+def label_sizes(terms: list[list[str]], shapes: list[list[int]]) -> dict:
+    """Each label's size: the one size other than 1 its dims have (1 broadcasts, as in torch)."""
+    sizes: dict = {}
+    for term, shape in zip(terms, shapes):
+        for label, size in zip(term, shape):
+            if sizes.get(label, 1) == 1:
+                sizes[label] = size
+            elif size not in (1, sizes[label]):
+                raise ValueError(f"einsum label {label!r} has sizes {sizes[label]} and {size}")
+    return sizes
 
 
 class _Operand:
@@ -77,10 +87,7 @@ class _Operand:
 def lower(b, equation: str, names: list[str], shapes: list[list[int]]) -> str:
     """The ONNX name of einsum(equation, operands) built with OnnxBuilder `b` (refusal() is None)."""
     terms, output = parse(equation, [len(s) for s in shapes])
-    sizes: dict = {}
-    for term, shape in zip(terms, shapes):
-        for label, size in zip(term, shape):
-            sizes[label] = size if sizes.get(label, 1) == 1 else sizes[label]
+    sizes = label_sizes(terms, shapes)
     operands = [_Operand(name, term, shape) for name, term, shape in zip(names, terms, shapes)]
     result = operands[0]
     for k, other in enumerate(operands[1:], start=1):
