@@ -69,6 +69,7 @@ class SizeSymbols:
     probes: list = field(default_factory=list)  # the graph's arguments at each point
     checks: list = field(default_factory=list)  # (argument position, dim or None for an int, symbol)
     open: list = field(default_factory=list)    # the symbols whose maximum dynamo left unbounded
+    spare: list = field(default_factory=list)   # other (points, probes) to try if the graph fails at these
     _at_points: dict = field(default=None, repr=False)  # candidate values at the points -> index
 
     @classmethod
@@ -97,19 +98,33 @@ class SizeSymbols:
                 open_symbols.append(sym)
                 hi = max(max_size, int(value))
             ranges[sym], example[sym] = (lo, hi), int(value)
-        points = [example] + _other_points(ranges, example)
-        if len(points) < 2:
-            raise NotSymbolic(f"the size symbols' ranges {_ranges_text(ranges)} leave no second size to check against")
+        usable, refused = [], []  # (points, probes) dynamo's guards accept; points they refuse
+        for others in _point_sets(ranges, example):
+            points = [example] + others
+            probes = [arguments_at(placeholders, example_inputs, point) for point in points]
+            bad = [point for point, probe in zip(points[1:], probes[1:])
+                   if not _guards_hold(shape_env, placeholders, probe)]
+            if len(points) > 1 and not bad:
+                usable.append((points, probes))
+            refused += bad
+        if not usable:
+            raise NotSymbolic(f"dynamo's guards do not hold at sizes {refused[0]}" if refused else
+                              f"the size symbols' ranges {_ranges_text(ranges)} leave no second size to check against")
         candidates = sorted(set(exprs), key=lambda e: (len(e.free_symbols), sympy.count_ops(e), str(e)))
         symbols_first = [s for s in symbols] + [e for e in candidates if e not in symbols]
-        result = cls(ranges, points, symbols_first)
-        result.probes = [arguments_at(placeholders, example_inputs, point) for point in points]
-        result.checks = _range_checks(placeholders, ranges)
-        result.open = open_symbols
-        for point, probe in zip(points[1:], result.probes[1:]):
-            if not _guards_hold(shape_env, placeholders, probe):
-                raise NotSymbolic(f"dynamo's guards do not hold at sizes {point}")
+        (points, probes), *spare = usable
+        result = cls(ranges, points, symbols_first, probes, _range_checks(placeholders, ranges), open_symbols)
+        result.spare = spare
         return result
+
+    def next_points(self) -> bool:
+        """Switch to the next probe points (the example's equal sizes kept equal), when the graph
+        failed at these; False when there are none left."""
+        if not self.spare:
+            return False
+        self.points, self.probes = self.spare.pop(0)
+        self._at_points = None
+        return True
 
     @property
     def names(self) -> dict:
@@ -266,16 +281,32 @@ def _graph_exprs(gm: torch.fx.GraphModule) -> list:
     return exprs
 
 
-def _other_points(ranges: dict, example: dict) -> list:
+def _point_sets(ranges: dict, example: dict) -> list:
+    """The other probe points to try, in order: symbols at distinct values (tells their dims
+    apart), then symbols equal at the example kept equal. dynamo gives two inputs' batch dims
+    two symbols when nothing in the graph equates them, yet the model may rely on it without a
+    guard (``attention_mask[arange(batch), ...]`` indexes the mask's batch with the ids' batch)."""
+    sets = [_other_points(ranges, example)]
+    tied = _other_points(ranges, example, tied=True)
+    return sets if tied == sets[0] else sets + [tied]
+
+
+def _other_points(ranges: dict, example: dict, tied: bool = False) -> list:
     """PROBES - 1 assignments of the symbols, each symbol at a value in range that differs from its
     example value and from its values at other points, and distinct symbols at distinct values
-    where the ranges allow (so a dim's expression is told apart from the others). Small sizes
-    first: every probe runs the graph."""
+    where the ranges allow (so a dim's expression is told apart from the others); ``tied``: a
+    symbol takes the value of the first symbol equal to it at the example, where its range allows.
+    Small sizes first: every probe runs the graph."""
     used = {sym: {value} for sym, value in example.items()}
     points = []
     for _ in range(PROBES - 1):
         point, taken = {}, set()
         for sym, (lo, hi) in ranges.items():
+            lead = next(s for s in ranges if example[s] == example[sym]) if tied else sym
+            if lead != sym and lo <= point[lead] <= hi and point[lead] not in used[sym]:
+                point[sym] = point[lead]
+                used[sym].add(point[sym])
+                continue
             near = [example[sym] + k for k in range(1, NEAR_THE_EXAMPLE + 1)]
             options = [v for v in list(range(lo, min(hi, lo + NEAR_THE_EXAMPLE) + 1)) + near
                        if lo <= v <= hi and v not in used[sym]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import math
 import re
@@ -37,6 +38,11 @@ log = logging.getLogger("blade")
 
 class FrontendError(RuntimeError):
     """The FX graph could not be turned into TorchScript (neither scripted nor traced)."""
+
+
+class ProbeFailed(FrontendError):
+    """The scripted graph runs at the example's sizes but raises at a probe point's (other values
+    of the size symbols): the probe broke a relation between sizes the model relies on."""
 
 
 @dataclass
@@ -71,6 +77,15 @@ SCRIPTABLE_METHODS = {"bool": ("to", (torch.bool,))}
 KEYWORD_ALIASES = {torch.cat: {"axis": "dim"}, torch.concat: {"axis": "dim"}, torch.concatenate: {"axis": "dim"}}
 # float arguments written as ints (F.pad(x, p, "constant", 0): BiT) -> (position, keyword)
 FLOAT_ARGUMENTS = {torch.nn.functional.pad: (3, "value"), torch._C._nn.pad: (3, "value")}
+# functions whose Python wrapper only checks sizes before calling an op -> (that op, its arguments
+# from the wrapper's): TorchScript would run the check (a loop over sizes: F.group_norm's
+# _verify_batch_size) on every call and, with run-time sizes, keep it and the sizes it reads out of
+# engines. A node dynamo ran on fake tensors (meta "example_value") passed the check at its
+# symbolic sizes, and dynamo's guards keep what the check needed true.
+CHECKED_FUNCTIONS = {
+    torch.nn.functional.group_norm: (torch.group_norm, lambda a: (
+        a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"], False)),
+}
 # calls that compute nothing and that TorchScript cannot script, left out of the graph: the usage
 # log of an nn.Module built inside forward (transformers 5's decoders do)
 DROPPED_CALLS = {torch._C._log_api_usage_once}
@@ -124,6 +139,11 @@ def _respell(node: torch.fx.Node) -> None:
     if node.op != "call_function":
         return
     node.target = SCRIPTABLE_FUNCTIONS.get(node.target, node.target)
+    if node.target in CHECKED_FUNCTIONS and "example_value" in node.meta:
+        op, arguments = CHECKED_FUNCTIONS[node.target]
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        node.target, node.args, node.kwargs = op, arguments(bound.arguments), {}
     aliases = KEYWORD_ALIASES.get(node.target, {})
     if any(k in aliases for k in node.kwargs):
         node.kwargs = {aliases.get(k, k): v for k, v in node.kwargs.items()}
@@ -349,10 +369,11 @@ def known_sizes(value: torch.Value):
 def _forget_run_time_sizes(module: torch.jit.ScriptModule, inputs: list, probes: list) -> None:
     """Types whose sizes differ when the graph runs on the probe inputs (the same graph at other
     values of its size symbols) get those dims unknown, so _specialize_sizes keeps them computed."""
-    if _constant_size_arguments(module.graph, [measure_types(module, x) for x in [inputs, *probes]]):
+    others = [_types_at_probe(module, probe) for probe in probes]
+    if _constant_size_arguments(module.graph, [measure_types(module, inputs), *others]):
         torch._C._jit_pass_dce(module.graph)
+        others = [_types_at_probe(module, probe) for probe in probes]
     base = measure_types(module, inputs)
-    others = [measure_types(module, probe) for probe in probes]
     for value, vtype in base.items():
         sizes = list(vtype.sizes())
         for other in others:
@@ -360,6 +381,14 @@ def _forget_run_time_sizes(module: torch.jit.ScriptModule, inputs: list, probes:
             seen = list(seen.sizes()) if seen is not None else [None] * len(sizes)
             sizes = [a if a == b else None for a, b in zip(sizes, seen)]
         value.setType(vtype.with_sizes(sizes))
+
+
+def _types_at_probe(module: torch.jit.ScriptModule, probe: list) -> dict:
+    try:
+        return measure_types(module, probe)
+    except Exception as err:  # noqa: BLE001 - the model's own error at these sizes
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        raise ProbeFailed(f"the graph fails at a probe point's sizes: {lines[-1]}") from err
 
 
 def _clean(graph: torch.Graph) -> None:
@@ -600,6 +629,8 @@ def to_torchscript(gm: torch.fx.GraphModule, example_inputs: list, freeze: bool 
             continue
         try:
             return _convert(gm, example_inputs, freeze, how, convert, list(probes))
+        except ProbeFailed:
+            raise  # the graph converts; other probe points may suit it (blade/dynamic.py)
         except Exception as err:  # noqa: BLE001 - any failure: try the next converter
             first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
             errors.append(f"{how}: {first_line}")

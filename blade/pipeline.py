@@ -32,7 +32,7 @@ from blade.dynamic import exclusions, lower_symbolic, probe_types
 from blade.engine.driver import compile_many
 from blade.errors import translate_engine_error
 from blade.executor import unoptimized
-from blade.frontend import to_torchscript
+from blade.frontend import ProbeFailed, to_torchscript
 from blade.guards import FrozenWeights, ScalarValues, first_requiring_grad, module_tensors, placeholder_names
 from blade.heap import frozen_heap
 from blade.progress import Progress
@@ -298,11 +298,23 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: list, config: Config, s
             return _compile_fx_in(Path(work_root), gm, example_inputs, config, symbols)
 
 
+def _script(gm: torch.fx.GraphModule, example_inputs: list, config: Config, symbols=None):
+    """The graph in TorchScript, typed at the symbols' probe points; when the graph fails at some,
+    at the next probe points the symbols offer (blade/dynamic.py)."""
+    while True:
+        try:
+            return to_torchscript(gm, example_inputs, config.freeze_params, probes=symbols.probes if symbols else ())
+        except ProbeFailed as err:
+            if not symbols.next_points():
+                raise
+            log.info("blade: %s; trying the probe points %s", err, symbols.points[1:])
+
+
 def _compile_fx_in(work_root: Path, gm: torch.fx.GraphModule, example_inputs: list, config: Config,
                    symbols=None) -> CompiledModule:
     started = time.perf_counter()
     report = CompileReport(fallback=config.fallback, dump_dir=config.dump_dir)
-    front = to_torchscript(gm, example_inputs, config.freeze_params, probes=symbols.probes if symbols else ())
+    front = _script(gm, example_inputs, config, symbols)
     types_at_probes = probe_types(front) if symbols else []
     if symbols:
         symbols.fit_caps(front.graph, types_at_probes, config.dynamic_memory_budget)

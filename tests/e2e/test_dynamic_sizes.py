@@ -420,3 +420,25 @@ def test_a_convolution_stem_with_a_run_time_batch_computes_in_engines():
         for b in (1, 3, BATCH_MAX):
             x = torch.randn(b, 3, 32, 32)
             assert_close(compiled.signature.outputs(compiled(x)), model(x))
+
+
+class RowsOfTheMask(torch.nn.Module):
+    """The mask's rows indexed by the other input's batch (transformers' masks: ``mask[batch_idx,
+    kv_idx]`` with batch_idx = arange of the ids' batch). After a shape change dynamo gives the two
+    batch dims two symbols and no guard relates them, so probe points at which the symbols differ
+    index past the mask; the graph is probed again with the sizes equal at the example kept equal."""
+
+    def forward(self, x, mask):
+        keep = mask[torch.arange(x.shape[0]), :].to(torch.bool)
+        return torch.where(keep[:, :, None], x, 0.0).softmax(-1)
+
+
+def test_sizes_equal_at_the_example_stay_equal_when_the_graph_needs_it():
+    model, capture = RowsOfTheMask(), Capture()
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for batch, seq in [(3, 5), (4, 7), (2, 9), (BATCH_MAX, SEQ_MAX), (5, 2)]:
+            x, mask = torch.randn(batch, seq, 8), (torch.rand(batch, seq) > 0.3).long()
+            assert_close(compiled(x, mask), model(x, mask))
+    static, symbolic = capture.compiled  # the first shape's graph, then one for every other shape
+    assert symbolic.report.size_symbols and symbolic.report.coverage == 1.0, symbolic.report.left_out
