@@ -1013,9 +1013,16 @@ def _affine(ctx: LowerCtx, y: str, weight, bias, rank: int, dtype) -> str:
 def _group_norm(ctx: LowerCtx, node):
     x, groups, weight, bias, eps = _args(node)[:5]
     shape, dtype = ctx.shape(x), ctx.dtype(x)
-    grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([shape[0], ctx.const(groups), -1])])
+    varying = ctx.run_time.get(x, set())
+    if 1 in varying:
+        raise LoweringError("group_norm over a run-time channel count")
+    # a run-time batch is ONNX's 0 ("copy the input's dim"), run-time spatial dims the -1; back
+    # to the input's shape as the engine reads it (Shape)
+    batch = 0 if 0 in varying else shape[0]
+    grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([batch, ctx.const(groups), -1])])
     y = _normalize(ctx, grouped, [2], float(ctx.const(eps)), dtype)
-    y = reshape_exact(ctx, y, shape)
+    y = ctx.b.op("Reshape", [y, ctx.b.op("Shape", [ctx.tensor(x)])], allowzero=1) if varying else \
+        reshape_exact(ctx, y, shape)
     return [_affine(ctx, y, weight, bias, len(shape), dtype)]
 
 

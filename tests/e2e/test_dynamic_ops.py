@@ -75,6 +75,21 @@ def test_layer_norm_over_run_time_trailing_dims_computes_in_an_engine(name, fn):
                                 (2, 5, 1), (BATCH_MAX, SEQ_MAX, WIDTH_MAX)])
 
 
+@pytest.mark.parametrize("affine", [False, True])
+def test_group_norm_over_a_run_time_batch_and_length_computes_in_an_engine(affine):
+    """F.group_norm's Python size check (_verify_batch_size: a loop over the sizes) is dynamo's to
+    make, so the graph calls the op alone; its groups reshape copies the run-time batch and infers
+    the length (before: the check's 12 size ops and the norm stayed in TorchScript)."""
+    weight, bias = (torch.randn(6), torch.randn(6)) if affine else (None, None)
+    model, result = compiled(lambda x: F.group_norm(x * 2, 3, weight, bias) + 1,
+                             {0: ("batch", BATCH_MAX), 2: ("length", WIDTH_MAX)}, example=(3, 6, 5))
+    report = result.report
+    assert "aten::group_norm" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
+    check_sizes(model, result, [(1, 6, 1), (BATCH_MAX, 6, 1), (1, 6, WIDTH_MAX), (2, 6, 3), (4, 6, 9),
+                                (BATCH_MAX, 6, WIDTH_MAX)])
+
+
 @pytest.mark.parametrize("shift", [3, -7, 40])
 def test_a_roll_of_the_flattened_tensor_computes_in_an_engine(shift):
     """torch.roll without dims over run-time dims: the element count read at run time, shifts below
