@@ -90,6 +90,19 @@ def test_bounds():
     assert proves_nonnegative(700 % seq) and not proves_nonnegative(-(700 % seq) + seq // 2)
 
 
+
+def test_bounds_take_a_shared_factor_out_of_the_terms():
+    """batch * (length / 20) - batch is batch * (length / 20 - 1) (a conv's output length times the
+    batch: HuBERT's feature encoder over raw audio of at least 60 samples): at least 2 * 2, where
+    term by term its lowest is 2 * 3 - 15; also when other terms sit beside the shared ones."""
+    batch, length = Var("batch", 2, 15), Var("length", 60, 4096)
+    rows = batch * (length // 20) - batch
+    assert rows.bounds() == (4, 15 * 203)
+    assert (64 * rows + 64 * i1 + i0).bounds() == (256, 64 * 15 * 203 + 64 * 63 + 3)
+    exact = [(b * (n // 20) - b) for b in range(2, 16) for n in range(60, 4097)]
+    assert rows.bounds() == (min(exact), max(exact))
+
+
 def test_a_truth_value_needs_a_constant():
     assert not Const(0) and Const(2)
     with pytest.raises(TypeError):
