@@ -11,7 +11,10 @@ example. This module keeps the symbols:
   2. probe points: the graph's arguments at the example's sizes and at two other values of the
      symbols in range (tensors cut down or repeated along their symbolic dims, so index inputs
      stay valid). The frontend scripts the graph once and keeps every size that differs between
-     probes computed in TorchScript (blade/frontend.py);
+     probes computed in TorchScript (blade/frontend.py). Points must satisfy dynamo's guards and
+     tell every size of the graph apart from a constant (max(s, 10) is 10 at points below 10);
+     when the graph fails at them (a relation between sizes no guard states), the next set is
+     tried (_point_sets);
   3. each cluster is lowered to ONNX at every probe point. The lowering rules read static shapes;
      when the ONNX graphs agree but for the declared sizes of the cluster's inputs and outputs, no
      rule computed from a run-time size, and the ONNX of the example with those dims as dim_params
@@ -98,18 +101,28 @@ class SizeSymbols:
                 open_symbols.append(sym)
                 hi = max(max_size, int(value))
             ranges[sym], example[sym] = (lo, hi), int(value)
-        usable, refused = [], []  # (points, probes) dynamo's guards accept; points they refuse
-        for others in _point_sets(ranges, example):
+        usable, refusals = [], []  # (points, probes) that tell the sizes apart; why others do not
+        bounds = {s: ValueRanges(lo, hi) for s, (lo, hi) in ranges.items()}
+        varying = [e for e in set(exprs) if bound_sympy(e, bounds).is_singleton() is False]
+        guards = [g.expr for g in getattr(shape_env, "guards", ())]
+        for others in _point_sets(ranges, example, guards):
             points = [example] + others
+            flat = next((e for e in varying if len({int(e.subs(p)) for p in points}) == 1), None)
+            if len(points) < 2 or flat is not None:
+                # the frontend takes a size that is the same at every probe point for a constant:
+                # max(s, 10) at points below 10, s // 64 below 64
+                refusals.append(f"the size {flat} is the same at every probe point {points}" if flat is not None
+                                else f"the size symbols' ranges {_ranges_text(ranges)} leave no second size")
+                continue
             probes = [arguments_at(placeholders, example_inputs, point) for point in points]
             bad = [point for point, probe in zip(points[1:], probes[1:])
                    if not _guards_hold(shape_env, placeholders, probe)]
-            if len(points) > 1 and not bad:
+            if bad:
+                refusals.append(f"dynamo's guards do not hold at sizes {bad[0]}")
+            else:
                 usable.append((points, probes))
-            refused += bad
         if not usable:
-            raise NotSymbolic(f"dynamo's guards do not hold at sizes {refused[0]}" if refused else
-                              f"the size symbols' ranges {_ranges_text(ranges)} leave no second size to check against")
+            raise NotSymbolic("; ".join(refusals) if refusals else "no probe points")
         candidates = sorted(set(exprs), key=lambda e: (len(e.free_symbols), sympy.count_ops(e), str(e)))
         symbols_first = [s for s in symbols] + [e for e in candidates if e not in symbols]
         (points, probes), *spare = usable
@@ -281,32 +294,58 @@ def _graph_exprs(gm: torch.fx.GraphModule) -> list:
     return exprs
 
 
-def _point_sets(ranges: dict, example: dict) -> list:
-    """The other probe points to try, in order: symbols at distinct values (tells their dims
-    apart), then symbols equal at the example kept equal. dynamo gives two inputs' batch dims
-    two symbols when nothing in the graph equates them, yet the model may rely on it without a
-    guard (``attention_mask[arange(batch), ...]`` indexes the mask's batch with the ids' batch)."""
-    sets = [_other_points(ranges, example)]
-    tied = _other_points(ranges, example, tied=True)
-    return sets if tied == sets[0] else sets + [tied]
+def _point_sets(ranges: dict, example: dict, guards: list) -> list:
+    """The other probe points to try, in order: every symbol at its own value (tells their dims
+    apart), then related symbols moved together (``_moved_together``)."""
+    sets = []
+    for points in (_other_points(ranges, example), _moved_together(ranges, example, guards)):
+        if points and points not in sets:
+            sets.append(points)
+    return sets
 
 
-def _other_points(ranges: dict, example: dict, tied: bool = False) -> list:
+def _moved_together(ranges: dict, example: dict, guards: list) -> list:
+    """PROBES - 1 points at which the symbols of a group move from the example by one step, the
+    smallest that keeps the whole group in range first. A group: symbols a guard relates (a
+    KV-cache decode step's mask is one longer than the cache: dynamo guards s53 <= s70 + 1 and
+    s53 > s70; a step keeps the difference), and symbols equal at the example (dynamo gives the
+    ids' and the mask's batch two symbols when no guard equates them, yet the model relies on it:
+    ``attention_mask[arange(batch), ...]`` indexes the mask's batch with the ids' batch)."""
+    group = {sym: {sym} for sym in ranges}
+    related = [[s for s in expr.free_symbols if s in group] for expr in guards]
+    related += [[s for s in ranges if example[s] == value] for value in set(example.values())]
+    for symbols in related:
+        merged = set().union(*(group[s] for s in symbols)) if symbols else set()
+        for s in merged:
+            group[s] = merged
+    steps = [k for step in range(1, NEAR_THE_EXAMPLE + 1) for k in (-step, step)]
+    points, used = [], {}
+    for _ in range(PROBES - 1):
+        point = {}
+        for sym in ranges:
+            if sym in point:
+                continue
+            members = sorted(group[sym], key=str)
+            k = next((k for k in steps if k not in used.get(members[0], ()) and
+                      all(ranges[s][0] <= example[s] + k <= ranges[s][1] for s in members)), None)
+            if k is None:
+                return points
+            used.setdefault(members[0], set()).add(k)
+            point.update({s: example[s] + k for s in members})
+        points.append(point)
+    return points
+
+
+def _other_points(ranges: dict, example: dict) -> list:
     """PROBES - 1 assignments of the symbols, each symbol at a value in range that differs from its
     example value and from its values at other points, and distinct symbols at distinct values
-    where the ranges allow (so a dim's expression is told apart from the others); ``tied``: a
-    symbol takes the value of the first symbol equal to it at the example, where its range allows.
-    Small sizes first: every probe runs the graph."""
+    where the ranges allow (so a dim's expression is told apart from the others). Small sizes
+    first: every probe runs the graph."""
     used = {sym: {value} for sym, value in example.items()}
     points = []
     for _ in range(PROBES - 1):
         point, taken = {}, set()
         for sym, (lo, hi) in ranges.items():
-            lead = next(s for s in ranges if example[s] == example[sym]) if tied else sym
-            if lead != sym and lo <= point[lead] <= hi and point[lead] not in used[sym]:
-                point[sym] = point[lead]
-                used[sym].add(point[sym])
-                continue
             near = [example[sym] + k for k in range(1, NEAR_THE_EXAMPLE + 1)]
             options = [v for v in list(range(lo, min(hi, lo + NEAR_THE_EXAMPLE) + 1)) + near
                        if lo <= v <= hi and v not in used[sym]]

@@ -67,10 +67,10 @@ FROZEN_PREFIX = "_blade_frozen_"
 # What dynamo's FX graphs spell in ways torch.jit.script rejects, respelled the way it takes them
 # (the same computation): a graph with symbolic sizes is only scripted, and compiled once per shape
 # when that fails. Functions on symbolic scalars (``math.sqrt(2 / math.pi)`` with math.pi passed as
-# a wrapped scalar; sum() of sizes: Wav2Vec2, KV-cache decoders) -> the plain builtins. Not max()
-# and min() of sizes: the probe points can all fall on one side of the bend (max(s, 10) is 10 at
-# each), which would make a size that varies look constant; such graphs stay per shape.
-SCRIPTABLE_FUNCTIONS = {torch._sym_sqrt: math.sqrt, torch.sym_sum: sum}
+# a wrapped scalar; sum() of sizes: Wav2Vec2, KV-cache decoders; max() and min() of sizes: Mistral's
+# sliding window) -> the plain builtins. (Probe points at which max(s, 10) is 10 at each would make
+# a size that varies look constant: blade/dynamic.py refuses such points.)
+SCRIPTABLE_FUNCTIONS = {torch._sym_sqrt: math.sqrt, torch.sym_sum: sum, torch.sym_max: max, torch.sym_min: min}
 # Tensor methods TorchScript lacks -> (the method it has, arguments appended): DeBERTa's mask.bool()
 SCRIPTABLE_METHODS = {"bool": ("to", (torch.bool,))}
 # numpy's keyword names -> torch's: torch.cat(xs, axis=1) (Funnel)
@@ -86,6 +86,10 @@ CHECKED_FUNCTIONS = {
     torch.nn.functional.group_norm: (torch.group_norm, lambda a: (
         a["input"], a["num_groups"], a["weight"], a["bias"], a["eps"], False)),
 }
+# torch.tensor of an empty list (DynamicCache's start: cat([torch.tensor([]), keys])): TorchScript
+# types [] as List[Tensor] and fails when the graph runs -> torch.empty of 0 elements, the same
+# dtype and device keywords
+EMPTY_LIST_TENSORS = {torch.tensor: torch.empty, torch.as_tensor: torch.empty}
 # calls that compute nothing and that TorchScript cannot script, left out of the graph: the usage
 # log of an nn.Module built inside forward (transformers 5's decoders do)
 DROPPED_CALLS = {torch._C._log_api_usage_once}
@@ -139,6 +143,9 @@ def _respell(node: torch.fx.Node) -> None:
     if node.op != "call_function":
         return
     node.target = SCRIPTABLE_FUNCTIONS.get(node.target, node.target)
+    if node.target in EMPTY_LIST_TENSORS and len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) \
+            and len(node.args[0]) == 0:
+        node.target, node.args = EMPTY_LIST_TENSORS[node.target], ((0,),)
     if node.target in CHECKED_FUNCTIONS and "example_value" in node.meta:
         op, arguments = CHECKED_FUNCTIONS[node.target]
         bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)

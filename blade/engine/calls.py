@@ -12,7 +12,7 @@ from .buffers import CHANNELS_LAST, Strided, memory_order, permuted, same_stride
 from .ir import Node
 from .lines import DECLS, for_loop, indent
 from .optable import literal
-from .symbolic import Expr, Var, add, constant, mul, proves_at_least
+from .symbolic import Expr, Var, add, constant, maximum, mul, proves_at_least
 from . import views
 from .views import Layout, contiguous_strides, packed_matrix
 
@@ -23,6 +23,12 @@ def _may_exceed_one(n) -> bool:
     """Whether a GEMM dim can be larger than 1: a run-time dim (an Expr) counts as one that can,
     so its operand's leading dimension is its row stride, which is a valid one at size 1 too."""
     return isinstance(n, Expr) or n > 1
+
+
+def _at_least_one(n):
+    """max(n, 1) of a dim that may be run-time (a one-row operand's leading dimension: the
+    decode step's single query row over a run-time key length)."""
+    return max(n, 1) if isinstance(n, int) else maximum(n, 1)
 
 
 def _gemm_operand(em, node: Node, packed_by_callee: bool = False):
@@ -79,9 +85,9 @@ def _fit(s: Strided):
     # proves_at_least: an order run-time sizes leave open fits no pattern (the operand is copied to
     # dense scratch rather than passed with a leading dimension that may be too small)
     if (cols == 1 or cs == 1) and (rows == 1 or proves_at_least(rs, cols)):
-        return s, 0, rs if _may_exceed_one(rows) else max(cols, 1)
+        return s, 0, rs if _may_exceed_one(rows) else _at_least_one(cols)
     if (rows == 1 or rs == 1) and (cols == 1 or proves_at_least(cs, rows)):
-        return s, 1, cs if _may_exceed_one(cols) else max(rows, 1)
+        return s, 1, cs if _may_exceed_one(cols) else _at_least_one(rows)
     return None
 
 

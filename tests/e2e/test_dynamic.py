@@ -232,11 +232,32 @@ def test_an_op_refused_at_run_time_sizes_leaves_only_itself_out():
     assert any("run-time" in reason for _, reason in report.left_out)
 
 
+def test_probe_points_keep_what_guards_relate_and_what_the_example_equates():
+    """The second set of probe points (blade/dynamic.py _moved_together): a KV-cache decode step's
+    guards say the mask is one longer than the cache (cache < mask <= cache + 1, not an equation
+    dynamo substitutes), and the mask's batch symbol equals the ids' at the example (no guard says
+    so, the mask indexing relies on it). The first set puts every symbol at its own value; the
+    second must hold the guards and the equality at every point, each point a new size."""
+    import sympy
+    from blade.dynamic import PROBES, _point_sets
+    cache, mask, batch, mask_batch = sympy.symbols("s70 s53 s72 s43", integer=True, positive=True)
+    ranges = {mask_batch: (2, 64), mask: (3, 65), cache: (2, 64), batch: (2, 64)}
+    example = {mask_batch: 3, mask: 17, cache: 16, batch: 3}
+    guards = [sympy.Le(cache, mask), sympy.Ne(mask, cache), sympy.Le(mask, cache + 1)]
+    distinct, moved = _point_sets(ranges, example, guards)
+    assert any(not all(bool(g.subs(p)) for g in guards) for p in distinct)
+    assert len(moved) == PROBES - 1
+    for point in moved:
+        assert all(bool(g.subs(point)) for g in guards) and point[batch] == point[mask_batch], point
+    assert len({p[cache] for p in [example, *moved]}) == PROBES and len({p[batch] for p in [example, *moved]}) == PROBES
+
+
 RESPELLED = {   # what dynamo's graph spells in a way torch.jit.script rejects (blade/frontend.py _respell)
     "mask_bool_method": lambda x: x.masked_fill(~(x > 0).int().bool(), -1.0) * 2.0,          # DeBERTa-v2
     "cat_axis_keyword": lambda x: torch.cat([x, x * 2.0], axis=1) + 1.0,                      # Funnel
     "pad_int_value": lambda x: F.pad(x * 2.0, (1, 2), "constant", 0) + 1.0,                   # BiT
     "sum_of_sizes": lambda x: F.pad(x, (0, sum([x.shape[1], x.shape[1], 1]) - x.shape[1])) * 2.0,  # Wav2Vec2
+    "empty_list_tensor": lambda x: torch.cat([torch.tensor([]), x * 2.0], dim=-1) + 1.0,     # DynamicCache
 }
 
 
@@ -249,17 +270,26 @@ def test_constructs_torchscript_rejects_are_respelled_and_compile_once(name):
     assert capture.report.size_symbols
 
 
-def test_max_of_sizes_is_right_at_every_size():
+@pytest.mark.parametrize("first, once", [((2, 8), False), ((2, 14), True)])
+def test_max_of_sizes_is_right_at_every_size(first, once):
     """max(s, 10) is 10 at probe points below 10, so a run-time-size compile would take it for a
-    constant (and refuse s = 12 at the engine's door): sym_max is not respelled, TorchScript's
-    refusal keeps such a graph off the run-time-size path."""
+    constant (and refuse s = 12 at the engine's door): probe points at which a size of the graph
+    is the same everywhere are refused, and such a graph compiles per shape. From s = 14 the probe
+    points near it tell max(s, 10) apart, and one compile serves sizes on both sides of the bend."""
     def padded(x):
         return F.pad(x, (0, max(x.shape[1], 10) - x.shape[1])) * 2.0
-    compiled = torch.compile(padded, backend="tt_infer", dynamic=True)
+    from blade.dynamo import tt_infer
+    compiled_graphs = []
+    def backend(gm, example_inputs):
+        compiled_graphs.append(tt_infer(gm, example_inputs))
+        return compiled_graphs[-1]
+    compiled = torch.compile(padded, backend=backend, dynamic=True)
     with torch.no_grad():
-        for shape in [(2, 8), (3, 12), (5, 16), (4, 9)]:
+        for shape in [first, (3, 12), (5, 16), (4, 9), (2, 3)]:
             x = torch.randn(*shape)
             assert_close(compiled(x), padded(x))
+    assert len(compiled_graphs) == 1
+    assert isinstance(compiled_graphs[0], ShapeSpecialized) != once, getattr(compiled_graphs[0], "reason", "")
 
 
 def test_gather_along_a_run_time_dim_joins_the_engine():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blade_testing import assert_close
+from blade_testing import assert_close, compile_dynamic_and_check
 
 SEQ_MAX, BATCH_MAX, WIDTH_MAX = 24, 6, 16
 
@@ -88,6 +88,19 @@ def test_group_norm_over_a_run_time_batch_and_length_computes_in_an_engine(affin
     assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
     check_sizes(model, result, [(1, 6, 1), (BATCH_MAX, 6, 1), (1, 6, WIDTH_MAX), (2, 6, 3), (4, 6, 9),
                                 (BATCH_MAX, 6, WIDTH_MAX)])
+
+
+def test_a_one_row_operand_over_a_run_time_length_multiplies_in_an_engine():
+    """A decode step's attention with a soft cap on the scores (Gemma2; no fused attention): the
+    probabilities [batch, 1, seq] are a one-row GEMM operand whose width is the run-time length
+    (its leading dimension was max(seq, 1) of a symbol: the cpp stage refused the cluster)."""
+    def decode_step(x):
+        query = x[:, -1:, :] * 0.5
+        scores = torch.tanh(query @ x.transpose(1, 2) / 4.0) * 4.0
+        return scores.softmax(-1) @ x
+    report = compile_dynamic_and_check(Fn(decode_step), [(3, 7, 16), (2, 5, 16), (4, 12, 16), (2, 2, 16)]).report
+    assert "aten::matmul" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
 
 
 @pytest.mark.parametrize("shift", [3, -7, 40])
