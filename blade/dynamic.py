@@ -103,22 +103,20 @@ class SizeSymbols:
             ranges[sym], example[sym] = (lo, hi), int(value)
         usable, refusals = [], []  # (points, probes) that tell the sizes apart; why others do not
         bounds = {s: ValueRanges(lo, hi) for s, (lo, hi) in ranges.items()}
-        varying = [e for e in set(exprs) if bound_sympy(e, bounds).is_singleton() is False]
         guards = [g.expr for g in getattr(shape_env, "guards", ())]
+        # sizes that vary: not constant over the ranges, nor guarded equal to a constant
+        pinned = {side for g in guards if isinstance(g, sympy.Eq)
+                  for side, other in (g.args, g.args[::-1]) if other.is_number}
+        varying = [e for e in set(exprs) if e not in pinned and bound_sympy(e, bounds).is_singleton() is False]
         for others in _point_sets(ranges, example, guards):
             points = [example] + others
-            flat = next((e for e in varying if len({int(e.subs(p)) for p in points}) == 1), None)
-            if len(points) < 2 or flat is not None:
-                # the frontend takes a size that is the same at every probe point for a constant:
-                # max(s, 10) at points below 10, s // 64 below 64
-                refusals.append(f"the size {flat} is the same at every probe point {points}" if flat is not None
-                                else f"the size symbols' ranges {_ranges_text(ranges)} leave no second size")
-                continue
-            probes = [arguments_at(placeholders, example_inputs, point) for point in points]
-            bad = [point for point, probe in zip(points[1:], probes[1:])
-                   if not _guards_hold(shape_env, placeholders, probe)]
-            if bad:
-                refusals.append(f"dynamo's guards do not hold at sizes {bad[0]}")
+            try:
+                probes = [arguments_at(placeholders, example_inputs, point) for point in points]
+                refusal = _refusal(points, probes, varying, shape_env, placeholders)
+            except ArithmeticError as err:  # a size of the graph undefined there (a division by 0)
+                refusal = f"the graph's sizes are undefined at {points}: {err}"
+            if refusal:
+                refusals.append(refusal)
             else:
                 usable.append((points, probes))
         if not usable:
@@ -280,6 +278,22 @@ def _finite(bound, default: int) -> int:
         return default
 
 
+def _refusal(points: list, probes: list, varying: list, shape_env, placeholders: list) -> str | None:
+    """Why these probe points cannot stand for every size, else None."""
+    if len(points) < 2:
+        return "the size symbols' ranges leave no second size"
+    bad = next((point for point, probe in zip(points[1:], probes[1:])
+                if not _guards_hold(shape_env, placeholders, probe)), None)
+    if bad is not None:
+        return f"dynamo's guards do not hold at sizes {bad}"
+    # the frontend takes a size that is the same at every probe point for a constant: max(s, 10)
+    # at points below 10, s // 64 below 64
+    flat = next((e for e in varying if len({int(e.subs(p)) for p in points}) == 1), None)
+    if flat is not None:
+        return f"the size {flat} is the same at every probe point {points}"
+    return None
+
+
 def _ranges_text(ranges: dict) -> str:
     return ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, hi) in ranges.items())
 
@@ -305,20 +319,21 @@ def _point_sets(ranges: dict, example: dict, guards: list) -> list:
 
 
 def _moved_together(ranges: dict, example: dict, guards: list) -> list:
-    """PROBES - 1 points at which the symbols of a group move from the example by one step, the
-    smallest that keeps the whole group in range first. A group: symbols a guard relates (a
-    KV-cache decode step's mask is one longer than the cache: dynamo guards s53 <= s70 + 1 and
-    s53 > s70; a step keeps the difference), and symbols equal at the example (dynamo gives the
-    ids' and the mask's batch two symbols when no guard equates them, yet the model relies on it:
+    """PROBES - 1 points at which the symbols of a group move from the example together, by the
+    first move (a step of +-1, +-2, ..., then doubling, tripling, halving) that keeps the group in
+    range and its guards true. A group: symbols a guard relates (a KV-cache decode step's mask is
+    one longer than the cache: dynamo guards s53 <= s70 + 1 and s53 > s70; a view to [b, -1, 4]
+    guards the width a multiple of 4), and symbols equal at the example (dynamo gives the ids'
+    and the mask's batch two symbols when no guard equates them, yet the model relies on it:
     ``attention_mask[arange(batch), ...]`` indexes the mask's batch with the ids' batch)."""
+    guards = [g for g in guards if g.free_symbols and g.free_symbols <= ranges.keys()]
     group = {sym: {sym} for sym in ranges}
-    related = [[s for s in expr.free_symbols if s in group] for expr in guards]
+    related = [list(g.free_symbols) for g in guards]
     related += [[s for s in ranges if example[s] == value] for value in set(example.values())]
     for symbols in related:
-        merged = set().union(*(group[s] for s in symbols)) if symbols else set()
+        merged = set().union(*(group[s] for s in symbols))
         for s in merged:
             group[s] = merged
-    steps = [k for step in range(1, NEAR_THE_EXAMPLE + 1) for k in (-step, step)]
     points, used = [], {}
     for _ in range(PROBES - 1):
         point = {}
@@ -326,14 +341,32 @@ def _moved_together(ranges: dict, example: dict, guards: list) -> list:
             if sym in point:
                 continue
             members = sorted(group[sym], key=str)
-            k = next((k for k in steps if k not in used.get(members[0], ()) and
-                      all(ranges[s][0] <= example[s] + k <= ranges[s][1] for s in members)), None)
-            if k is None:
+            own = [g for g in guards if g.free_symbols & group[sym]]
+            for k, move in enumerate(MOVES):
+                moved = {s: move(example[s]) for s in members}
+                if k not in used.setdefault(members[0], set()) and \
+                        all(v is not None and ranges[s][0] <= v <= ranges[s][1] for s, v in moved.items()) and \
+                        _hold(own, {**example, **moved}):
+                    used[members[0]].add(k)
+                    point.update(moved)
+                    break
+            else:
                 return points
-            used.setdefault(members[0], set()).add(k)
-            point.update({s: example[s] + k for s in members})
         points.append(point)
     return points
+
+
+# how a group of symbols moves from the example (None: not this way)
+MOVES = [lambda v, k=k: v + k for step in range(1, NEAR_THE_EXAMPLE + 1) for k in (-step, step)] + \
+    [lambda v, r=r: v * r for r in (2, 3)] + [lambda v: v // 2 if v % 2 == 0 else None]
+
+
+def _hold(guards: list, point: dict) -> bool:
+    values = {s: sympy.Integer(v) for s, v in point.items()}
+    try:
+        return all(bool(g.xreplace(values)) for g in guards)
+    except (TypeError, ArithmeticError):  # undecidable or undefined there (a division by 0)
+        return False
 
 
 def _other_points(ranges: dict, example: dict) -> list:

@@ -21,6 +21,7 @@ import copy
 import inspect
 import logging
 import math
+import operator
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ CHECKED_FUNCTIONS = {
 # types [] as List[Tensor] and fails when the graph runs -> torch.empty of 0 elements, the same
 # dtype and device keywords
 EMPTY_LIST_TENSORS = {torch.tensor: torch.empty, torch.as_tensor: torch.empty}
+# x[..., [-2], :] (Falcon's fused QKV split): TorchScript has no tensor indexing after an ellipsis
+# -> the ellipsis spelled as the full slices it stands for (the rank is the node's input's)
 # calls that compute nothing and that TorchScript cannot script, left out of the graph: the usage
 # log of an nn.Module built inside forward (transformers 5's decoders do)
 DROPPED_CALLS = {torch._C._log_api_usage_once}
@@ -123,6 +126,8 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, 
         else:  # a tensor, or a size symbol's value (a SymInt: an int at run time)
             env[node] = graph.placeholder(node.name, type_expr=int if isinstance(value, torch.SymInt) else node.type)
             runtime_inputs.append(position)
+        if isinstance(env[node], torch.fx.Node):
+            env[node].meta = dict(node.meta)  # (the respellings read example values)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in DROPPED_CALLS and not node.users:
             continue
@@ -142,6 +147,8 @@ def _respell(node: torch.fx.Node) -> None:
         node.args = tuple(node.args) + extra
     if node.op != "call_function":
         return
+    if node.target is operator.getitem:
+        node.args = (node.args[0], _without_ellipsis(*node.args))
     node.target = SCRIPTABLE_FUNCTIONS.get(node.target, node.target)
     if node.target in EMPTY_LIST_TENSORS and len(node.args) == 1 and isinstance(node.args[0], (list, tuple)) \
             and len(node.args[0]) == 0:
@@ -160,6 +167,26 @@ def _respell(node: torch.fx.Node) -> None:
             node.args = (*node.args[:position], float(node.args[position]), *node.args[position + 1:])
         if type(node.kwargs.get(keyword)) is int:
             node.kwargs = {**node.kwargs, keyword: float(node.kwargs[keyword])}
+
+
+def _without_ellipsis(x, index):
+    """index with its ellipsis spelled as full slices, when a list or tensor index follows it."""
+    value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+    if not (isinstance(index, tuple) and isinstance(value, torch.Tensor) and index.count(Ellipsis) == 1):
+        return index
+    after = index[index.index(Ellipsis) + 1:]
+    if not any(isinstance(i, list) or isinstance(getattr(i, "meta", {}).get("example_value"), torch.Tensor)
+               for i in after):
+        return index
+    taken = sum(_dims_indexed(i) for i in index if i is not None and i is not Ellipsis)
+    k = index.index(Ellipsis)
+    return index[:k] + (slice(None),) * (value.dim() - taken) + index[k + 1:]
+
+
+def _dims_indexed(item) -> int:
+    """How many dims an index item takes: a bool mask its rank, anything else one."""
+    value = getattr(item, "meta", {}).get("example_value")
+    return value.dim() if isinstance(value, torch.Tensor) and value.dtype == torch.bool else 1
 
 
 def _script(module: torch.fx.GraphModule, inputs: list):

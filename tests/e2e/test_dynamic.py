@@ -258,6 +258,7 @@ RESPELLED = {   # what dynamo's graph spells in a way torch.jit.script rejects (
     "pad_int_value": lambda x: F.pad(x * 2.0, (1, 2), "constant", 0) + 1.0,                   # BiT
     "sum_of_sizes": lambda x: F.pad(x, (0, sum([x.shape[1], x.shape[1], 1]) - x.shape[1])) * 2.0,  # Wav2Vec2
     "empty_list_tensor": lambda x: torch.cat([torch.tensor([]), x * 2.0], dim=-1) + 1.0,     # DynamicCache
+    "ellipsis_then_list": lambda x: x.view(x.shape[0], -1, 4)[..., [-2, 0]] * 2.0 + x[..., [1]].sum(),  # Falcon
 }
 
 
