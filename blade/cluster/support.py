@@ -921,10 +921,9 @@ def _sdpa(ctx: LowerCtx, node):
     k_t = _transpose_last2(ctx, ctx.tensor(k), len(ctx.shape(k)))
     scores = ctx.b.op("Mul", [ctx.b.op("MatMul", [ctx.tensor(q), k_t]), ctx.scalar(scale, dtype)])
     if ctx.const(is_causal):
-        length, source = q_shape[-2], ctx.shape(k)[-2]
-        keep = np.tril(np.ones((length, source), dtype=bool))
-        mask_name = ctx.b.constant(keep, "causal")
-        scores = ctx.b.op("Where", [mask_name, scores, ctx.scalar(-np.inf, dtype)])
+        rows, cols = ctx.dim_size(q, len(q_shape) - 2), ctx.dim_size(k, len(ctx.shape(k)) - 2)
+        keep = _triangle_mask(ctx, rows, cols, 0, lower=True, name="causal")
+        scores = ctx.b.op("Where", [keep, scores, ctx.scalar(-np.inf, dtype)])
     elif is_tensor(mask):
         if ctx.dtype(mask) == np.dtype(bool):
             scores = ctx.b.op("Where", [ctx.tensor(mask), scores, ctx.scalar(-np.inf, dtype)])
@@ -1329,19 +1328,23 @@ def _triangle(ctx: LowerCtx, node):
     x, diagonal = _args(node)[:2]
     rank = len(ctx.shape(x))
     rows, cols = ctx.dim_size(x, rank - 2), ctx.dim_size(x, rank - 1)
-    if isinstance(rows, int) and isinstance(cols, int):
-        pick = np.tril if node.kind() == "aten::tril" else np.triu
-        keep = ctx.b.constant(pick(np.ones((rows, cols), bool), ctx.const(diagonal)), "mask")
-    else:
-        # a causal mask over run-time sizes (torch.ones(s, s).triu(1)): keep where column - row
-        # is >= diagonal (triu) or <= diagonal (tril), the rows and columns counted at run time
-        def positions(n):
-            return ctx.b.op("Range", [ctx.scalar(0, np.int64), _int64_size(ctx, n), ctx.scalar(1, np.int64)])
-        row = ctx.b.op("Unsqueeze", [positions(rows), ctx.b.ints([1])])
-        offset = ctx.b.op("Sub", [positions(cols), row])
-        compare = "LessOrEqual" if node.kind() == "aten::tril" else "GreaterOrEqual"
-        keep = ctx.b.op(compare, [offset, ctx.scalar(ctx.const(diagonal), np.int64)])
+    keep = _triangle_mask(ctx, rows, cols, ctx.const(diagonal), lower=node.kind() == "aten::tril")
     return [ctx.b.op("Where", [keep, ctx.tensor(x), ctx.scalar(0, ctx.dtype(x))])]
+
+
+def _triangle_mask(ctx: LowerCtx, rows, cols, diagonal: int, lower: bool, name: str = "mask") -> str:
+    """[rows, cols] bools: column - row <= diagonal (lower) or >= diagonal. Static sizes: a
+    constant. Run-time sizes (torch.ones(s, s).triu(1), sdpa's is_causal over the sequence): the
+    rows and columns counted at run time (Range) and compared."""
+    if isinstance(rows, int) and isinstance(cols, int):
+        pick = np.tril if lower else np.triu
+        return ctx.b.constant(pick(np.ones((rows, cols), bool), diagonal), name)
+
+    def positions(n):
+        return ctx.b.op("Range", [ctx.scalar(0, np.int64), _int64_size(ctx, n), ctx.scalar(1, np.int64)])
+    row = ctx.b.op("Unsqueeze", [positions(rows), ctx.b.ints([1])])
+    offset = ctx.b.op("Sub", [positions(cols), row])
+    return ctx.b.op("LessOrEqual" if lower else "GreaterOrEqual", [offset, ctx.scalar(diagonal, np.int64)])
 
 
 def _repeat(ctx: LowerCtx, node):

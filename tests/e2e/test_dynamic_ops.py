@@ -103,6 +103,18 @@ def test_a_one_row_operand_over_a_run_time_length_multiplies_in_an_engine():
     assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
 
 
+def test_causal_attention_over_a_run_time_length_computes_in_an_engine():
+    """sdpa(is_causal=True) (a decoder's prefill without a mask: BART's): the causal mask is built
+    from the run-time query and key lengths (it was a constant of the example's: the cluster
+    refused run-time sizes)."""
+    def causal(x):
+        heads = x.view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+        return F.scaled_dot_product_attention(heads * 0.5, heads, heads + 1.0, is_causal=True).sum(1)
+    report = compile_dynamic_and_check(Fn(causal), [(3, 7, 16), (2, 5, 16), (4, 12, 16), (2, 2, 16)]).report
+    assert "aten::scaled_dot_product_attention" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
+
+
 @pytest.mark.parametrize("shift", [3, -7, 40])
 def test_a_roll_of_the_flattened_tensor_computes_in_an_engine(shift):
     """torch.roll without dims over run-time dims: the element count read at run time, shifts below
