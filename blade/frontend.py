@@ -31,8 +31,9 @@ import torch.fx
 
 from blade.cluster.aliasing import written_attributes, written_constants
 from blade.cluster.support import is_size_arithmetic
-from blade.guards import wrapped_scalars
 from blade.executor import unoptimized
+from blade.fold import fold_input_independent
+from blade.guards import wrapped_scalars
 
 log = logging.getLogger("blade")
 
@@ -137,7 +138,10 @@ def _plain_graph_module(gm: torch.fx.GraphModule, example_inputs, freeze: bool, 
     for name, value in vars(gm).items():  # constants dynamo attached as plain attributes
         if isinstance(value, torch.Tensor) and not hasattr(root, name):
             setattr(root, name, value)
-    return torch.fx.GraphModule(root, graph).eval(), runtime_inputs
+    module = torch.fx.GraphModule(root, graph).eval()
+    if freeze:
+        fold_input_independent(module)
+    return module, runtime_inputs
 
 
 def _respell(node: torch.fx.Node) -> None:
