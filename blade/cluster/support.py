@@ -918,7 +918,10 @@ def _sdpa(ctx: LowerCtx, node):
     scale = ctx.const(scale_arg) if scale_arg is not None else None
     if scale is None:
         scale = 1.0 / float(np.sqrt(q_shape[-1]))
-    k_t = _transpose_last2(ctx, ctx.tensor(k), len(ctx.shape(k)))
+    keys, values = ctx.tensor(k), ctx.tensor(v)
+    if len(_args(node)) > 7 and ctx.const(_args(node)[7]):  # enable_gqa: each K/V head serves a group of query heads
+        keys, values = (_repeat_heads(ctx, name, ctx.shape(t), q_shape[-3]) for name, t in ((keys, k), (values, v)))
+    k_t = _transpose_last2(ctx, keys, len(ctx.shape(k)))
     scores = ctx.b.op("Mul", [ctx.b.op("MatMul", [ctx.tensor(q), k_t]), ctx.scalar(scale, dtype)])
     if ctx.const(is_causal):
         rows, cols = ctx.dim_size(q, len(q_shape) - 2), ctx.dim_size(k, len(ctx.shape(k)) - 2)
@@ -932,7 +935,20 @@ def _sdpa(ctx: LowerCtx, node):
     probs = ctx.b.op("Softmax", [scores], axis=-1)
     if is_tensor(mask) and not ctx.const(is_causal):
         probs = _zero_fully_masked_rows(ctx, scores, probs, len(ctx.shape(node.output())), dtype)
-    return [ctx.b.op("MatMul", [probs, ctx.tensor(v)])]
+    return [ctx.b.op("MatMul", [probs, values])]
+
+
+def _repeat_heads(ctx: LowerCtx, name: str, shape: list, heads: int) -> str:
+    """[..., kv_heads, s, d] -> [..., heads, s, d], each head repeated heads // kv_heads times in a
+    row (sdpa's enable_gqa, repeat_interleave along the heads): unsqueeze, expand the new dim,
+    merge it into the heads. Leading dims (the batch, which may be run-time) are copied (ONNX's 0)
+    and the sequence inferred."""
+    kv_heads = shape[-3]
+    if kv_heads == heads:
+        return name
+    spread = ctx.b.op("Unsqueeze", [name, ctx.b.ints([len(shape) - 2])])
+    wide = ctx.b.op("Expand", [spread, ctx.b.ints([1] * (len(shape) - 2) + [heads // kv_heads, 1, 1])])
+    return ctx.b.op("Reshape", [wide, ctx.b.ints([0] * (len(shape) - 3) + [heads, -1, shape[-1]])], allowzero=0)
 
 
 def _zero_fully_masked_rows(ctx: LowerCtx, scores: str, probs: str, rank: int, dtype) -> str:
@@ -1687,8 +1703,8 @@ def _sdpa_check(node):
     args = _args(node)
     if constant_value(args[4]) not in (0, 0.0):
         return "scaled_dot_product_attention with dropout_p != 0"
-    if len(args) > 7 and constant_value(args[7]) not in (False, None):
-        return "scaled_dot_product_attention with enable_gqa"
+    if len(args) > 7 and constant_value(args[7]) not in (False, None, True):
+        return "scaled_dot_product_attention with a computed enable_gqa"
     if is_tensor(args[3]) and constant_value(args[5]):
         return "scaled_dot_product_attention with both attn_mask and is_causal"
     return None

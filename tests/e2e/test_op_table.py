@@ -232,6 +232,12 @@ CASES = {
                                      [f32(1, 2, 4, 8), f32(1, 2, 6, 8), f32(1, 2, 6, 8), sdpa_mask(1)]),
     "sdpa_float_mask_row_all_neg_inf": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
                                         [f32(1, 2, 4, 8), f32(1, 2, 6, 8), f32(1, 2, 6, 8), sdpa_mask(3, torch.float32)]),
+    "sdpa_gqa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                 [f32(2, 4, 5, 8), f32(2, 2, 7, 8), f32(2, 2, 7, 8)]),
+    "sdpa_gqa_causal_unbatched": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                                  [f32(6, 7, 8), f32(2, 7, 8), f32(2, 7, 8)]),
+    "sdpa_gqa_same_heads_mask": (lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True),
+                                 [f32(1, 2, 4, 8), f32(1, 2, 6, 8), f32(1, 2, 6, 8), sdpa_mask(1)]),
     # shapes and data movement
     "view": (lambda x: (x * 2).view(4, -1), [f32(4, 3, 5)]),
     "reshape_transposed": (lambda x: x.transpose(0, 1).reshape(-1) + 1, [f32(4, 3)]),
