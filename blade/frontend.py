@@ -267,7 +267,22 @@ def _constant_size_arguments(graph: torch.Graph, probes: list) -> int:
         if kind not in ("aten::view", "aten::reshape", "aten::expand") or is_constant_value(node.inputsAt(1)):
             continue
         x, out = node.inputsAt(0), node.output()
-        if any(x not in types or out not in types for types in probes):
+        shape_of = node.inputsAt(1).node()
+        if shape_of.kind() == "aten::size" and shape_of.inputsAt(0).type().kind() == "TensorType" and \
+                len(list(shape_of.inputs())) == 1:
+            # x.view(t.shape) (OPT's MLP restores the shape it flattened): view_as(x, t), which an
+            # engine computes from t's shape at run time; the int list could not enter a cluster
+            with graph.insert_point_guard(node):
+                replacement = graph.insertNode(graph.create(kind + "_as", [x, shape_of.inputsAt(0)])).output()
+        elif any(x not in types or out not in types for types in probes):
+            continue
+        else:
+            replacement = None
+        if replacement is not None:
+            replacement.setType(out.type())
+            out.replaceAllUsesWith(replacement)
+            node.destroy()
+            rewritten += 1
             continue
         ins = [list(types[x].sizes()) for types in probes]
         outs = [list(types[out].sizes()) for types in probes]

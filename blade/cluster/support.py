@@ -379,6 +379,9 @@ def reshape_to_output(ctx: LowerCtx, node):
     try:
         shape, allowzero = ctx.target_shape(node.output(), source)
     except LoweringError:
+        if node.kind() in ("aten::view_as", "aten::reshape_as"):  # to the other tensor's run-time shape
+            return [ctx.b.op("Reshape", [ctx.tensor(source), ctx.b.op("Shape", [ctx.tensor(_args(node)[1])])],
+                             allowzero=1)]
         sizes = _args(node)[1] if len(_args(node)) > 1 else None
         items = run_time_size_list(sizes)
         if items is None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blade_testing import assert_close, compile_dynamic_and_check
+from blade_testing import Capture, assert_close, compile_dynamic_and_check
 
 SEQ_MAX, BATCH_MAX, WIDTH_MAX = 24, 6, 16
 
@@ -100,6 +100,26 @@ def test_a_one_row_operand_over_a_run_time_length_multiplies_in_an_engine():
         return scores.softmax(-1) @ x
     report = compile_dynamic_and_check(Fn(decode_step), [(3, 7, 16), (2, 5, 16), (4, 12, 16), (2, 2, 16)]).report
     assert "aten::matmul" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("view", lambda x: (x.reshape(-1, x.shape[-1]) * 2.0 + 1.0).view(x.shape) - x),   # OPT's MLP
+    ("reshape", lambda x: (x.flatten() * 2.0).reshape(x.shape) + x),
+    ("expand", lambda x: (x[:, :1] * 2.0).expand(x.shape) + x)])
+def test_a_view_to_another_tensors_whole_shape_computes_in_an_engine(name, fn):
+    """x.view(t.shape) over a run-time batch and sequence: view_as(x, t), the shape read at run time
+    (the int list of t.shape stayed in TorchScript, and the view with it)."""
+    model, capture = Fn(fn), Capture()
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for k, shape in enumerate([(3, 7, 16), (2, 5, 16), (4, 12, 16), (2, 24, 16)]):
+            x = torch.randn(*shape)
+            if k == 0:
+                torch._dynamo.mark_dynamic(x, 0, min=2, max=BATCH_MAX)
+                torch._dynamo.mark_dynamic(x, 1, min=2, max=SEQ_MAX)
+            assert_close(compiled(x), model(x))
+    report = capture.report
     assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
 
 
