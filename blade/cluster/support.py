@@ -1367,8 +1367,18 @@ def _triangle_mask(ctx: LowerCtx, rows, cols, diagonal: int, lower: bool, name: 
 
 
 def _repeat(ctx: LowerCtx, node):
-    """x.repeat(r): view x as [1, a, 1, b], expand to [r0, a, r1, b], flatten pairs."""
+    """x.repeat(r): view x as [1, a, 1, b], expand to [r0, a, r1, b], flatten pairs. Counts that
+    are run-time sizes (``positions.unsqueeze(0).repeat(batch, 1)``: Whisper) repeat dims of size
+    1 only: that is an expand."""
     x, repeats = _args(node)[:2]
+    counts = run_time_size_list(repeats)
+    if counts is not None and not is_constant(repeats):
+        new_dims = len(counts) - len(ctx.shape(x))
+        shape = [1] * new_dims + ctx.shape(x)
+        if any(n != 1 and not (is_constant(c) and ctx.const(c) == 1) for c, n in zip(counts, shape)):
+            raise LoweringError("repeat by a run-time count of a dim longer than 1")
+        spread = ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints(list(range(new_dims)))]) if new_dims else ctx.tensor(x)
+        return [ctx.b.op("Expand", [spread, ctx.sizes(counts)])]
     repeats = ctx.const(repeats)
     shape = [1] * (len(repeats) - len(ctx.shape(x))) + ctx.shape(x)
     spread = reshape_exact(ctx, ctx.tensor(x), [v for n in shape for v in (1, n)])
@@ -1884,7 +1894,7 @@ LOWERING: dict[str, Rule] = {
     "aten::gather": Rule(_gather, _needs_const_false(3, "gather with sparse_grad")),
     "aten::tril": Rule(_triangle),
     "aten::triu": Rule(_triangle),
-    "aten::repeat": Rule(_repeat),
+    "aten::repeat": Rule(_repeat, size_args=True),
     "aten::repeat_interleave": Rule(_repeat_interleave, _repeat_interleave_check),
     "aten::roll": Rule(_roll),
     "aten::flip": Rule(_flip),
