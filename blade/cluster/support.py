@@ -382,6 +382,8 @@ def reshape_to_output(ctx: LowerCtx, node):
         if node.kind() in ("aten::view_as", "aten::reshape_as"):  # to the other tensor's run-time shape
             return [ctx.b.op("Reshape", [ctx.tensor(source), ctx.b.op("Shape", [ctx.tensor(_args(node)[1])])],
                              allowzero=1)]
+        if node.kind() in ("aten::flatten", "aten::unflatten"):  # the shape from the source's dims
+            return [ctx.b.op("Reshape", [ctx.tensor(source), _regrouped_shape(ctx, node)], allowzero=0)]
         sizes = _args(node)[1] if len(_args(node)) > 1 else None
         items = run_time_size_list(sizes)
         if items is None:
@@ -840,6 +842,24 @@ def _index(ctx: LowerCtx, node):
 def _int64_size(ctx: LowerCtx, n) -> str:
     """A size (an int, or the ONNX name of a run-time one) as a 0-d int64 ONNX value."""
     return ctx.scalar(n, np.int64) if isinstance(n, int) else n
+
+
+def _regrouped_shape(ctx: LowerCtx, node) -> str:
+    """flatten(x, start, end) / unflatten(x, dim, sizes) as a shape computed from x's dims (read at
+    run time where they are run-time): the dims kept, the product of the merged ones, the sizes a
+    dim splits into (one -1 among them is inferred). DeBERTa's [b, h, s, d] -> [b * h, s, d] has
+    two run-time dims no single -1 infers."""
+    x, rank = _args(node)[0], len(ctx.shape(_args(node)[0]))
+    dims = [ctx.dim_size(x, d) for d in range(rank)]
+    if node.kind() == "aten::flatten":
+        start, end = (ctx.const(a) % max(rank, 1) for a in _args(node)[1:3])
+        items = dims[:start] + [_size_product(ctx, dims[start:end + 1])] + dims[end + 1:]
+    else:
+        dim, sizes = ctx.const(_args(node)[1]) % rank, ctx.const(_args(node)[2])
+        if any(n == 0 for n in sizes):
+            raise LoweringError("unflatten into an empty dim with run-time sizes")
+        items = dims[:dim] + list(sizes) + dims[dim + 1:]
+    return ctx.sizes(items)
 
 
 def _size_product(ctx: LowerCtx, sizes: list):

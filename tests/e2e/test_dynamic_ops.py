@@ -108,7 +108,10 @@ def test_a_one_row_operand_over_a_run_time_length_multiplies_in_an_engine():
     ("reshape", lambda x: (x.flatten() * 2.0).reshape(x.shape) + x),
     ("expand", lambda x: (x[:, :1] * 2.0).expand(x.shape) + x),
     ("repeat", lambda x: torch.arange(x.shape[1]).unsqueeze(0).repeat(x.shape[0], 1)[..., None] * x),  # Whisper
-    ("repeat_new_dim", lambda x: (x[0, :, 0] * 2.0).repeat(x.shape[0], 1)[..., None] + x)])
+    ("repeat_new_dim", lambda x: (x[0, :, 0] * 2.0).repeat(x.shape[0], 1)[..., None] + x),
+    # DeBERTa's heads: [b, s, h, d] -> [b, h, s, d] -> [b * h, s, d] (two run-time dims no -1 infers) and back
+    ("flatten_heads", lambda x: (x.view(x.shape[0], x.shape[1], 4, 4).transpose(1, 2).flatten(0, 1) * 2.0)
+     .unflatten(0, (-1, 4)).transpose(1, 2).flatten(2) + x)])
 def test_a_view_to_another_tensors_whole_shape_computes_in_an_engine(name, fn):
     """x.view(t.shape) over a run-time batch and sequence: view_as(x, t), the shape read at run time
     (the int list of t.shape stayed in TorchScript, and the view with it)."""
