@@ -1387,23 +1387,29 @@ def _triangle_mask(ctx: LowerCtx, rows, cols, diagonal: int, lower: bool, name: 
 
 
 def _repeat(ctx: LowerCtx, node):
-    """x.repeat(r): view x as [1, a, 1, b], expand to [r0, a, r1, b], flatten pairs. Counts that
-    are run-time sizes (``positions.unsqueeze(0).repeat(batch, 1)``: Whisper) repeat dims of size
-    1 only: that is an expand."""
+    """x.repeat(r): view x as [1, a, 1, b], expand to [r0, a, r1, b], flatten pairs. Static: those
+    shapes as constants. With run-time sizes (in x, or counts: ``positions.unsqueeze(0).repeat(batch,
+    1)``, Whisper) the same three steps with shapes computed from x's dims and the counts."""
     x, repeats = _args(node)[:2]
-    counts = run_time_size_list(repeats)
-    if counts is not None and not is_constant(repeats):
-        new_dims = len(counts) - len(ctx.shape(x))
-        shape = [1] * new_dims + ctx.shape(x)
-        if any(n != 1 and not (is_constant(c) and ctx.const(c) == 1) for c, n in zip(counts, shape)):
-            raise LoweringError("repeat by a run-time count of a dim longer than 1")
-        spread = ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints(list(range(new_dims)))]) if new_dims else ctx.tensor(x)
-        return [ctx.b.op("Expand", [spread, ctx.sizes(counts)])]
-    repeats = ctx.const(repeats)
-    shape = [1] * (len(repeats) - len(ctx.shape(x))) + ctx.shape(x)
-    spread = reshape_exact(ctx, ctx.tensor(x), [v for n in shape for v in (1, n)])
-    wide = ctx.b.op("Expand", [spread, ctx.b.ints([v for r, n in zip(repeats, shape) for v in (r, n)])])
-    return [reshape_exact(ctx, wide, ctx.shape(node.output()))]
+    run_time = ctx.run_time.get(x, set())
+    if is_constant(repeats) and not run_time:
+        repeats = ctx.const(repeats)
+        shape = [1] * (len(repeats) - len(ctx.shape(x))) + ctx.shape(x)
+        spread = reshape_exact(ctx, ctx.tensor(x), [v for n in shape for v in (1, n)])
+        wide = ctx.b.op("Expand", [spread, ctx.b.ints([v for r, n in zip(repeats, shape) for v in (r, n)])])
+        return [reshape_exact(ctx, wide, ctx.shape(node.output()))]
+    counts = run_time_size_list(repeats) if not is_constant(repeats) else ctx.const(repeats)
+    if counts is None:
+        raise LoweringError("repeat counts that are not a list of sizes")
+    counts = [c if isinstance(c, int) else ctx.const(c) if is_constant(c) else ctx.size(c) for c in counts]
+    rank = len(ctx.shape(x))
+    if any(n == 0 for n in ctx.shape(x)):
+        raise LoweringError("repeat of an empty tensor with run-time sizes")
+    shape = [1] * (len(counts) - rank) + [ctx.dim_size(x, d) for d in range(rank)]
+    spread = ctx.b.op("Reshape", [ctx.tensor(x), ctx.sizes([v for n in shape for v in (1, n)])], allowzero=0)
+    wide = ctx.b.op("Expand", [spread, ctx.sizes([v for r, n in zip(counts, shape) for v in (r, n)])])
+    merged = [_size_product(ctx, [r, n]) for r, n in zip(counts, shape)]
+    return [ctx.b.op("Reshape", [wide, ctx.sizes(merged)], allowzero=0)]
 
 
 def _repeat_interleave(ctx: LowerCtx, node):

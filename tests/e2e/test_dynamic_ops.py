@@ -109,6 +109,7 @@ def test_a_one_row_operand_over_a_run_time_length_multiplies_in_an_engine():
     ("expand", lambda x: (x[:, :1] * 2.0).expand(x.shape) + x),
     ("repeat", lambda x: torch.arange(x.shape[1]).unsqueeze(0).repeat(x.shape[0], 1)[..., None] * x),  # Whisper
     ("repeat_new_dim", lambda x: (x[0, :, 0] * 2.0).repeat(x.shape[0], 1)[..., None] + x),
+    ("repeat_run_time_dims", lambda x: (x[:1] * 2.0).repeat(x.shape[0], 1, 1) + x.repeat(1, 2, 1)[:, ::2]),
     # DeBERTa's heads: [b, s, h, d] -> [b, h, s, d] -> [b * h, s, d] (two run-time dims no -1 infers) and back
     ("flatten_heads", lambda x: (x.view(x.shape[0], x.shape[1], 4, 4).transpose(1, 2).flatten(0, 1) * 2.0)
      .unflatten(0, (-1, 4)).transpose(1, 2).flatten(2) + x)])
