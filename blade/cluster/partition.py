@@ -177,7 +177,7 @@ def partition(graph: torch.Graph, *, min_cluster_size: int = 2, excluded_ops=(),
         if list(node.blocks()):
             reasons[node] = f"control flow ({node.kind()}) stays in TorchScript"
         elif has_side_effects(node):
-            reasons[node] = "writes a tensor in place (or has a side effect): runs once per call, in TorchScript"
+            reasons[node] = "mutates memory (writes a tensor in place, or a side effect): runs once per call"
         elif node in storage_bound:
             reasons[node] = storage_bound[node]
         elif excluded_nodes and node in excluded_nodes:
