@@ -263,40 +263,32 @@ def _constant_size_arguments(graph: torch.Graph, probes: list) -> int:
     Returns how many nodes it replaced."""
     rewritten = 0
     for node in list(graph.nodes()):
-        kind = node.kind()
-        if kind not in ("aten::view", "aten::reshape", "aten::expand") or is_constant_value(node.inputsAt(1)):
+        if node.kind() not in ("aten::view", "aten::reshape", "aten::expand") or is_constant_value(node.inputsAt(1)):
             continue
-        x, out = node.inputsAt(0), node.output()
-        shape_of = node.inputsAt(1).node()
-        if shape_of.kind() == "aten::size" and shape_of.inputsAt(0).type().kind() == "TensorType" and \
-                len(list(shape_of.inputs())) == 1:
-            # x.view(t.shape) (OPT's MLP restores the shape it flattened): view_as(x, t), which an
-            # engine computes from t's shape at run time; the int list could not enter a cluster
-            with graph.insert_point_guard(node):
-                replacement = graph.insertNode(graph.create(kind + "_as", [x, shape_of.inputsAt(0)])).output()
-        elif any(x not in types or out not in types for types in probes):
-            continue
-        else:
-            replacement = None
-        if replacement is not None:
-            replacement.setType(out.type())
-            out.replaceAllUsesWith(replacement)
-            node.destroy()
-            rewritten += 1
-            continue
-        ins = [list(types[x].sizes()) for types in probes]
-        outs = [list(types[out].sizes()) for types in probes]
         with graph.insert_point_guard(node):
-            if kind == "aten::expand":
-                replacement = _expand_constant(graph, node, ins, outs)
-            else:
-                replacement = _regroup(graph, x, ins, outs)
+            replacement = _constant_size_form(graph, node, probes)
         if replacement is not None:
-            replacement.setType(out.type())
-            out.replaceAllUsesWith(replacement)
+            replacement.setType(node.output().type())
+            node.output().replaceAllUsesWith(replacement)
             node.destroy()
             rewritten += 1
     return rewritten
+
+
+def _constant_size_form(graph: torch.Graph, node: torch.Node, probes: list):
+    """The value replacing a view/reshape/expand to computed sizes, else None."""
+    kind, x, out = node.kind(), node.inputsAt(0), node.output()
+    shape_of = node.inputsAt(1).node()
+    if shape_of.kind() == "aten::size" and len(list(shape_of.inputs())) == 1 and \
+            shape_of.inputsAt(0).type().kind() == "TensorType":
+        # x.view(t.shape) (OPT's MLP restores the shape it flattened): view_as(x, t), which an
+        # engine computes from t's shape at run time; the int list could not enter a cluster
+        return graph.insertNode(graph.create(kind + "_as", [x, shape_of.inputsAt(0)])).output()
+    if any(x not in types or out not in types for types in probes):
+        return None
+    ins = [list(types[x].sizes()) for types in probes]
+    outs = [list(types[out].sizes()) for types in probes]
+    return _expand_constant(graph, node, ins, outs) if kind == "aten::expand" else _regroup(graph, x, ins, outs)
 
 
 def is_constant_value(value: torch.Value) -> bool:
