@@ -69,6 +69,7 @@ CALLS = {
     "aten::erf": ("real", lambda x, y: torch.erf(x)),
     "aten::floor": ("real", lambda x, y: torch.floor(x)),
     "aten::ceil": ("real", lambda x, y: torch.ceil(x)),
+    "aten::sign": ("real", lambda x, y: torch.sign(x)),
     "aten::sin": ("real", lambda x, y: torch.sin(x)),
     "aten::cos": ("real", lambda x, y: torch.cos(x)),
     "aten::gelu": ("real", lambda x, y: F.gelu(x)),

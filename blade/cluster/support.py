@@ -356,6 +356,12 @@ def rounding(onnx_op: str):
     return lower
 
 
+def _sign(ctx: LowerCtx, node):
+    """sign/sgn: a bool is its own sign (the engine's Sign is for numbers)."""
+    x = ctx.as_dtype(_args(node)[0], _out_dtype(node))
+    return [ctx.b.op("Identity" if _out_dtype(node) == np.bool_ else "Sign", [x])]
+
+
 def identity(ctx: LowerCtx, node):
     return [ctx.b.op("Identity", [ctx.tensor(_args(node)[0])])]
 
@@ -388,8 +394,8 @@ def reshape_to_output(ctx: LowerCtx, node):
         items = run_time_size_list(sizes)
         if items is None:
             raise
-        if any(is_constant(v) and ctx.const(v) < 0 for v in items):
-            raise LoweringError("a view to run-time sizes with a -1 (inferred from a product of sizes)")
+        # a -1 among them is ONNX's inferred dim; the engine takes it only where it proves the
+        # element count a multiple of the other dims at every size (ir._reshape)
         return [ctx.b.op("Reshape", [ctx.tensor(source), ctx.sizes(items)], allowzero=0)]
     return [ctx.b.op("Reshape", [ctx.tensor(source), ctx.b.ints(shape)], allowzero=allowzero)]
 
@@ -1820,6 +1826,8 @@ LOWERING: dict[str, Rule] = {
     "aten::erf": Rule(unary("Erf")),
     "aten::floor": Rule(rounding("Floor")),
     "aten::ceil": Rule(rounding("Ceil")),
+    "aten::sign": Rule(_sign),
+    "aten::sgn": Rule(_sign),   # sign for real dtypes (complex never reaches a rule)
     "aten::sin": Rule(unary("Sin")),
     "aten::cos": Rule(unary("Cos")),
     "aten::gelu": Rule(_gelu),

@@ -101,7 +101,7 @@ class Graph:
 ELEMENTWISE = {
     **{op: "same" for op in (
         "Add", "Sub", "Mul", "Div", "Pow", "Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Log",
-        "Sqrt", "Reciprocal", "Erf", "Gelu", "Floor", "Ceil", "Sin", "Cos", "Max", "Min", "Not", "And", "Or", "Xor", "Mod",
+        "Sqrt", "Reciprocal", "Erf", "Gelu", "Floor", "Ceil", "Sign", "Sin", "Cos", "Max", "Min", "Not", "And", "Or", "Xor", "Mod",
         "BitwiseNot", "BitwiseAnd", "BitwiseOr", "BitwiseXor")},
     **{op: "bool" for op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
     "Where": "second",

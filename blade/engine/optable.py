@@ -110,6 +110,8 @@ CODE_FOR_OP = {
                           else f"{a} * 0.5 * (1.0 + std::erf({a} * 0.70710678118654752440))"),
     "Floor": _call("std::floor"),
     "Ceil": _call("std::ceil"),
+    # two compares, as torch's sign: NaN and -0 give +0 (a ?: of 1/0 vectorizes where a call would not)
+    "Sign": lambda t, a: f"({a} > {t}(0) ? {t}(1) : {t}(0)) - ({a} < {t}(0) ? {t}(1) : {t}(0))",
     "Sin": _float32_or_std("sin"),
     "Cos": _float32_or_std("cos"),
     # NaN wins and a tie (-0 vs +0) gives the first operand, like torch's maximum/minimum/clamp: b

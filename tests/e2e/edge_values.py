@@ -150,6 +150,8 @@ CALLS = {
                   Call("unary", lambda x: torch.pow(2.0, x))],     # a scalar base
     "aten::gelu": [Call("unary", lambda x: F.gelu(x)), Call("unary", lambda x: F.gelu(x, approximate="tanh"))],
     "aten::clamp": [Call("unary", lambda x: torch.clamp(x, -2, 3)), Call("binary", lambda x, y: torch.clamp(x, y, y + 1))],
+    "aten::sign": [Call("unary", lambda x: torch.sign(x))],
+    "aten::sgn": [Call("unary", lambda x: torch.sgn(x))],
     "aten::clamp_min": [Call("unary", lambda x: torch.clamp_min(x, 0.5))],
     "aten::clamp_max": [Call("unary", lambda x: torch.clamp_max(x, 0.5))],
     "aten::where": [Call("binary", lambda x, y: torch.where(x > y, x, y)),

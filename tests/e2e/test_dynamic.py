@@ -232,6 +232,29 @@ def test_merged_run_time_heads_compute_in_engines():
     assert report.size_symbols and report.aten_in_engines == report.aten_total, report.left_out
 
 
+class InferredHeads(MergedHeads):
+    """DeBERTa-v2's attention: heads merged into the batch by view(-1, seq, dim) and split back by
+    view(-1, heads, seq, seq), each -1 a product of run-time sizes the engine proves is the element
+    count over the other dims at every size."""
+
+    def heads_first(self, x):
+        x = x.view(x.size()[:-1] + (self.heads, -1))
+        return x.permute(0, 2, 1, 3).contiguous().view(-1, x.size(1), x.size(-1))
+
+    def forward(self, x):
+        q, k = self.heads_first(self.proj(x)), self.heads_first(x)
+        scores = q @ k.transpose(1, 2)
+        scores = scores.view(-1, self.heads, scores.size(-2), scores.size(-1))   # split back
+        return torch.sign(scores) * torch.softmax(scores, dim=-1)
+
+
+def test_a_view_whose_minus_one_is_a_product_of_run_time_sizes_computes_in_engines():
+    torch.manual_seed(0)
+    capture = compile_dynamic_and_check(InferredHeads().eval(), [(3, 12, 32), (2, 7, 32), (4, 20, 32)])
+    report = capture.report
+    assert report.size_symbols and report.aten_in_engines == report.aten_total, report.left_out
+
+
 def test_probe_points_keep_what_guards_relate_and_what_the_example_equates():
     """The second set of probe points (blade/dynamic.py _moved_together): a KV-cache decode step's
     guards say the mask is one longer than the cache (cache < mask <= cache + 1, not an equation

@@ -27,7 +27,7 @@ def node(op, ins, outs, **attrs):
 CASES = [
     # elementwise, unary
     *[op_case(op, [(3, 17)]) for op in
-      ("Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Erf", "Floor", "Ceil", "Sin", "Cos", "Identity")],
+      ("Neg", "Abs", "Relu", "Sigmoid", "Tanh", "Exp", "Erf", "Floor", "Ceil", "Sign", "Sin", "Cos", "Identity")],
     *[op_case(op, [(3, 17)], values=positive) for op in ("Sqrt", "Log", "Reciprocal")],
     *[op_case(op, [wide.shape], values={"x0": wide}, rtol=1e-6, atol=1.2e-38, name=f"{op}-whole-range")
       for op in ("Exp", "Tanh", "Sigmoid", "Erf")],
@@ -36,6 +36,7 @@ CASES = [
             name="Erf-dense"),
     op_case("Neg", [(5,)], dtype="int64"),
     op_case("Abs", [(5,)], dtype="int32"),
+    op_case("Sign", [(5,)], dtype="int64"),
     op_case("Not", [(2, 3)], dtype="bool"),
     # elementwise, binary with broadcasting
     op_case("Add", [(4, 1, 5), (3, 1)]),

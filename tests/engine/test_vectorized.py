@@ -30,7 +30,7 @@ SIGNATURES = {
     **{op: (2, NUMERIC) for op in ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min",
                                    "Less", "LessOrEqual", "Greater", "GreaterOrEqual")},
     "Equal": (2, ALL),
-    **{op: (1, NUMERIC) for op in ("Neg", "Abs", "Relu")},
+    **{op: (1, NUMERIC) for op in ("Neg", "Abs", "Relu", "Sign")},
     **{op: (1, FLOATS) for op in ("Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Gelu", "Floor", "Ceil",
                                   "Sin", "Cos")},
     "Mod": (2, FLOATS),    # fmod=1 (ir._fmod); floats only
