@@ -782,6 +782,28 @@ def _cat(ctx: LowerCtx, node):
     return [ctx.b.op("Concat", kept, axis=ctx.const(dim) % rank)]
 
 
+def _diff(ctx: LowerCtx, node):
+    """diff(x, n, dim, prepend, append): prepend and append joined to x along dim, then n times the
+    neighbours' difference x[1:] - x[:-1] (!= for bools, as torch)."""
+    x, n, dim, prepend, append = _args(node)[:5]
+    dtype, axis = _out_dtype(node), ctx.const(dim) % len(ctx.shape(x))
+    parts = [ctx.as_dtype(v, dtype) for v in (prepend, x, append) if is_tensor(v)]
+    out = parts[0] if len(parts) == 1 else ctx.b.op("Concat", parts, axis=axis)
+    for _ in range(ctx.const(n)):
+        later, earlier = _slice_onnx(ctx, out, axis, 1, INT64_MAX), _slice_onnx(ctx, out, axis, 0, -1)
+        out = ctx.b.op("Xor" if dtype == np.bool_ else "Sub", [later, earlier])
+    return [out if out != ctx.tensor(x) else ctx.b.op("Identity", [out])]
+
+
+def _diff_check(node):
+    x, n, _, prepend, append = _args(node)[:5]
+    if not is_constant(n) or constant_value(n) < 0:
+        return "aten::diff with a run-time or negative n"
+    if any(is_tensor(v) and v.type().dim() != x.type().dim() for v in (prepend, append)):
+        return "aten::diff with a prepend/append of another rank than the input (a 0-d one is expanded)"
+    return None
+
+
 def _embedding(ctx: LowerCtx, node):
     weight, indices = _args(node)[:2]
     rows = ctx.shape(weight)[0]
@@ -1930,6 +1952,7 @@ LOWERING: dict[str, Rule] = {
     "aten::triu": Rule(_triangle),
     "aten::repeat": Rule(_repeat, size_args=True),
     "aten::repeat_interleave": Rule(_repeat_interleave, _repeat_interleave_check),
+    "aten::diff": Rule(_diff, _diff_check),
     "aten::roll": Rule(_roll),
     "aten::flip": Rule(_flip),
     "aten::stack": Rule(_stack, _cat_check, tensor_lists=True),

@@ -152,6 +152,7 @@ CALLS = {
     "aten::clamp": [Call("unary", lambda x: torch.clamp(x, -2, 3)), Call("binary", lambda x, y: torch.clamp(x, y, y + 1))],
     "aten::sign": [Call("unary", lambda x: torch.sign(x))],
     "aten::sgn": [Call("unary", lambda x: torch.sgn(x))],
+    "aten::diff": [Call("unary", lambda x: torch.diff(x)), Call("binary", lambda x, y: torch.diff(x, 2, 0, prepend=y))],
     "aten::clamp_min": [Call("unary", lambda x: torch.clamp_min(x, 0.5))],
     "aten::clamp_max": [Call("unary", lambda x: torch.clamp_max(x, 0.5))],
     "aten::where": [Call("binary", lambda x, y: torch.where(x > y, x, y)),

@@ -152,6 +152,17 @@ def test_a_roll_of_the_flattened_tensor_computes_in_an_engine(shift):
     check_sizes(model, result, SIZES)
 
 
+@pytest.mark.parametrize("dim, n", [(1, 1), (0, 2), (1, 3)])
+def test_diff_over_run_time_dims_computes_in_an_engine(dim, n):
+    """torch.diff with a prepend (transformers' packed-sequence check) along a run-time dim, n past
+    the dim's size at size 1 (an empty result)."""
+    model, result = compiled(lambda x: torch.diff(x * 2, n, dim, prepend=x.narrow(dim, 0, 1) - 1) + 1, BATCH_SEQ)
+    report = result.report
+    assert "aten::diff" in engine_kinds(report), report.left_out
+    assert report.aten_in_engines == report.aten_total and not report.symbolic_refusals, report.left_out
+    check_sizes(model, result, SIZES)
+
+
 def test_an_engine_rule_disagreeing_with_onnx_inference_costs_only_its_op(monkeypatch):
     """A deliberately inconsistent engine rule (Relu's IR of another shape than ONNX infers, the
     check blade/engine/ir.py _check_against_inference makes): relu alone stays in TorchScript,
