@@ -30,6 +30,7 @@ import torch
 import torch.fx
 
 from blade.cluster.aliasing import written_attributes, written_constants
+from blade.cluster.out_of_place import rewrite_writes_to_temporaries
 from blade.cluster.support import is_size_arithmetic
 from blade.executor import unoptimized
 from blade.fold import fold_input_independent
@@ -442,6 +443,8 @@ def _clean(graph: torch.Graph) -> None:
     torch._C._jit_pass_constant_propagation(graph)
     torch._C._jit_pass_peephole(graph)
     torch._C._jit_pass_remove_mutation(graph)
+    if rewrite_writes_to_temporaries(graph):   # writes through views, which RemoveMutation leaves
+        torch._C._jit_pass_remove_mutation(graph)
     torch._C._jit_pass_dce(graph)
     torch._C._jit_pass_cse(graph)
 
