@@ -67,14 +67,19 @@ def refusal(equation: str, shapes: list[list[int]]) -> str | None:
 
 def label_sizes(terms: list[list[str]], shapes: list[list[int]]) -> dict:
     """Each label's size: the one size other than 1 its dims have (1 broadcasts, as in torch)."""
-    sizes: dict = {}
-    for term, shape in zip(terms, shapes):
-        for label, size in zip(term, shape):
-            if sizes.get(label, 1) == 1:
-                sizes[label] = size
-            elif size not in (1, sizes[label]):
-                raise ValueError(f"einsum label {label!r} has sizes {sizes[label]} and {size}")
-    return sizes
+    return {label: size for label, (size, _) in _label_dims(terms, shapes).items()}
+
+
+def _label_dims(terms: list[list[str]], shapes: list[list[int]]) -> dict:
+    """label -> (its size, (operand, dim) that has it: the first that has it other than 1)."""
+    found: dict = {}
+    for k, (term, shape) in enumerate(zip(terms, shapes)):
+        for d, (label, size) in enumerate(zip(term, shape)):
+            if label not in found or found[label][0] == 1 and size != 1:
+                found[label] = (size, (k, d))
+            elif size not in (1, found[label][0]):
+                raise ValueError(f"einsum label {label!r} has sizes {found[label][0]} and {size}")
+    return found
 
 
 class _Operand:
@@ -84,11 +89,46 @@ class _Operand:
         self.name, self.labels, self.shape = name, list(labels), list(shape)
 
 
-def lower(b, equation: str, names: list[str], shapes: list[list[int]]) -> str:
-    """The ONNX name of einsum(equation, operands) built with OnnxBuilder `b` (refusal() is None)."""
+class _Sizes:
+    """Each label's size at the example (ints: what the lowering decides on) and as the ONNX
+    reshapes and expands take it: the int, or for a run-time dim its size read at run time, so
+    the same ONNX holds at every size."""
+
+    def __init__(self, ctx, terms: list, values: list):
+        self.ctx = ctx
+        dims = _label_dims(terms, [ctx.shape(v) for v in values])
+        self.static = {label: size for label, (size, _) in dims.items()}
+        self.run_time = {label: ctx.read_dim(values[k], d) for label, (_, (k, d)) in dims.items()
+                         if d in ctx.run_time.get(values[k], {})}
+
+    def shape(self, groups: list) -> tuple[list, str]:
+        """(static shape, ONNX shape) of dims that are each the product of a group of labels."""
+        static = [math.prod(self.static[label] for label in group) for group in groups]
+        if not self.any_run_time(groups):
+            return static, self.ctx.b.ints(static)
+        return static, self.ctx.sizes([self._product(group) for group in groups])
+
+    def any_run_time(self, groups: list) -> bool:
+        return any(label in self.run_time for group in groups for label in group)
+
+    def _product(self, group: list):
+        known = math.prod(self.static[label] for label in group if label not in self.run_time)
+        product = known
+        for label in group:
+            if label in self.run_time:
+                product = self.run_time[label] if product == 1 else \
+                    self.ctx.b.op("Mul", [product if isinstance(product, str) else self.ctx.scalar(product, "int64"),
+                                          self.run_time[label]])
+        return product
+
+
+def lower(ctx, equation: str, values: list) -> str:
+    """The ONNX name of einsum(equation, operands) built into LowerCtx ctx (refusal() is None)."""
+    b = ctx.b
+    shapes = [ctx.shape(v) for v in values]
     terms, output = parse(equation, [len(s) for s in shapes])
-    sizes = label_sizes(terms, shapes)
-    operands = [_Operand(name, term, shape) for name, term, shape in zip(names, terms, shapes)]
+    sizes = _Sizes(ctx, terms, values)
+    operands = [_Operand(ctx.tensor(v), term, shape) for v, term, shape in zip(values, terms, shapes)]
     result = operands[0]
     for k, other in enumerate(operands[1:], start=1):
         needed = set(output).union(*(op.labels for op in operands[k + 1:]))
@@ -115,19 +155,26 @@ def _transpose(b, x: _Operand, order: list[str]) -> _Operand:
     return _Operand(b.op("Transpose", [x.name], perm=perm), order, [x.shape[d] for d in perm])
 
 
-def _reshape(b, x: _Operand, shape: list[int]) -> str:
-    return x.name if shape == x.shape else b.op("Reshape", [x.name, b.ints(shape)], allowzero=1)
+def _reshape(b, x: _Operand, groups: list, sizes: _Sizes) -> str:
+    """x reshaped to dims that are each the product of a group of labels (x.labels: each of its
+    dims' label, or for a product's dims their groups). Left out where the shape is x's at every
+    size: the same groups, or the same static shape without run-time sizes."""
+    static, shape = sizes.shape(groups)
+    same_groups = [tuple(g) for g in groups] == [tuple(g) if isinstance(g, list) else (g,) for g in x.labels]
+    if static == x.shape and (same_groups or not sizes.any_run_time(groups)):
+        return x.name
+    return b.op("Reshape", [x.name, shape], allowzero=1)
 
 
-def _expand(b, x: _Operand, sizes: dict) -> _Operand:
+def _expand(b, x: _Operand, sizes: _Sizes) -> _Operand:
     """x with its size-1 dims broadcast to the label's size elsewhere."""
-    full = [sizes[label] for label in x.labels]
+    full, shape = sizes.shape([[label] for label in x.labels])
     if full == x.shape:
         return x
-    return _Operand(b.op("Expand", [x.name, b.ints(full)]), x.labels, full)
+    return _Operand(b.op("Expand", [x.name, shape]), x.labels, full)
 
 
-def _contract(b, x: _Operand, y: _Operand, needed: set, sizes: dict) -> _Operand:
+def _contract(b, x: _Operand, y: _Operand, needed: set, sizes: _Sizes) -> _Operand:
     """x and y contracted over their shared labels not needed later: [batch, left, right]."""
     shared = [label for label in x.labels if label in y.labels]
     batch = [label for label in shared if label in needed]
@@ -136,14 +183,15 @@ def _contract(b, x: _Operand, y: _Operand, needed: set, sizes: dict) -> _Operand
     right = [label for label in y.labels if label not in shared]
     x, y = _expand(b, x, sizes), _expand(b, y, sizes)
     x, y = _transpose(b, x, batch + left + summed), _transpose(b, y, batch + summed + right)
-    batch_shape = [sizes[label] for label in batch]
-    rows, inner, columns = (math.prod(sizes[label] for label in group) for group in (left, summed, right))
+    batch_groups = [[label] for label in batch]
     if summed:
-        product = b.op("MatMul", [_reshape(b, x, batch_shape + [rows, inner]),
-                                  _reshape(b, y, batch_shape + [inner, columns])])
+        product = b.op("MatMul", [_reshape(b, x, batch_groups + [left, summed], sizes),
+                                  _reshape(b, y, batch_groups + [summed, right], sizes)])
     else:  # an outer product: a broadcast multiply, not a GEMM with k = 1
-        product = b.op("Mul", [_reshape(b, x, batch_shape + [rows, 1]), _reshape(b, y, batch_shape + [1, columns])])
+        product = b.op("Mul", [_reshape(b, x, batch_groups + [left, []], sizes),
+                               _reshape(b, y, batch_groups + [[], right], sizes)])
     labels = batch + left + right
-    shape = [sizes[label] for label in labels]
-    flat = _Operand(product, [], batch_shape + [rows, columns])
-    return _Operand(_reshape(b, flat, shape), labels, shape)
+    flat_shape, _ = sizes.shape(batch_groups + [left, right])
+    flat = _Operand(product, batch + [left, right], flat_shape)
+    shape, _ = sizes.shape([[label] for label in labels])
+    return _Operand(_reshape(b, flat, [[label] for label in labels], sizes), labels, shape)

@@ -588,7 +588,7 @@ def _einsum(ctx: LowerCtx, node):
     a contraction path only reorders them, so it is not read."""
     equation, tensors = _args(node)[:2]
     members = list(tensors.node().inputs())
-    return [einsum.lower(ctx.b, ctx.const(equation), [ctx.tensor(v) for v in members], [ctx.shape(v) for v in members])]
+    return [einsum.lower(ctx, ctx.const(equation), members)]
 
 
 def _einsum_check(node):
