@@ -44,7 +44,7 @@ from torch.utils._sympy.functions import FloorDiv, Max, Min, PythonMod
 
 from blade.cluster.lower import lower_cluster
 from blade.cluster.support import LoweringError
-from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY, lower_onnx
+from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_EQUAL_KEY, SIZE_RANGES_KEY, lower_onnx
 from blade.frontend import is_frozen_input, measure_types, stamp
 
 PROBES = 3              # the example's sizes and two others
@@ -73,6 +73,7 @@ class SizeSymbols:
     checks: list = field(default_factory=list)  # (argument position, dim or None for an int, symbol)
     open: list = field(default_factory=list)    # the symbols whose maximum dynamo left unbounded
     spare: list = field(default_factory=list)   # other (points, probes) to try if the graph fails at these
+    equal: dict = field(default_factory=dict)   # symbol -> an expression over other symbols the guards make it equal
     _at_points: dict = field(default=None, repr=False)  # candidate values at the points -> index
 
     @classmethod
@@ -126,6 +127,7 @@ class SizeSymbols:
         (points, probes), *spare = usable
         result = cls(ranges, points, symbols_first, probes, _range_checks(placeholders, ranges), open_symbols)
         result.spare = spare
+        result.equal = _guarded_equalities(symbols, candidates, guards)
         return result
 
     def next_points(self) -> bool:
@@ -276,6 +278,36 @@ def _finite(bound, default: int) -> int:
         return int(bound)
     except (TypeError, ValueError, AttributeError, OverflowError):
         return default
+
+
+def _guarded_equalities(symbols: list, candidates: list, guards: list) -> dict:
+    """symbol -> a size expression of the graph over other symbols that dynamo's guards make it
+    equal to, where dynamo did not substitute it: a decode step's mask length s53 and its cache
+    length s70 guarded by s53 <= s70 + 1 and s70 + 1 <= s53 (the mask is cache + 1 long). The
+    engine then knows a dim of s53 is one of s70 + 1 (a broadcast between them is no refusal), and
+    checks it when it is called. Only bounds both ways by single guards count (linear, read off
+    as given), no reasoning across guards."""
+    upper = set()   # expressions e with a guard e <= 0 (integers: e < 0 is e + 1 <= 0)
+    for guard in guards:
+        if isinstance(guard, (sympy.Le, sympy.Lt, sympy.Ge, sympy.Gt, sympy.Eq)):
+            lhs, rhs = (guard.lhs, guard.rhs) if isinstance(guard, (sympy.Le, sympy.Lt, sympy.Eq)) else \
+                (guard.rhs, guard.lhs)
+            difference = sympy.expand(lhs - rhs)
+            upper.add(difference + 1 if isinstance(guard, (sympy.Lt, sympy.Gt)) else difference)
+            if isinstance(guard, sympy.Eq):
+                upper.add(-difference)
+    equal = {}
+
+    def bounded(e) -> bool:   # some guard says e + c <= 0 with c >= 0, so e <= 0
+        return any((lambda c: c.is_number and c >= 0)(sympy.expand(u - e)) for u in upper)
+    for symbol in symbols:
+        for expr in candidates:
+            if expr is symbol or symbol in expr.free_symbols or not expr.free_symbols or expr.free_symbols & set(equal):
+                continue
+            if bounded(sympy.expand(symbol - expr)) and bounded(sympy.expand(expr - symbol)):
+                equal[symbol] = expr
+                break
+    return equal
 
 
 def _refusal(points: list, probes: list, varying: list, shape_env, placeholders: list) -> str | None:
@@ -474,13 +506,29 @@ def lower_symbolic(cluster, name: str, symbols: SizeSymbols, probe_types: list) 
                 used[symbols.names[expr]] = symbols.range_of(expr)
                 dim.ClearField("dim_value")
                 dim.dim_param = symbols.names[expr]
+    equal = _input_equalities(symbols, used, derived)
     if used:
         model.metadata_props.add(key=SIZE_RANGES_KEY, value=json.dumps(dict(sorted(used.items()))))
+    if equal:
+        model.metadata_props.add(key=SIZE_EQUAL_KEY, value=json.dumps(dict(sorted(equal.items()))))
     if derived:
         model.metadata_props.add(key=SIZE_DERIVED_KEY, value=json.dumps(dict(sorted(derived.items()))))
     if used:
         _engine_takes(model, origins)
     return model
+
+
+def _input_equalities(symbols: SizeSymbols, used: dict, derived: dict) -> dict:
+    """SIZE_EQUAL_KEY's trees: the dim_params the cluster's inputs bind that dynamo's guards make
+    equal to an expression of other input-bound ones (SizeSymbols.equal)."""
+    names = symbols.names
+    free = {name for name in used if name not in derived}
+    equal = {}
+    for symbol, expr in symbols.equal.items():
+        name = names.get(symbol)
+        if name in free and {names.get(s) for s in expr.free_symbols} <= free - {name} - set(equal):
+            equal[name] = _derived_tree(expr, names, used, f"size {name}", None)
+    return equal
 
 
 def _engine_takes(model: onnx.ModelProto, origins: list) -> None:

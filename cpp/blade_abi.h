@@ -155,6 +155,7 @@ int32_t blade_engine_derived_sizes(int64_t* sizes);
 #define BLADE_OK 0
 #define BLADE_ERR_INDEX_OUT_OF_RANGE 1  // a gather/embedding index outside its dimension
 #define BLADE_ERR_DIVISION_BY_ZERO 2    // an integer division by zero (eager raises ZeroDivisionError)
+#define BLADE_ERR_SIZE_MISMATCH 3       // an input dim differs from the size expression the engine was compiled for
 
 #ifdef __cplusplus
 #include <type_traits>

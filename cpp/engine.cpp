@@ -24,6 +24,9 @@ std::string describe_error_code(int32_t code) {
       return "index out of range in a gather/embedding";
     case BLADE_ERR_DIVISION_BY_ZERO:
       return "ZeroDivisionError: integer division by zero";
+    case BLADE_ERR_SIZE_MISMATCH:
+      return "an input dim differs from the size the engine computes it to be from the other inputs' dims "
+             "(the sizes dynamo's guards related when it was compiled)";
     default:
       return "unknown error code " + std::to_string(code);
   }

@@ -50,10 +50,13 @@ def _gemm_operand(em, node: Node, packed_by_callee: bool = False):
     reshaped = node.op == "view" and node.attrs["view"] == "reshape"
     viewed = _swaps_matrix_dims(node) or reshaped
     src = node.args[0] if viewed else node
+    layout = views.view_layout(node, Strided.dense(None, src.shape).layout) if viewed else None
+    if viewed and layout is None:   # the view of a dense copy is no stride pattern: copy the view
+        src, viewed, reshaped = node, False, False
     copy = em.memory.new_scratch(src.dtype, src.shape)
     _emit_copy(em, f"contiguous copy of {src!r} for GEMM", copy, src, along_memory=reshaped)
     if viewed:
-        copy = Strided(copy.buf, node.shape, views.view_layout(node, copy.layout))
+        copy = Strided(copy.buf, node.shape, layout)
     return _fit(copy)
 
 

@@ -94,9 +94,12 @@ class Emitter:
         # derived symbols (output dims no input binds) follow the bound ones in `sizes`
         symbols = graph.symbols + graph.derived
         names = {var: name for name, var in symbols}
+        # an input-bound size equal to an expression of others (ir.SIZE_EQUAL_KEY): a dim the IR
+        # computes as that expression is that size
+        names.update({expr: names[var] for var, expr in graph.checks})
         return Program(render_source(self.kernels.blocks, memory.inline_consts, rows_on_stack,
                                      [var for _, var in graph.symbols], self.weight_gemms,
-                                     [expr for _, expr in graph.derived]),
+                                     [expr for _, expr in graph.derived], graph.checks),
                        [_spec(n.name, n, names) for n in graph.inputs],
                        [_spec(name, n, names) for name, n in graph.outputs],
                        [TensorSpec(name, n.dtype, list(n.shape)) for name, n in memory.runtime_consts],

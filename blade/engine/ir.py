@@ -41,6 +41,9 @@ SIZE_RANGES_KEY = "blade.size_ranges"
 # ones: {"2*s0": ["mul", 2, "s0"], ...} (ints, names, [op, *args] with an op of DERIVED_OPS). The
 # engine computes them from the bound sizes when it is called (blade_engine_derived_sizes).
 SIZE_DERIVED_KEY = "blade.size_derived"
+# Metadata naming input-bound dim_params that equal a tree over other input-bound ones (dynamo's
+# guards say so): the engine computes with the tree and checks the input's dim when it is called.
+SIZE_EQUAL_KEY = "blade.size_equal"
 DERIVED_OPS = {
     "add": lambda *a: reduce(operator.add, a),
     "mul": lambda *a: reduce(operator.mul, a),
@@ -95,6 +98,7 @@ class Graph:
     nodes: list         # every IR node, topologically sorted
     symbols: list = field(default_factory=list)   # (dim_param name, Var) of each size symbol
     derived: list = field(default_factory=list)   # (dim_param name, Expr over symbols) of output dims no input binds
+    checks: list = field(default_factory=list)    # (Var, Expr over other symbols): an input-bound size equal to it
 
 
 # ONNX elementwise op -> result dtype rule ("same": the first argument's, "bool", "cast": attrs["to"]).
@@ -1000,10 +1004,13 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
     outputs = [(v.name, env[v.name]) for v in graph.output]
     if any(node.op == "size" for _, node in outputs):
         raise UnsupportedOnnxOp("a run-time size as a graph output")
-    used = {d for node in inputs for d in node.shape if isinstance(d, Var)}
+    bound = _bound_symbols(model, symbols)
+    input_dims = {d.dim_param for value in graph.input for d in value.type.tensor_type.shape.dim}
+    used = {var for name, var in bound.items() if name in input_dims}
     derived = _derived_symbols(model, symbols, used, {d for _, node in outputs for d in node.shape})
     return Graph(inputs, outputs, [n for n in b.nodes if n.op != "size"],
-                 [(name, var) for name, var in symbols.items() if var in used], derived)
+                 [(name, var) for name, var in bound.items() if var in used], derived,
+                 [(var, symbols[name]) for name, var in bound.items() if var in used and symbols[name] is not var])
 
 
 def _lower_node(b: Builder, node, env: dict, typed: dict, symbols: dict) -> None:
@@ -1030,11 +1037,12 @@ def _size_symbols(model: onnx.ModelProto) -> dict:
     props = {p.key: p.value for p in model.metadata_props}
     ranges = json.loads(props.get(SIZE_RANGES_KEY, "{}"))
     derived = json.loads(props.get(SIZE_DERIVED_KEY, "{}"))
+    equal = json.loads(props.get(SIZE_EQUAL_KEY, "{}"))
     symbols = {}
     for k, (name, (lo, hi)) in enumerate(ranges.items()):
         if not 0 <= lo <= hi:
             raise ValueError(f"size symbol {name!r} has the range [{lo}, {hi}]")
-        if name not in derived:
+        if name not in derived and name not in equal:
             symbols[name] = Var(f"size{k}", int(lo), int(hi))
 
     def build(tree):  # a derived size's tree (SIZE_DERIVED_KEY) as an Expr over the bound symbols
@@ -1046,11 +1054,27 @@ def _size_symbols(model: onnx.ModelProto) -> dict:
             return DERIVED_OPS[tree[0]](*map(build, tree[1:]))
         raise ValueError(f"derived size symbol tree {tree!r} is not over the bound size symbols")
 
-    for name, tree in derived.items():
+    for name, tree in list(equal.items()) + list(derived.items()):
         if name not in ranges:
             raise ValueError(f"derived size symbol {name!r} has no range ({SIZE_RANGES_KEY})")
         symbols[name] = as_expr(build(tree))
     return symbols
+
+
+def _bound_symbols(model: onnx.ModelProto, symbols: dict) -> dict:
+    """dim_param name -> the Var an input binds it to: the symbol itself, or for a size equal to
+    a tree over others (SIZE_EQUAL_KEY) a Var of its own, which the engine checks against the tree."""
+    props = {p.key: p.value for p in model.metadata_props}
+    ranges = json.loads(props.get(SIZE_RANGES_KEY, "{}"))
+    derived = json.loads(props.get(SIZE_DERIVED_KEY, "{}"))
+    equal = json.loads(props.get(SIZE_EQUAL_KEY, "{}"))
+    bound = {}
+    for k, (name, (lo, hi)) in enumerate(ranges.items()):
+        if name in equal:
+            bound[name] = Var(f"size{k}", int(lo), int(hi))
+        elif name not in derived:
+            bound[name] = symbols[name]
+    return bound
 
 
 def _derived_symbols(model: onnx.ModelProto, symbols: dict, bound: set, output_dims: set) -> list:

@@ -57,7 +57,8 @@ class BladeRuntime(ctypes.Structure):
                 ("conv", CONV_FN), ("attention", ATTENTION_FN)]
 
 
-ERROR_NAMES = {1: "BLADE_ERR_INDEX_OUT_OF_RANGE", 2: "BLADE_ERR_DIVISION_BY_ZERO"}   # blade_abi.h
+ERROR_NAMES = {1: "BLADE_ERR_INDEX_OUT_OF_RANGE", 2: "BLADE_ERR_DIVISION_BY_ZERO",
+               3: "BLADE_ERR_SIZE_MISMATCH"}   # blade_abi.h
 
 
 class EngineRunError(RuntimeError):

@@ -91,11 +91,13 @@ def keep_rows_on_stack(blocks: list) -> dict:
 
 
 def render_source(blocks: list, inline_consts: list, rows_on_stack: dict, symbols=(), weight_gemms=(),
-                  derived=()) -> str:
+                  derived=(), checks=()) -> str:
     """The engine's C++: blocks are (comment, lines) of call kernels and RowGroups; symbols: the
     size symbols (Vars) whose values sizes[] holds, in order; weight_gemms: the GEMMs on constant
     weights blade_engine_weight_gemms lists (calls._weight_gemm); derived: the Exprs over symbols
-    blade_engine_derived_sizes computes into the slots after them."""
+    blade_engine_derived_sizes computes into the slots after them; checks: (Var, Expr) of sizes the
+    inputs bind that the kernels take to be that expression of others (a call where one is not
+    fails before any kernel runs)."""
     rendered = [render_group(b, {buf: rows_on_stack[buf] for buf in b.written if buf in rows_on_stack})
                 if isinstance(b, RowGroup) else b for b in blocks]
     lines = [HEADER, *_profile_table([comment for comment, _ in rendered]), "namespace {"]
@@ -107,6 +109,7 @@ def render_source(blocks: list, inline_consts: list, rows_on_stack: dict, symbol
     lines += ["}  // namespace", *_weight_gemm_table(weight_gemms), *_derived_sizes(symbols, derived), "", ENTRY_BEGIN]
     lines += [f"  const int64_t {var.render()} = sizes[{k}];  // in [{var.lo}, {var.hi}]"
               for k, var in enumerate(symbols)]
+    lines += [f"  if ({var.render()} != {expr.render()}) return BLADE_ERR_SIZE_MISMATCH;" for var, expr in checks]
     for number, (comment, body) in enumerate(rendered):
         block = [line_text(line, rows_on_stack) for line in body]
         lines += ["", f"  // kernel {number}: {comment}", f"  BLADE_PROFILE_BEGIN({number});", *indent(block),

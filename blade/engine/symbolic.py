@@ -433,7 +433,24 @@ def proves_multiple(big, small, least: int = 1) -> bool:
         q = big // small
     except ValueError:
         return False
-    return q * small == big and q.bounds()[0] >= least
+    if q * small != big:
+        q = _term_quotient(big, small)
+    return q is not None and q * small == big and q.bounds()[0] >= least
+
+
+def _term_quotient(big: Expr, small: Expr):
+    """q with q * small == big where q is a term of big over a term of small (a divisor of several
+    terms: 32 * b * s + 32 * b over 16 * s + 16 is 2 * b), else None."""
+    small_terms, small_const = _linear(small)
+    if not small_terms:
+        return None
+    lead, lead_coef = next(iter(small_terms.items()))
+    big_terms, _ = _linear(big)
+    for m, c in big_terms.items():
+        q = _divides(mul(lead, lead_coef), c, m)
+        if q is not None and q * small == big:
+            return q
+    return None
 
 
 def proves_at_least(a, b) -> bool:

@@ -275,6 +275,62 @@ def test_probe_points_keep_what_guards_relate_and_what_the_example_equates():
     assert len({p[cache] for p in [example, *moved]}) == PROBES and len({p[batch] for p in [example, *moved]}) == PROBES
 
 
+def test_a_size_the_guards_make_equal_to_another_plus_one_is_that_size():
+    """A decode step's guards (transformers' mask creation): the mask is at least the cache + 1 long
+    and at most that, never an equation dynamo substitutes. The symbol is then the other plus one
+    to the engines (blade/dynamic.py _guarded_equalities), checked when they are called; a guard
+    set bounding it only one way relates nothing."""
+    import sympy
+    from blade.dynamic import _guarded_equalities
+    past, mask, batch = sympy.symbols("s70 s53 s72", integer=True, positive=True)
+    both_ways = [sympy.Le(past, mask), sympy.Ne(mask, past), sympy.Le(-mask + past + 1, 0), sympy.Le(mask, past + 1)]
+    candidates = [past, mask, batch, past + 1, 2 * batch]
+    assert _guarded_equalities([past, mask, batch], candidates, both_ways) == {mask: past + 1}
+    assert _guarded_equalities([past, mask, batch], candidates, both_ways[:3]) == {}   # Gemma2's window: one way
+    assert _guarded_equalities([past, mask, batch], candidates, [sympy.Lt(past, mask), sympy.Ge(past + 1, mask)]) \
+        == {mask: past + 1}
+
+
+class PrefillDecode(torch.nn.Module):
+    """A tiny Qwen2 prefill and one decode step on its DynamicCache, in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers
+        cfg = transformers.Qwen2Config(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+        self.inner = transformers.Qwen2Model(cfg).eval()
+
+    def forward(self, input_ids, next_ids, attention_mask):
+        first = self.inner(input_ids=input_ids, attention_mask=attention_mask[:, :input_ids.shape[1]], use_cache=True)
+        step = self.inner(input_ids=next_ids, attention_mask=attention_mask, past_key_values=first.past_key_values,
+                          use_cache=True)
+        cache = first.past_key_values   # the grown cache is returned too, as generate() keeps it
+        return first.last_hidden_state, step.last_hidden_state, [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def test_a_decode_step_after_a_shape_change_computes_its_attention_in_engines():
+    """Before, the step's key length (cache + 1, from the cat) and its mask length (a symbol of its
+    own) were unrelated to the engines: the cat of the cache, the mask and the attention stayed in
+    TorchScript (Qwen2 decode after a shape change: 355 of 369 aten ops in engines)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = PrefillDecode().eval()
+    capture = Capture()
+    compiled = torch.compile(model, backend=capture)
+    with torch.no_grad():
+        for batch, seq in [(2, 8), (3, 12), (2, 5)]:
+            mask = torch.ones(batch, seq + 1, dtype=torch.long)
+            mask[-1, seq - 2:seq] = 0
+            inputs = (torch.randint(5, 100, (batch, seq)), torch.randint(5, 100, (batch, 1)), mask)
+            assert_close(compiled(*inputs), model(*inputs))
+    dynamic = capture.compiled[-1].report
+    assert dynamic.size_symbols and len(capture.compiled) == 2, [c.report.size_symbols for c in capture.compiled]
+    kinds = {kind for kind, _ in dynamic.left_out}
+    assert not kinds & {"aten::scaled_dot_product_attention", "aten::cat"}, dynamic.left_out
+    assert dynamic.aten_in_engines >= dynamic.aten_total - 2, dynamic.left_out
+
+
 RESPELLED = {   # what dynamo's graph spells in a way torch.jit.script rejects (blade/frontend.py _respell)
     "mask_bool_method": lambda x: x.masked_fill(~(x > 0).int().bool(), -1.0) * 2.0,          # DeBERTa-v2
     "cat_axis_keyword": lambda x: torch.cat([x, x * 2.0], axis=1) + 1.0,                      # Funnel

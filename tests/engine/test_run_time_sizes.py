@@ -14,7 +14,7 @@ from onnx.reference import ReferenceEvaluator
 
 import blade._C
 from blade.engine.compiler import compile_onnx, load_constants
-from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_RANGES_KEY, UnsupportedOnnxOp
+from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_EQUAL_KEY, SIZE_RANGES_KEY, UnsupportedOnnxOp
 from blade.engine.npruntime import NumpyEngine
 
 F = TensorProto.FLOAT
@@ -426,3 +426,41 @@ def test_a_derived_size_that_disagrees_with_the_graph_fails_the_compile(tmp_path
     model = derived_model({**DERIVED, "2*seq": ["mul", 2, "batch"]})
     with pytest.raises(AssertionError, match=re.escape("Concat rule for 'twice' gives")):
         compile_onnx(model, tmp_path)
+
+
+def equal_model():
+    """A decode step: the cache [batch, past, 16] and the new row concatenated ([batch, past + 1,
+    16]) plus a mask bias [batch, mask]; dynamo's guards made mask == past + 1 (ir.SIZE_EQUAL_KEY),
+    so the Add broadcasts nothing."""
+    model = dynamic_model(
+        [helper.make_node("Concat", ["cache", "row"], ["keys"], axis=1),
+         helper.make_node("Unsqueeze", ["bias", "last"], ["column"]),
+         helper.make_node("Add", ["keys", "column"], ["out"])],
+        {"cache": ["batch", "past", 16], "row": ["batch", 1, 16], "bias": ["batch", "mask"]},
+        {"out": ["batch", "mask", 16]}, {"last": np.array([2], np.int64)},
+        ranges={"batch": [1, 16], "past": [1, 32], "mask": [2, 33]})
+    model.metadata_props.add(key=SIZE_EQUAL_KEY, value=json.dumps({"mask": ["add", "past", 1]}))
+    return model
+
+
+def test_an_input_size_equal_to_an_expression_of_others_is_checked_when_called(tmp_path):
+    """The engine computes with mask = past + 1 (without the equality the Add of [.., past + 1, ..]
+    and [.., mask, ..] is refused: equal only at some sizes), binds mask from its input like any
+    size, and fails a call where the input's dim is not past + 1 before any kernel runs."""
+    from blade.runtime import make_engine
+    model = equal_model()
+    manifest = compile_onnx(model, tmp_path)
+    assert [(s.name, s.min, s.max) for s in manifest.symbols] == [("batch", 1, 16), ("past", 1, 32), ("mask", 2, 33)]
+    assert "if (size2 != size1 + 1) return BLADE_ERR_SIZE_MISMATCH;" in (tmp_path / "engine.cpp").read_text()
+    engine = make_engine("cluster_equal", (tmp_path / "engine.so").read_bytes(), manifest, model, {})
+    for batch, past in [(1, 1), (3, 7), (16, 32)]:
+        cache, row, bias = torch.randn(batch, past, 16), torch.randn(batch, 1, 16), torch.randn(batch, past + 1)
+        torch.testing.assert_close(engine.execute([cache, row, bias])[0], torch.cat([cache, row], 1) + bias[..., None])
+    with pytest.raises(RuntimeError, match="BLADE_ERR_SIZE_MISMATCH|an input dim differs from the size"):
+        engine.execute([torch.randn(2, 5, 16), torch.randn(2, 1, 16), torch.randn(2, 5)])
+    plain = dynamic_model(list(model.graph.node), {"cache": ["batch", "past", 16], "row": ["batch", 1, 16],
+                                                   "bias": ["batch", "mask"]},
+                          {"out": ["batch", "mask", 16]}, {"last": np.array([2], np.int64)},
+                          ranges={"batch": [1, 16], "past": [1, 32], "mask": [2, 33]})
+    with pytest.raises(UnsupportedOnnxOp, match="equal only at some sizes"):
+        compile_onnx(plain, tmp_path / "plain")

@@ -197,8 +197,11 @@ def test_reshape_strides_with_sizes_that_may_be_one():
     import torch
     from blade.engine.views import reshape_strides
     b, s = Var("b", 1, 3), Var("s", 1, 3)
+    # the last: a decode step's keys [b, heads, past + 1, d] given a unit dim (the multiple of a
+    # sum of terms: 32 b (s + 1) over 16 (s + 1) is 2 b, symbolic.proves_multiple)
     cases = [((b * s, 8), (8, 1), (b, s, 8)), ((b, s, 8), (s * 8, 8, 1), (b * s, 8)),
-             ((b, s, 8), (s * 8, 8, 1), (b, s, 2, 4))]
+             ((b, s, 8), (s * 8, 8, 1), (b, s, 2, 4)),
+             ((b, 2, s + 1, 16), (32 * s + 32, 16 * s + 16, 16, 1), (b, 2, 1, s + 1, 16))]
     for old_shape, old_strides, new_shape in cases:
         strides = reshape_strides(old_shape, old_strides, new_shape)
         assert strides is not None, (old_shape, new_shape)
