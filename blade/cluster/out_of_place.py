@@ -70,13 +70,16 @@ def _rewrite(graph: torch.Graph, node: torch.Node, sets: AliasSets) -> bool:
             passed = True
         elif passed:
             later.add(other)
+    def read_later(value) -> bool:
+        return any(use.user is block.returnNode() or _top_level(use.user, block) in later for use in value.uses())
+
     for value in aliases:
-        if value is target or value is node.output():
-            continue
-        for use in value.uses():
-            user = use.user
-            if user is block.returnNode() or _top_level(user, block) in later:
-                return False
+        # a tuple or dict made earlier holding an alias (AliasSets follows lists only) and read later
+        if any(read_later(out) for use in value.uses() if _top_level(use.user, block) not in later
+               for out in use.user.outputs() if isinstance(out.type(), (torch.TupleType, torch.DictType))):
+            return False
+        if value is not target and value is not node.output() and read_later(value):
+            return False
     replacement = graph.create(functional, list(node.inputs()), 1)
     replacement.insertBefore(node)
     replacement.copyMetadata(node)

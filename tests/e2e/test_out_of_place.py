@@ -97,3 +97,17 @@ def test_the_kept_dtype_and_later_reads_in_control_flow():
 def test_a_write_inside_a_branch_is_left_alone():
     graph = torch.jit.script(WritesInABranch()).graph.copy()
     assert rewrite_writes_to_temporaries(graph) == 0 and "aten::add_" in str(graph)
+
+
+def test_a_tuple_holding_the_base_read_after_the_write_keeps_it_in_place():
+    """A tuple built before the write holds the base, and the tuple is read after it: the write is
+    observable through the tuple (alias sets follow lists, not tuples)."""
+    def fn(x, m):
+        base = x * 2.0
+        pair = (base, x)
+        view = base[1:]
+        view.mul_(m)
+        return pair[0] + 1.0, view
+
+    graph = torch.jit.script(fn).graph.copy()
+    assert rewrite_writes_to_temporaries(graph) == 0 and "aten::mul_" in str(graph)
