@@ -299,7 +299,9 @@ def _guarded_equalities(symbols: list, candidates: list, guards: list) -> dict:
     equal = {}
 
     def bounded(e) -> bool:   # some guard says e + c <= 0 with c >= 0, so e <= 0
-        return any((lambda c: c.is_number and c >= 0)(sympy.expand(u - e)) for u in upper)
+        slacks = (sympy.expand(u - e) for u in upper)
+        return any(c.is_number and c >= 0 for c in slacks)
+
     for symbol in symbols:
         for expr in candidates:
             if expr is symbol or symbol in expr.free_symbols or not expr.free_symbols or expr.free_symbols & set(equal):

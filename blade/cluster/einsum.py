@@ -92,33 +92,38 @@ class _Operand:
 class _Sizes:
     """Each label's size at the example (ints: what the lowering decides on) and as the ONNX
     reshapes and expands take it: the int, or for a run-time dim its size read at run time, so
-    the same ONNX holds at every size."""
+    the same ONNX holds at every size. ONNX is made only for the shapes a node takes."""
 
     def __init__(self, ctx, terms: list, values: list):
         self.ctx = ctx
         dims = _label_dims(terms, [ctx.shape(v) for v in values])
         self.static = {label: size for label, (size, _) in dims.items()}
-        self.run_time = {label: ctx.read_dim(values[k], d) for label, (_, (k, d)) in dims.items()
+        self.run_time = {label: (values[k], d) for label, (_, (k, d)) in dims.items()
                          if d in ctx.run_time.get(values[k], {})}
+        self._read: dict = {}   # label -> the ONNX size read for it, once
 
-    def shape(self, groups: list) -> tuple[list, str]:
-        """(static shape, ONNX shape) of dims that are each the product of a group of labels."""
-        static = [math.prod(self.static[label] for label in group) for group in groups]
+    def of(self, groups: list) -> list:
+        """The static shape of dims that are each the product of a group of labels."""
+        return [math.prod(self.static[label] for label in group) for group in groups]
+
+    def onnx(self, groups: list) -> str:
+        """That shape as an ONNX value (computed from the run-time sizes where it has some)."""
         if not self.any_run_time(groups):
-            return static, self.ctx.b.ints(static)
-        return static, self.ctx.sizes([self._product(group) for group in groups])
+            return self.ctx.b.ints(self.of(groups))
+        return self.ctx.sizes([self._product(group) for group in groups])
 
     def any_run_time(self, groups: list) -> bool:
         return any(label in self.run_time for group in groups for label in group)
 
     def _product(self, group: list):
-        known = math.prod(self.static[label] for label in group if label not in self.run_time)
-        product = known
+        product = math.prod(self.static[label] for label in group if label not in self.run_time)
         for label in group:
             if label in self.run_time:
-                product = self.run_time[label] if product == 1 else \
+                if label not in self._read:
+                    self._read[label] = self.ctx.read_dim(*self.run_time[label])
+                product = self._read[label] if product == 1 else \
                     self.ctx.b.op("Mul", [product if isinstance(product, str) else self.ctx.scalar(product, "int64"),
-                                          self.run_time[label]])
+                                          self._read[label]])
         return product
 
 
@@ -159,19 +164,19 @@ def _reshape(b, x: _Operand, groups: list, sizes: _Sizes) -> str:
     """x reshaped to dims that are each the product of a group of labels (x.labels: each of its
     dims' label, or for a product's dims their groups). Left out where the shape is x's at every
     size: the same groups, or the same static shape without run-time sizes."""
-    static, shape = sizes.shape(groups)
     same_groups = [tuple(g) for g in groups] == [tuple(g) if isinstance(g, list) else (g,) for g in x.labels]
-    if static == x.shape and (same_groups or not sizes.any_run_time(groups)):
+    if sizes.of(groups) == x.shape and (same_groups or not sizes.any_run_time(groups)):
         return x.name
-    return b.op("Reshape", [x.name, shape], allowzero=1)
+    return b.op("Reshape", [x.name, sizes.onnx(groups)], allowzero=1)
 
 
 def _expand(b, x: _Operand, sizes: _Sizes) -> _Operand:
     """x with its size-1 dims broadcast to the label's size elsewhere."""
-    full, shape = sizes.shape([[label] for label in x.labels])
+    groups = [[label] for label in x.labels]
+    full = sizes.of(groups)
     if full == x.shape:
         return x
-    return _Operand(b.op("Expand", [x.name, shape]), x.labels, full)
+    return _Operand(b.op("Expand", [x.name, sizes.onnx(groups)]), x.labels, full)
 
 
 def _contract(b, x: _Operand, y: _Operand, needed: set, sizes: _Sizes) -> _Operand:
@@ -191,7 +196,6 @@ def _contract(b, x: _Operand, y: _Operand, needed: set, sizes: _Sizes) -> _Opera
         product = b.op("Mul", [_reshape(b, x, batch_groups + [left, []], sizes),
                                _reshape(b, y, batch_groups + [[], right], sizes)])
     labels = batch + left + right
-    flat_shape, _ = sizes.shape(batch_groups + [left, right])
-    flat = _Operand(product, batch + [left, right], flat_shape)
-    shape, _ = sizes.shape([[label] for label in labels])
-    return _Operand(_reshape(b, flat, [[label] for label in labels], sizes), labels, shape)
+    flat = _Operand(product, batch + [left, right], sizes.of(batch_groups + [left, right]))
+    groups = [[label] for label in labels]
+    return _Operand(_reshape(b, flat, groups, sizes), labels, sizes.of(groups))

@@ -975,7 +975,7 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
     typed = {v.name: v for v in list(inferred.value_info) + list(inferred.output)}
     constants = constant_tensors(model)
     graph = model.graph
-    symbols = _size_symbols(model)
+    symbols, bound = _size_symbols(model)
     b = Builder()
     env: dict[str, Node] = {"": None}
     for name, value in constants.items():
@@ -1004,7 +1004,6 @@ def lower_onnx(model: onnx.ModelProto) -> Graph:
     outputs = [(v.name, env[v.name]) for v in graph.output]
     if any(node.op == "size" for _, node in outputs):
         raise UnsupportedOnnxOp("a run-time size as a graph output")
-    bound = _bound_symbols(model, symbols)
     input_dims = {d.dim_param for value in graph.input for d in value.type.tensor_type.shape.dim}
     used = {var for name, var in bound.items() if name in input_dims}
     derived = _derived_symbols(model, symbols, used, {d for _, node in outputs for d in node.shape})
@@ -1031,19 +1030,23 @@ def _lower_node(b: Builder, node, env: dict, typed: dict, symbols: dict) -> None
         env[name] = out
 
 
-def _size_symbols(model: onnx.ModelProto) -> dict:
-    """dim_param name -> its size symbol (Var "size<k>" in its declared range), from the model's
-    metadata (SIZE_RANGES_KEY)."""
+def _size_symbols(model: onnx.ModelProto) -> tuple[dict, dict]:
+    """(symbols, bound) from the model's metadata. symbols: dim_param name -> its size symbol (Var
+    "size<k>" in its declared range, SIZE_RANGES_KEY) or the Expr its tree builds (SIZE_EQUAL_KEY,
+    SIZE_DERIVED_KEY). bound: dim_param name -> the Var an input binds it to: the symbol itself, or
+    for a size equal to a tree over others a Var of its own, which the engine checks against the tree."""
     props = {p.key: p.value for p in model.metadata_props}
     ranges = json.loads(props.get(SIZE_RANGES_KEY, "{}"))
     derived = json.loads(props.get(SIZE_DERIVED_KEY, "{}"))
     equal = json.loads(props.get(SIZE_EQUAL_KEY, "{}"))
-    symbols = {}
+    symbols, bound = {}, {}
     for k, (name, (lo, hi)) in enumerate(ranges.items()):
         if not 0 <= lo <= hi:
             raise ValueError(f"size symbol {name!r} has the range [{lo}, {hi}]")
+        if name not in derived:
+            bound[name] = Var(f"size{k}", int(lo), int(hi))
         if name not in derived and name not in equal:
-            symbols[name] = Var(f"size{k}", int(lo), int(hi))
+            symbols[name] = bound[name]
 
     def build(tree):  # a derived size's tree (SIZE_DERIVED_KEY) as an Expr over the bound symbols
         if isinstance(tree, int):
@@ -1058,23 +1061,7 @@ def _size_symbols(model: onnx.ModelProto) -> dict:
         if name not in ranges:
             raise ValueError(f"derived size symbol {name!r} has no range ({SIZE_RANGES_KEY})")
         symbols[name] = as_expr(build(tree))
-    return symbols
-
-
-def _bound_symbols(model: onnx.ModelProto, symbols: dict) -> dict:
-    """dim_param name -> the Var an input binds it to: the symbol itself, or for a size equal to
-    a tree over others (SIZE_EQUAL_KEY) a Var of its own, which the engine checks against the tree."""
-    props = {p.key: p.value for p in model.metadata_props}
-    ranges = json.loads(props.get(SIZE_RANGES_KEY, "{}"))
-    derived = json.loads(props.get(SIZE_DERIVED_KEY, "{}"))
-    equal = json.loads(props.get(SIZE_EQUAL_KEY, "{}"))
-    bound = {}
-    for k, (name, (lo, hi)) in enumerate(ranges.items()):
-        if name in equal:
-            bound[name] = Var(f"size{k}", int(lo), int(hi))
-        elif name not in derived:
-            bound[name] = symbols[name]
-    return bound
+    return symbols, bound
 
 
 def _derived_symbols(model: onnx.ModelProto, symbols: dict, bound: set, output_dims: set) -> list:
