@@ -289,7 +289,7 @@ std::string Engine::profile() const {
 
 std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs) const {
   TORCH_CHECK(run_, load_error_);  // only a debugging mode keeps an engine whose .so did not load
-  const auto start = profile_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  const auto start = std::chrono::steady_clock::now();  // for the profile and call_modes_
   const size_t num_inputs = def_.inputs.size();
   if (inputs.size() != num_inputs) throw_input_count(inputs.size());
 
@@ -330,14 +330,21 @@ std::vector<at::Tensor> Engine::run_engine(const std::vector<at::Tensor>& inputs
   const ScratchLease scratch(static_cast<size_t>(def_.scratch_bytes));
   const PackingScope packing(&packed_weights_);
   gemm_new_call();
-  const SerialScope serial_while_oversubscribed;  // oversubscription.h
+  // In a serial window the engine's measured choice (oversubscription.h), else parallel unless a
+  // window starts within the call.
+  const bool window = serial_now();
+  const bool serial = window && call_modes_.choose_serial();
+  const CallModeScope mode(!window ? CallMode::kUndecided : serial ? CallMode::kSerial : CallMode::kParallel);
+  const SerialScope serial_while_oversubscribed;
   int32_t code = run_(runtime(), input_data.data(), output_data.data(), constant_data_.data(), sizes.data(),
                       scratch.data());
   if (code != BLADE_OK) throw_run_failure(code);
-  if (profile_) {
-    call_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - start).count(), std::memory_order_relaxed);
-  }
+  const int64_t ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  int64_t elements = 0;
+  for (const at::Tensor& input : inputs) elements += input.numel();
+  call_modes_.record(serial, ns, elements);
+  if (profile_) call_ns_.fetch_add(ns, std::memory_order_relaxed);
   return outputs;
 }
 

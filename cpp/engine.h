@@ -18,6 +18,7 @@
 #include "engine_fallback.h"
 #include "runtime.h"
 #include "output_pool.h"
+#include "oversubscription.h"
 #include "scratch_pool.h"
 #include "shared_library.h"
 #include "tensor_spec.h"
@@ -117,6 +118,7 @@ class Engine : public torch::CustomClassHolder {
   DerivedSizesFn derived_sizes_ = nullptr;  // set when the last num_derived_ symbols are no input's dims
   size_t num_derived_ = 0;
   mutable std::atomic<int64_t> call_ns_{0};  // time in run_engine, counted only when profiling
+  mutable CallModes call_modes_;             // serial or parallel calls in a serial window (oversubscription.h)
   std::vector<const void*> constant_data_;  // data pointers of def_.constants, fixed at load
   mutable PackedWeights packed_weights_;     // constants the runtime re-laid out (made on first use)
   std::unique_ptr<ScratchReservation> scratch_;  // keeps a populated scratch block ready while it lives

@@ -18,6 +18,7 @@ std::atomic<int64_t> stalls{0};
 std::atomic<int64_t> last_stall_ns{0};
 std::atomic<int64_t> stall_debt_ns{0};  // kDebtDrain: the stalls' waits, net of the calm since
 std::atomic<int64_t> regions_noted{0};
+std::atomic<bool> windows_on{true};  // set_serial_windows
 
 }  // namespace
 
@@ -62,11 +63,40 @@ int64_t coarse_ns() {
 }
 
 bool serial_now() {
+  if (!windows_on.load(std::memory_order_relaxed)) return false;
   const int64_t until = serial_until_ns.load(std::memory_order_relaxed);
   return until != 0 && coarse_ns() < until;
 }
 
-SerialScope::SerialScope() : active_(serial_now()) {
+namespace {
+thread_local CallMode call_mode = CallMode::kUndecided;
+}  // namespace
+
+bool CallModes::choose_serial() {
+  const int64_t parallel = parallel_ns_.load(std::memory_order_relaxed);
+  const int64_t serial = serial_ns_.load(std::memory_order_relaxed);
+  if (serial == 0 || parallel == 0) return serial == 0;
+  const bool explore = window_calls_.fetch_add(1, std::memory_order_relaxed) % kExploreEvery == kExploreEvery - 1;
+  return (serial < parallel) != explore;
+}
+
+void CallModes::record(bool serial, int64_t ns, int64_t elements) {
+  // An exponential average over about the last 8 calls of the mode.
+  std::atomic<int64_t>& average = serial ? serial_ns_ : parallel_ns_;
+  const int64_t sample = std::max<int64_t>(1, ns * 1024 / std::max<int64_t>(1, elements));
+  const int64_t before = average.load(std::memory_order_relaxed);
+  average.store(before == 0 ? sample : before + (sample - before) / 8, std::memory_order_relaxed);
+}
+
+CallModeScope::CallModeScope(CallMode mode) : saved_(call_mode) { call_mode = mode; }
+
+CallModeScope::~CallModeScope() { call_mode = saved_; }
+
+bool serial_here() {
+  return call_mode == CallMode::kUndecided ? serial_now() : call_mode == CallMode::kSerial;
+}
+
+SerialScope::SerialScope() : active_(serial_here()) {
   if (!active_) return;
   // Per thread: omp_set_num_threads sets the calling thread's ICV, which at::get_num_threads reads.
   saved_omp_threads_ = omp_get_max_threads();
@@ -83,6 +113,8 @@ SerialScope::~SerialScope() {
 int64_t stall_count() { return stalls.load(std::memory_order_relaxed); }
 
 int64_t noted_region_count() { return regions_noted.load(std::memory_order_relaxed); }
+
+void set_serial_windows(bool on) { windows_on.store(on, std::memory_order_relaxed); }
 
 void force_serial_for(int64_t ms) {
   last_stall_ns.store(0, std::memory_order_relaxed);

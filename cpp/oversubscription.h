@@ -9,8 +9,16 @@
 // instead of 14; with one thread 8.5 ms, and 6.7 ms with OMP_WAIT_POLICY=PASSIVE). libgomp reads
 // its wait policy once, when it loads with torch, so the runtime decides per engine call instead:
 // the runtime's parallel_for times its regions, and after a region whose team waited far longer
-// than its work took, engine calls run serially for a while (SerialScope), then try again.
+// than its work took, engine calls may run serially for a while (SerialScope), then try again.
+//
+// Whether they do is measured, per engine (CallModes): in a serial window each engine runs the
+// mode whose recent calls took less time, and now and then the other one. Stalls alone said too
+// little: with a neighbour process taking one of the 2 cores 20% of the time, MobileNetV2 b1's
+// calls had stalls enough to stay serial for good, at 4.3 ms a call where its parallel calls took
+// 2.6 (ONNX Runtime, whose pool never goes serial, 2.5); at 50% they were 6.2 serial against 4.9
+// parallel; only at ~75% did serial calls win (4.7 against 6.2; ONNX Runtime 6.5).
 #pragma once
+#include <atomic>
 #include <cstdint>
 
 namespace blade {
@@ -47,8 +55,44 @@ bool note_region(int64_t worked_ns, int64_t waited_ns);
 // Whether engine calls run serially now.
 bool serial_now();
 
+// An engine's recent call times in each mode, and its choice of mode in a serial window: the mode
+// whose calls took less time per input element (so the sizes of an engine with run-time dims
+// weigh little), the other one every kExploreEvery-th call of the window (the machine's load
+// changes; a mode's times go stale). A mode not timed yet is tried first. Calls are timed by the
+// caller (Engine::run_engine); races between threads calling one engine only blur the averages.
+class CallModes {
+ public:
+  // Whether a call starting now runs serially (only in a serial window).
+  bool choose_serial();
+  void record(bool serial, int64_t ns, int64_t elements);
+
+ private:
+  static constexpr int64_t kExploreEvery = 16;
+  std::atomic<int64_t> parallel_ns_{0}, serial_ns_{0};  // per 1024 input elements; 0: no call yet
+  std::atomic<int64_t> window_calls_{0};
+};
+
+// This thread's engine call's choice, which the SerialScopes of its GEMMs and convolutions and the
+// runtime's parallel loops follow: kSerial or kParallel when the call started in a serial window
+// (CallModes chose), kUndecided when it did not (a window starting within the call then makes the
+// call's later GEMMs and convolutions serial).
+enum class CallMode { kUndecided, kParallel, kSerial };
+class CallModeScope {
+ public:
+  explicit CallModeScope(CallMode mode);
+  ~CallModeScope();
+  CallModeScope(const CallModeScope&) = delete;
+  CallModeScope& operator=(const CallModeScope&) = delete;
+
+ private:
+  CallMode saved_;
+};
+
+// Whether work this thread starts now runs serially: its engine call's choice, else serial_now().
+bool serial_here();
+
 // For one engine call, and again for each of its GEMMs and convolutions (serial mode may start
-// within a call): while serial_now(), this thread's OpenMP and MKL thread counts are 1, so the
+// within a call): while serial_here(), this thread's OpenMP and MKL thread counts are 1, so the
 // runtime's loops, its own kernels (at::parallel_for) and MKL run on the calling thread.
 // (oneDNN primitives fix their team size when created and keep it.)
 class SerialScope {
@@ -65,9 +109,11 @@ class SerialScope {
 };
 
 // For tests and benchmarks: stalls seen in this process, parallel regions timed (note_region's
-// calls), and serial mode set for `ms` milliseconds from now (0 ends it and forgets the last stall).
+// calls), serial mode set for `ms` milliseconds from now (0 ends it and forgets the last stall),
+// and serial windows turned off (serial_now() false whatever the stalls) or back on.
 int64_t stall_count();
 int64_t noted_region_count();
 void force_serial_for(int64_t ms);
+void set_serial_windows(bool on);
 
 }  // namespace blade

@@ -188,6 +188,20 @@ void bind_testing(pybind11::module_& m) {
         "Engine calls run serially for the next `ms` milliseconds, as after a stall (0 ends it).", py::arg("ms"));
   m.def("noted_region_count", &noted_region_count,
         "How many parallel regions reported their times to the oversubscription check in this process.");
+  m.def("call_mode_choices",
+        [](const std::vector<std::tuple<bool, int64_t, int64_t>>& records, int64_t calls) {
+          CallModes modes;
+          for (const auto& [serial, ns, elements] : records) modes.record(serial, ns, elements);
+          std::vector<bool> serial;
+          for (int64_t i = 0; i < calls; ++i) serial.push_back(modes.choose_serial());
+          return serial;
+        },
+        "An engine's choices (true: serial) for its next `calls` calls in a serial window, after the calls "
+        "`records` lists as (serial, ns, input elements) (CallModes, oversubscription.h).",
+        py::arg("records"), py::arg("calls"));
+  m.def("set_serial_windows", &set_serial_windows,
+        "False: serial windows never start, whatever the stalls (for A/B measurements); True: as by default.",
+        py::arg("on"));
   m.def("serial_now", &serial_now, "Whether engine calls run serially now (oversubscription.h).");
   m.def("scratch_pool", [] {
         const testing::ScratchPoolState s = testing::scratch_pool_state();

@@ -199,7 +199,7 @@ std::optional<Conv3x3Shape> winograd_shape(int32_t spatial, const int64_t* input
   const Conv3x3Shape shape{input_shape[0], input_shape[2], input_shape[3], weight_shape[1], weight_shape[0],
                            pads[0], pads[1], input_shape[2] + pads[0] + pads[2] - 2,
                            input_shape[3] + pads[1] + pads[3] - 2};
-  const bool threaded = at::get_num_threads() > 1 && !serial_now();
+  const bool threaded = at::get_num_threads() > 1 && !serial_here();
   if (winograd_tiles(shape) < (threaded ? kWinogradMinTilesThreaded : kWinogradMinTiles)) return std::nullopt;
   return shape;
 }
@@ -337,7 +337,7 @@ constexpr int kWinogradTimings = 3;  // timed calls each, after each way's first
 // convolutions use the thread pool, which a pool thread waiting on that lock would deadlock; such
 // a call keeps the rule from before (Winograd from kWinogradMinTilesThreaded tiles).
 bool winograd_marginal(const Conv3x3Shape& shape) {
-  return at::get_num_threads() > 1 && !serial_now() && !at::in_parallel_region() &&
+  return at::get_num_threads() > 1 && !serial_here() && !at::in_parallel_region() &&
          winograd_tiles(shape) < kWinogradMinTiles;
 }
 

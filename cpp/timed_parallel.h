@@ -90,7 +90,7 @@ void timed_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, i
   grain = grain < 1 ? 1 : grain;  // ATen divides by it
   unit = unit < 1 ? 1 : unit;
   if (begin >= end) return;
-  if (serial_now()) {  // the machine is oversubscribed: this thread alone
+  if (serial_here()) {  // the machine is oversubscribed and serial calls are faster: this thread alone
     f(begin, end);
     return;
   }
