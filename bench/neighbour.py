@@ -3,10 +3,11 @@ blade's serial windows (cpp/oversubscription.h: each engine runs the mode its ow
 faster) against serial windows turned off, and ONNX Runtime at its defaults, in one process,
 alternating blocks of calls (a pause between blocks), per duty cycle of the neighbour.
 
-    PYTHONPATH=$PWD python bench/neighbour.py [--models "MobileNetV2 (160x160) b1"] [--duty 3/12,6/6,10/3]
+    PYTHONPATH=$PWD python bench/neighbour.py [--models "MobileNetV2 (160x160) b1;MLP block [8,256]"] [--duty 3/12,6/6,10/3]
 
 --duty: the neighbour's busy/idle milliseconds (a Python loop spinning, then sleeping). Prints per
-model and duty the median over rounds of each column's median call, and the paired ratios.
+model and duty each column's median and mean call over all its calls, and their ratios (a server's
+throughput follows the means, its typical latency the medians).
 """
 import argparse
 import statistics
@@ -44,19 +45,24 @@ def runners(name):
 
 
 def measure(columns, inputs, rounds):
+    """Per column, every call's time (ms), in blocks of about 50 ms alternating between columns."""
     from bench.backends import median_call_s
     calls = max(5, int(0.05 / median_call_s(columns["windows"], inputs, 5)))
     times = {name: [] for name in columns}
     for _ in range(rounds):
         for name, run in columns.items():
             time.sleep(0.05)
-            times[name].append(1e3 * median_call_s(run, inputs, calls))
+            for _ in range(calls):
+                start = time.perf_counter()
+                run(*inputs)
+                times[name].append(1e3 * (time.perf_counter() - start))
     return times
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="MobileNetV2 (160x160) b1,BERT (4L, 256, seq 128)")
+    parser.add_argument("--models", default="MobileNetV2 (160x160) b1;BERT (4L, 256, seq 128)",
+                        help="bench/models.py names, separated by ';'")
     parser.add_argument("--duty", default="3/12,6/6,10/3", help="busy/idle ms of the neighbour, comma-separated")
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
@@ -64,7 +70,7 @@ def main():
     torch.set_num_threads(2)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name in args.models.split(","):
+        for name in args.models.split(";"):
             columns, inputs = runners(name)
             for run in columns.values():
                 for _ in range(60):  # past the GEMM kernels' choice on first calls
@@ -80,11 +86,12 @@ def main():
                     C._testing.set_serial_windows(True)
                 print(f"{name}, neighbour {busy} ms busy / {idle} ms idle, {C.thread_stalls() - stalls} stalls:")
                 for column, values in times.items():
-                    print(f"  {column:13s} median {statistics.median(values):.3f} ms (best {min(values):.3f})")
-                paired = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b]))  # noqa: E731
-                print(f"  windows / no windows {paired('windows', 'no windows'):.3f}, windows / ONNX Runtime "
-                      f"{paired('windows', 'ONNX Runtime'):.3f}, no windows / ONNX Runtime "
-                      f"{paired('no windows', 'ONNX Runtime'):.3f}", flush=True)
+                    print(f"  {column:13s} median {statistics.median(values):.3f} ms, mean {statistics.mean(values):.3f}")
+                for stat in (statistics.median, statistics.mean):
+                    ratio = lambda a, b: stat(times[a]) / stat(times[b])  # noqa: E731
+                    print(f"  {stat.__name__}s: windows / no windows {ratio('windows', 'no windows'):.3f}, windows / "
+                          f"ONNX Runtime {ratio('windows', 'ONNX Runtime'):.3f}, no windows / ONNX Runtime "
+                          f"{ratio('no windows', 'ONNX Runtime'):.3f}", flush=True)
                 time.sleep(5)
 
 

@@ -76,16 +76,27 @@ bool CallModes::choose_serial() {
   const int64_t parallel = parallel_ns_.load(std::memory_order_relaxed);
   const int64_t serial = serial_ns_.load(std::memory_order_relaxed);
   if (serial == 0 || parallel == 0) return serial == 0;
-  const bool explore = window_calls_.fetch_add(1, std::memory_order_relaxed) % kExploreEvery == kExploreEvery - 1;
-  return (serial < parallel) != explore;
+  const bool preferred = serial < parallel;
+  if (preferred != preferred_serial_.exchange(preferred, std::memory_order_relaxed)) {
+    explore_interval_.store(2 * kExploreFirst, std::memory_order_relaxed);  // the choice changed: look again soon
+    next_explore_.store(window_calls_.load(std::memory_order_relaxed) + kExploreFirst, std::memory_order_relaxed);
+  }
+  const int64_t call = window_calls_.fetch_add(1, std::memory_order_relaxed);
+  int64_t next = next_explore_.load(std::memory_order_relaxed);
+  const int64_t interval = explore_interval_.load(std::memory_order_relaxed);
+  const bool explore = call >= next && next_explore_.compare_exchange_strong(next, call + interval, std::memory_order_relaxed);
+  if (explore) explore_interval_.store(std::min(2 * interval, kExploreMax), std::memory_order_relaxed);
+  exploring_.store(explore, std::memory_order_relaxed);
+  return preferred != explore;
 }
 
 void CallModes::record(bool serial, int64_t ns, int64_t elements) {
-  // An exponential average over about the last 8 calls of the mode.
   std::atomic<int64_t>& average = serial ? serial_ns_ : parallel_ns_;
   const int64_t sample = std::max<int64_t>(1, ns * 1024 / std::max<int64_t>(1, elements));
   const int64_t before = average.load(std::memory_order_relaxed);
-  average.store(before == 0 ? sample : before + (sample - before) / 8, std::memory_order_relaxed);
+  // A try at the other mode replaces its average; the chosen mode's calls average over about 8.
+  const bool replace = before == 0 || exploring_.exchange(false, std::memory_order_relaxed);
+  average.store(replace ? sample : before + (sample - before) / 8, std::memory_order_relaxed);
 }
 
 CallModeScope::CallModeScope(CallMode mode) : saved_(call_mode) { call_mode = mode; }

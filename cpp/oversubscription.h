@@ -57,9 +57,14 @@ bool serial_now();
 
 // An engine's recent call times in each mode, and its choice of mode in a serial window: the mode
 // whose calls took less time per input element (so the sizes of an engine with run-time dims
-// weigh little), the other one every kExploreEvery-th call of the window (the machine's load
-// changes; a mode's times go stale). A mode not timed yet is tried first. Calls are timed by the
-// caller (Engine::run_engine); races between threads calling one engine only blur the averages.
+// weigh little), the other one now and then (the machine's load changes; a mode's times go stale):
+// after kExploreFirst calls, then at intervals that double while the choice stands (up to
+// kExploreMax calls), back to kExploreFirst when it changes. A try at the other mode replaces that
+// mode's average: one call must be able to show that the load has changed (an average of calls
+// taken under a heavier load kept a lighter one's calls serial). An exploration costs a call in
+// the slower mode, and under a heavy load parallel calls take up to 10x a serial one. A mode not
+// timed yet is tried first. Calls are timed by the caller (Engine::run_engine); races between
+// threads calling one engine only blur the averages.
 class CallModes {
  public:
   // Whether a call starting now runs serially (only in a serial window).
@@ -67,9 +72,12 @@ class CallModes {
   void record(bool serial, int64_t ns, int64_t elements);
 
  private:
-  static constexpr int64_t kExploreEvery = 16;
+  static constexpr int64_t kExploreFirst = 16, kExploreMax = 1024;
   std::atomic<int64_t> parallel_ns_{0}, serial_ns_{0};  // per 1024 input elements; 0: no call yet
-  std::atomic<int64_t> window_calls_{0};
+  // the window call that tries the other mode next, and the gap after it (16, then 32, 64, ... calls)
+  std::atomic<int64_t> window_calls_{0}, next_explore_{kExploreFirst}, explore_interval_{2 * kExploreFirst};
+  std::atomic<bool> preferred_serial_{false};
+  std::atomic<bool> exploring_{false};  // the call running now (or last) tries the other mode
 };
 
 // This thread's engine call's choice, which the SerialScopes of its GEMMs and convolutions and the

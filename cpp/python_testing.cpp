@@ -189,16 +189,21 @@ void bind_testing(pybind11::module_& m) {
   m.def("noted_region_count", &noted_region_count,
         "How many parallel regions reported their times to the oversubscription check in this process.");
   m.def("call_mode_choices",
-        [](const std::vector<std::tuple<bool, int64_t, int64_t>>& records, int64_t calls) {
+        [](const std::vector<std::tuple<bool, int64_t, int64_t>>& records, int64_t calls, int64_t serial_ns,
+           int64_t parallel_ns) {
           CallModes modes;
           for (const auto& [serial, ns, elements] : records) modes.record(serial, ns, elements);
           std::vector<bool> serial;
-          for (int64_t i = 0; i < calls; ++i) serial.push_back(modes.choose_serial());
+          for (int64_t i = 0; i < calls; ++i) {
+            serial.push_back(modes.choose_serial());
+            if (serial_ns > 0 && parallel_ns > 0) modes.record(serial.back(), serial.back() ? serial_ns : parallel_ns, 1024);
+          }
           return serial;
         },
         "An engine's choices (true: serial) for its next `calls` calls in a serial window, after the calls "
-        "`records` lists as (serial, ns, input elements) (CallModes, oversubscription.h).",
-        py::arg("records"), py::arg("calls"));
+        "`records` lists as (serial, ns, input elements) (CallModes, oversubscription.h); with serial_ns and "
+        "parallel_ns, each of those calls then takes that long (1024 input elements).",
+        py::arg("records"), py::arg("calls"), py::arg("serial_ns") = 0, py::arg("parallel_ns") = 0);
   m.def("set_serial_windows", &set_serial_windows,
         "False: serial windows never start, whatever the stalls (for A/B measurements); True: as by default.",
         py::arg("on"));

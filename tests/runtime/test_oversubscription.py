@@ -218,19 +218,35 @@ def test_serial_mode_reaches_the_gemms_of_a_call_under_way():
 def test_in_a_serial_window_an_engine_runs_the_mode_its_calls_measured_faster():
     """Stalls alone kept MobileNetV2 b1 serial at 20% of a core taken by a neighbour, 1.7x slower than
     its parallel calls there; each engine now picks by its own calls' times (per input element),
-    trying the other mode every 16th call of the window."""
+    trying the other mode at the 16th call of the window, then 32 calls later, 64, ..."""
     untimed = _testing.call_mode_choices([], 3)
     assert untimed[0]  # serial not timed yet: tried first
     assert _testing.call_mode_choices([(False, 2_000_000, 1000)], 1) == [True]
-    parallel_faster = _testing.call_mode_choices([(False, 2_000_000, 1000), (True, 4_000_000, 1000)], 32)
-    assert parallel_faster.count(True) == 2 and parallel_faster[15] and parallel_faster[31]
-    serial_faster = _testing.call_mode_choices([(False, 6_000_000, 1000), (True, 4_000_000, 1000)], 32)
-    assert serial_faster.count(False) == 2 and not serial_faster[15] and not serial_faster[31]
+    tries = [16, 48, 112]
+    parallel_faster = _testing.call_mode_choices([(False, 2_000_000, 1000), (True, 4_000_000, 1000)], 200)
+    assert [i for i, serial in enumerate(parallel_faster) if serial] == tries
+    serial_faster = _testing.call_mode_choices([(False, 6_000_000, 1000), (True, 4_000_000, 1000)], 200)
+    assert [i for i, serial in enumerate(serial_faster) if not serial] == tries
     # a larger input's serial call is cheaper per element than a smaller one's parallel call
     assert _testing.call_mode_choices([(False, 2_000_000, 1000), (True, 4_000_000, 4000)], 1) == [True]
-    # the averages follow the recent calls: parallel calls that became slow lose to serial ones
+    # the chosen mode's average follows its recent calls: parallel calls that became slow lose
     drifting = [(False, 2_000_000, 1000), (True, 4_000_000, 1000)] + [(False, 9_000_000, 1000)] * 12
     assert _testing.call_mode_choices(drifting, 1) == [True]
+
+
+def test_one_try_at_the_other_mode_shows_a_lighter_load():
+    """Parallel calls averaged 100 ms under a heavy load, serial ones 8 ms; then the load eases
+    (parallel 3 ms, serial 5 ms). The first try at parallel calls (the 16th) replaces their average,
+    and from then on the engine runs parallel, trying serial again 16 calls later."""
+    heavy = [(False, 100_000_000, 1024), (True, 8_000_000, 1024)]
+    choices = _testing.call_mode_choices(heavy, 60, serial_ns=5_000_000, parallel_ns=3_000_000)
+    assert all(choices[:16]) and not choices[16]
+    assert [i for i, serial in enumerate(choices) if serial and i > 16] == [33]
+    # and back: the load returns (parallel calls 100 ms, serial 8): one slow parallel call lifts the
+    # parallel average past the serial one; the try at parallel calls 16 calls later confirms it
+    light = [(False, 3_000_000, 1024), (True, 5_000_000, 1024)]
+    choices = _testing.call_mode_choices(light, 40, serial_ns=8_000_000, parallel_ns=100_000_000)
+    assert [i for i, serial in enumerate(choices) if not serial] == [0, 17]
 
 
 def test_serial_windows_can_be_turned_off_for_measurements():
