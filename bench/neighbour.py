@@ -87,11 +87,10 @@ def main():
                 print(f"{name}, neighbour {busy} ms busy / {idle} ms idle, {C.thread_stalls() - stalls} stalls:")
                 for column, values in times.items():
                     print(f"  {column:13s} median {statistics.median(values):.3f} ms, mean {statistics.mean(values):.3f}")
+                pairs = (("windows", "no windows"), ("windows", "ONNX Runtime"), ("no windows", "ONNX Runtime"))
                 for stat in (statistics.median, statistics.mean):
-                    ratio = lambda a, b: stat(times[a]) / stat(times[b])  # noqa: E731
-                    print(f"  {stat.__name__}s: windows / no windows {ratio('windows', 'no windows'):.3f}, windows / "
-                          f"ONNX Runtime {ratio('windows', 'ONNX Runtime'):.3f}, no windows / ONNX Runtime "
-                          f"{ratio('no windows', 'ONNX Runtime'):.3f}", flush=True)
+                    ratios = ", ".join(f"{a} / {b} {stat(times[a]) / stat(times[b]):.3f}" for a, b in pairs)
+                    print(f"  {stat.__name__}s: {ratios}", flush=True)
                 time.sleep(5)
 
 
