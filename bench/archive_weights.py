@@ -75,7 +75,8 @@ def serve(path: Path) -> str:
 def main() -> None:
     archives = [Path(p) for p in sys.argv[1:]]
     if not archives:
-        work = Path(tempfile.mkdtemp(prefix="blade-archive-weights-"))
+        scratch = tempfile.TemporaryDirectory(prefix="blade-archive-weights-")  # removed at exit
+        work = Path(scratch.name)
         archives = [work / f"bert_seq_from_{m}.blade.pt" for m in (1, 2)]
         for min_seq, path in zip((1, 2), archives):
             export(min_seq, path)

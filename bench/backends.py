@@ -143,9 +143,10 @@ def tt_infer_aot(model, inputs):
     call; the engines are the ones tt_infer compiled, from blade's cache)."""
     import tempfile
     import blade
-    path = tempfile.mkdtemp(prefix="blade-bench-aot-") + "/model.blade.pt"
-    blade.export(model, inputs, path)
-    return blade.load(path)
+    with tempfile.TemporaryDirectory(prefix="blade-bench-aot-") as folder:  # loaded whole: not kept
+        path = folder + "/model.blade.pt"
+        blade.export(model, inputs, path)
+        return blade.load(path)
 
 
 BACKENDS = {

@@ -360,7 +360,8 @@ def serve_exported(model, example, vocab, batches, seqs) -> str:
     random shapes within the grid's bounds, and reads the peak again (a server's memory as new shapes arrive)."""
     import subprocess
     import blade
-    work = Path(tempfile.mkdtemp(prefix="blade-dynamic-export-"))
+    folder = tempfile.TemporaryDirectory(prefix="blade-dynamic-export-")  # removed on return
+    work = Path(folder.name)
     start = time.perf_counter()
     try:  # seq declared from 1, as a server would: seq 1 gets a capture of its own (see tt_dynamic)
         blade.export(model, example, str(work / "model.blade.pt"),
@@ -485,7 +486,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(2)
     if not args.warm_cache:
-        os.environ["BLADE_CACHE_DIR"] = tempfile.mkdtemp(prefix="blade-dynamic-bench-")
+        cache = tempfile.TemporaryDirectory(prefix="blade-dynamic-bench-")  # removed at exit
+        os.environ["BLADE_CACHE_DIR"] = cache.name
     batches, seqs = (QUICK_BATCHES, QUICK_SEQS) if args.quick else (BATCHES, SEQS)
     wanted = [w.strip().lower() for w in args.models.split(",")]
     results = []

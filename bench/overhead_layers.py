@@ -30,7 +30,8 @@ with torch.no_grad():
     type(cm).__call__ = orig
     cargs = captured["args"]; rargs = [cargs[i] for i in cm.runtime_inputs]
     engine = list(cm.engines().values())[0]
-    path = os.path.join(tempfile.mkdtemp(), "mlp.pt")
+    folder = tempfile.TemporaryDirectory()  # removed at exit
+    path = os.path.join(folder.name, "mlp.pt")
     blade.export(model, (x,), path)
     loaded = blade.load(path)
     ort = onnxruntime_cpu(model, (x,))

@@ -28,7 +28,8 @@ with torch.no_grad():
     assert cm.engines(), "an engine"
     rargs = [x]
     engine = list(cm.engines().values())[0]
-    path = os.path.join(tempfile.mkdtemp(), "t.pt")
+    folder = tempfile.TemporaryDirectory()  # removed at exit
+    path = os.path.join(folder.name, "t.pt")
     blade.export(model, (x,), path, Config(min_cluster_size=1))
     loaded = blade.load(path)
     out = (ref,)

@@ -75,7 +75,8 @@ def child(mode: str, work: str, cache: str) -> dict:
 
 
 def main() -> None:
-    work = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="blade-serving-")
+    scratch = None if len(sys.argv) > 1 else tempfile.TemporaryDirectory(prefix="blade-serving-")  # removed at exit
+    work = sys.argv[1] if scratch is None else scratch.name
     cache = os.path.join(work, "cache")
     import torch
     torch.manual_seed(0)

@@ -1,11 +1,8 @@
 import os
 import sys
-import tempfile
 
 import pytest
 
-# One engine cache per test session: tests share compiled engines but never touch ~/.cache.
-os.environ.setdefault("BLADE_CACHE_DIR", tempfile.mkdtemp(prefix="blade-test-cache-"))
 # The e2e helpers (blade_testing: assert_close, Capture) serve these tests too.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "e2e"))
 
