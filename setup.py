@@ -109,7 +109,7 @@ setup(
     version="0.1.0",
     description="A TorchScript clustering compiler for PyTorch CPU inference",
     python_requires=">=3.10",
-    packages=["blade", "blade.cluster", "blade.engine"],
+    packages=["blade", "blade.cluster", "blade.cluster.rules", "blade.engine"],
     install_requires=["torch==2.13.0", "onnx", "numpy"],
     ext_modules=[
         # libtorch alone (not torch_python, no pybind): --no-undefined makes a Python symbol, or a

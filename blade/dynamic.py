@@ -43,7 +43,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 from torch.utils._sympy.functions import FloorDiv, Max, Min, PythonMod
 
 from blade.cluster.lower import lower_cluster
-from blade.cluster.support import LoweringError
+from blade.cluster.rules.base import LoweringError
 from blade.engine.ir import SIZE_DERIVED_KEY, SIZE_EQUAL_KEY, SIZE_RANGES_KEY, lower_onnx
 from blade.frontend import is_frozen_input, measure_types, stamp
 

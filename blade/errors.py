@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from blade.cluster.support import RANGE_CHECKED
+from blade.cluster.rules.indexing import RANGE_CHECKED
 
 # describe_error_code in cpp/engine.cpp words BLADE_ERR_INDEX_OUT_OF_RANGE like this.
 _INDEX_FAILURE = re.compile(r"blade engine '([^']+)': execution failed: index out of range")

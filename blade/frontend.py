@@ -31,7 +31,7 @@ import torch.fx
 
 from blade.cluster.aliasing import written_attributes, written_constants
 from blade.cluster.out_of_place import rewrite_writes_to_temporaries
-from blade.cluster.support import is_size_arithmetic
+from blade.cluster.rules.base import is_size_arithmetic
 from blade.executor import unoptimized
 from blade.fold import fold_input_independent
 from blade.guards import wrapped_scalars
@@ -603,7 +603,7 @@ def _sizes_per_use(graph: torch.Graph, inputs: list, probes: list) -> None:
     """Run-time sizes an op reads (dynamo's SymInt graph inputs, ``aten::size``), also inside
     int lists (``expand(batch, seq)``), become an ``aten::size`` of a tensor made right before
     each op that reads them: the op can then join a cluster that computes the size from that
-    tensor's shape (blade/cluster/support.py), and no int crosses a cluster boundary. A SymInt
+    tensor's shape (blade/cluster/rules/shapes.py), and no int crosses a cluster boundary. A SymInt
     input is the size of the first tensor input dim equal to it at the example and at every
     probe point; one that matches none stays as it is."""
     params = list(graph.inputs())[1:]

@@ -25,7 +25,7 @@ from blade import dump
 from blade.cluster.lower import lower_cluster
 from blade.cluster.partition import GLUE_KINDS, partition
 from blade.cluster.splice import splice
-from blade.cluster.support import LoweringError
+from blade.cluster.rules.base import LoweringError
 from blade.config import Config
 from blade.direct import direct_call
 from blade.dynamic import exclusions, lower_symbolic, probe_types

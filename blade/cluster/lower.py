@@ -6,7 +6,8 @@ import onnx.shape_inference
 
 from blade.cluster.onnx_builder import NP_TO_ONNX, OnnxBuilder
 from blade.cluster.partition import Cluster
-from blade.cluster.support import LowerCtx, LoweringError, rule_for, tensor_info
+from blade.cluster.rules.base import LowerCtx, LoweringError, tensor_info
+from blade.cluster.support import rule_for
 from blade.engine.ir import without_weight_values
 
 ONNX_TO_NP = {code: dtype for dtype, code in NP_TO_ONNX.items()}

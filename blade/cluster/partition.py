@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from blade.cluster.aliasing import has_side_effects, storage_bound_nodes
-from blade.cluster.support import can_lower, is_constant, is_tensor
+from blade.cluster.rules.base import is_constant, is_tensor
+from blade.cluster.support import can_lower
 
 # Tensor[] glue and pure aliases, and the sizes ops read (frontend._sizes_per_use makes one per
 # op): they do not count toward a cluster's size nor as ops in coverage.

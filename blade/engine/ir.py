@@ -575,7 +575,7 @@ def _slice(b, attrs, x, starts, ends, axes=None, steps=None):
 
 def _rolled(b, x, starts, ends, axes, steps):
     """Concat(y, y)[k:k + n] along the concat's axis, 0 <= k <= n = y's length there (a roll over a
-    run-time length, blade/cluster/support.py's _roll_axis), as a roll view of y; else None."""
+    run-time length, blade/cluster/rules/indexing.py's _roll_axis), as a roll view of y; else None."""
     if x.op != "concat" or len(x.args) != 2 or x.args[0] is not x.args[1] or len(starts) != 1 or int(steps[0]) != 1:
         return None
     axis, y = x.attrs["axis"], x.args[0]

@@ -204,7 +204,7 @@ def test_the_onnx_contract_check_names_the_node_it_refuses():
     which blade/dynamic.py maps back to the cluster op it blames."""
     from onnx import TensorProto, helper
     from blade.cluster.lower import check_contract
-    from blade.cluster.support import LoweringError
+    from blade.cluster.rules.base import LoweringError
     nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Transpose", ["a"], ["b"], perm=[1, 0]),
              helper.make_node("Identity", ["b"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],

@@ -125,12 +125,12 @@ def run_new_row_counts(width=248):
         assert len(found) == 1, blade._C.gemm_choices()
         return found[0]
 
-    mkl_before = _testing.gemm_kernel_calls("mkl")
     calls_at(range(33, 53))
     settled = choice()
-    assert settled["timings"] >= 5, settled
-    mkl_sampled = _testing.gemm_kernel_calls("mkl") - mkl_before
-    assert mkl_sampled <= 20  # only the sampling weight's calls: one GEMM of the two per call
+    # Only the sampling weight's calls sample: one GEMM of the two per call. (Not a count of MKL
+    # calls: the other weight runs the kernel measured fastest so far, MKL when a busy machine
+    # slowed the panels kernel's first samples.)
+    assert 5 <= settled["timings"] <= 20, settled
     panels_before, mkl_before = _testing.gemm_kernel_calls("panels"), _testing.gemm_kernel_calls("mkl")
     calls_at(range(53, 65))
     assert choice()["timings"] == settled["timings"]  # settled: no call samples any more

@@ -7,7 +7,7 @@ import pytest
 
 from blade.cluster.lower import check_contract
 from blade.cluster.onnx_builder import OnnxBuilder
-from blade.cluster.support import LoweringError
+from blade.cluster.rules.base import LoweringError
 from blade.engine.ir import without_weight_values
 from blade.heap import frozen_heap
 

@@ -12,7 +12,7 @@ import torch
 
 import blade
 import blade.pipeline
-from blade.cluster.support import LoweringError
+from blade.cluster.rules.base import LoweringError
 from fault_models import MODEL, X
 
 

@@ -1,0 +1,218 @@
+"""Convolution, pooling, padding and upsampling rules (1-3 spatial dims as torch's ops take them)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from blade.cluster.rules.base import LowerCtx, Rule, constant_value, is_tensor, named_args, node_args, static_shape_of
+
+
+def _spatial_list(value, spatial: int) -> list:
+    value = [value] if isinstance(value, int) else list(value)
+    return value * spatial if len(value) == 1 else value
+
+
+def _conv(ctx: LowerCtx, node):
+    """conv1d/2d/3d (padding ints, "same" or "valid") and the generic (_)convolution."""
+    args = node_args(node)
+    x, w, bias = args[:3]
+    if node.kind() in ("aten::convolution", "aten::_convolution"):
+        stride, padding, dilation, groups = (ctx.const(args[i]) for i in (3, 4, 5, 8))
+    else:
+        stride, padding, dilation, groups = (ctx.const(a) for a in args[3:7])
+    w_shape = ctx.shape(w)
+    spatial = len(w_shape) - 2
+    stride, dilation = _spatial_list(stride, spatial), _spatial_list(dilation, spatial)
+    if padding == "valid":
+        pads = [0] * 2 * spatial
+    elif padding == "same":  # torch puts the odd extra pad at the end
+        total = [d * (k - 1) for d, k in zip(dilation, w_shape[2:])]
+        pads = [t // 2 for t in total] + [t - t // 2 for t in total]
+    else:
+        pads = _spatial_list(padding, spatial) * 2
+    unbatched = len(ctx.shape(x)) == spatial + 1
+    inp = ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints([0])]) if unbatched else ctx.tensor(x)
+    inputs = [inp, ctx.tensor(w)] + ([ctx.tensor(bias)] if is_tensor(bias) else [])
+    out = ctx.b.op("Conv", inputs, strides=stride, pads=pads, dilations=dilation, group=groups)
+    return [ctx.b.op("Squeeze", [out, ctx.b.ints([0])]) if unbatched else out]
+
+
+def _pool_args(ctx: LowerCtx, node, spatial: int):
+    args = node_args(node)
+    kernel = _spatial_list(ctx.const(args[1]), spatial)
+    stride = ctx.const(args[2]) or kernel
+    return kernel, _spatial_list(stride, spatial), _spatial_list(ctx.const(args[3]), spatial) * 2
+
+
+def _max_pool(ctx: LowerCtx, node):
+    """max_pool1d/2d(x, kernel, stride, padding, dilation, ceil_mode)."""
+    spatial = 1 if node.kind() == "aten::max_pool1d" else 2
+    kernel, stride, pads = _pool_args(ctx, node, spatial)
+    dilation = _spatial_list(ctx.const(node_args(node)[4]), spatial)
+    return [_batched(ctx, node_args(node)[0], spatial, lambda x: ctx.b.op(
+        "MaxPool", [x], kernel_shape=kernel, strides=stride, pads=pads, dilations=dilation,
+        ceil_mode=int(ctx.const(node_args(node)[5]))))]
+
+
+def _batched(ctx: LowerCtx, x, spatial: int, pool) -> str:
+    """pool(name) of an (N, C, *spatial) input; an unbatched (C, *spatial) one gets a batch dim
+    of 1 around it (ONNX's pools read the first two dims as N and C)."""
+    if len(ctx.shape(x)) > spatial + 1:
+        return pool(ctx.tensor(x))
+    out = pool(ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints([0])]))
+    return ctx.b.op("Squeeze", [out, ctx.b.ints([0])])
+
+
+def _avg_pool(ctx: LowerCtx, node):
+    """avg_pool1d/2d(x, kernel, stride, padding, ceil_mode, count_include_pad[, divisor_override])."""
+    spatial = 1 if node.kind() == "aten::avg_pool1d" else 2
+    kernel, stride, pads = _pool_args(ctx, node, spatial)
+    args = node_args(node)
+    return [_batched(ctx, args[0], spatial, lambda x: ctx.b.op(
+        "AveragePool", [x], kernel_shape=kernel, strides=stride, pads=pads, ceil_mode=int(ctx.const(args[4])),
+        count_include_pad=int(ctx.const(args[5]))))]
+
+
+def _avg_pool_check(node):
+    args = node_args(node)
+    if len(args) > 6 and constant_value(args[6]) is not None:
+        return "avg_pool with divisor_override"
+    return None
+
+
+def _adaptive_avg_pool(ctx: LowerCtx, node):
+    """Output sizes that divide the input: a plain average pool (a global one for size 1)."""
+    x = node_args(node)[0]
+    spatial = 1 if node.kind().endswith("1d") else 2
+    size, out = ctx.shape(x)[-spatial:], ctx.shape(node.output())[-spatial:]
+    if all(o == 1 for o in out):
+        return [ctx.b.op("ReduceMean", [ctx.tensor(x), ctx.b.ints(list(range(-len(size), 0)))], keepdims=1)]
+    kernel = [n // o for n, o in zip(size, out)]
+    return [_batched(ctx, x, spatial, lambda name: ctx.b.op("AveragePool", [name], kernel_shape=kernel, strides=kernel))]
+
+
+def _adaptive_avg_pool_check(node):
+    x = node_args(node)[0]
+    size = static_shape_of(x)
+    out = static_shape_of(node.output())
+    if size and out and any(n % o for n, o in zip(size[-2:], out[-2:]) if o):
+        return "adaptive_avg_pool with an output size that does not divide the input"
+    return None
+
+
+def _pad(ctx: LowerCtx, node):
+    """aten::pad / constant_pad_nd / reflection_pad / replication_pad: torch lists the last dim first."""
+    args = node_args(node)
+    x = args[0]
+    rank = len(ctx.shape(x))
+    pad = ctx.const(args[1])
+    kind = node.kind()
+    mode = {"aten::constant_pad_nd": "constant"}.get(kind) or \
+        ("reflect" if "reflection" in kind else "edge" if "replication" in kind else None)
+    value = 0.0
+    if kind == "aten::pad":
+        mode = {"constant": "constant", "reflect": "reflect", "replicate": "edge"}[ctx.const(args[2])]
+        value = ctx.const(args[3]) if len(args) > 3 else None
+    elif kind == "aten::constant_pad_nd":
+        value = ctx.const(args[2])
+    begins, ends = [0] * rank, [0] * rank
+    for k in range(len(pad) // 2):
+        begins[rank - 1 - k], ends[rank - 1 - k] = pad[2 * k], pad[2 * k + 1]
+    inputs = [ctx.tensor(x), ctx.b.ints(begins + ends)]
+    if mode == "constant":
+        inputs.append(ctx.scalar(value or 0, ctx.dtype(x)))
+    return [ctx.b.op("Pad", inputs, mode=mode)]
+
+
+def _conv_check(node):
+    if node.output().type().dtype() != torch.float32:
+        return "convolution on a dtype other than float32"
+    if node.kind() in ("aten::convolution", "aten::_convolution") and constant_value(node_args(node)[6]):
+        return "transposed convolution"
+    return None
+
+
+def _pad_check(node):
+    args = node_args(node)
+    pad = constant_value(args[1])
+    if isinstance(pad, list) and any(p < 0 for p in pad):
+        return "pad with negative (cropping) amounts"
+    if node.kind() == "aten::pad" and constant_value(args[2]) not in ("constant", "reflect", "replicate"):
+        return f"pad mode {constant_value(args[2])!r}"
+    return None
+
+
+def _upsample(ctx: LowerCtx, node):
+    """upsample_nearest1d/2d and upsample_(bi)linear1d/2d, as torch computes source positions."""
+    named = named_args(node)
+    x = named["input"] if "input" in named else named["self"]
+    shape, out_shape = ctx.shape(x), ctx.shape(node.output())
+    dtype = ctx.dtype(x)
+    align = bool(ctx.const(named["align_corners"])) if "align_corners" in named else False
+    spatial = len(shape) - 2
+    factors = _resize_factors(ctx, named, spatial)
+    name = ctx.tensor(x)
+    for k in reversed(range(spatial)):   # the last axis first, as torch's kernel nests its sums
+        axis, n_in, n_out = 2 + k, shape[2 + k], out_shape[2 + k]
+        scale = 1.0 / factors[k] if factors[k] else n_in / n_out
+        dst = np.arange(n_out, dtype=np.float64)
+        if "nearest" in node.kind():
+            index = np.minimum(np.floor(dst * np.float32(scale)).astype(np.int64), n_in - 1)
+            name = ctx.b.op("Gather", [name, ctx.b.constant(index, "index")], axis=axis)
+            continue
+        low, high, weight = _linear_taps(n_in, n_out, factors[k], align, dtype)
+        weight = weight.reshape([n_out] + [1] * (spatial - 1 - k))
+        gathered = [ctx.b.op("Gather", [name, ctx.b.constant(i, "index")], axis=axis) for i in (low, high)]
+        name = ctx.b.op("Add", [ctx.b.op("Mul", [gathered[0], ctx.b.constant(1 - weight, "w")]),
+                                ctx.b.op("Mul", [gathered[1], ctx.b.constant(weight, "w")])])
+    return [name]
+
+
+# The scale arguments of the overloads with an output size, per spatial axis (scripted F.interpolate
+# calls these with the scale_factor the user gave).
+RESIZE_SCALE_ARGS = {1: ("scales",), 2: ("scales_h", "scales_w"), 3: ("scales_d", "scales_h", "scales_w")}
+
+
+def _resize_factors(ctx: LowerCtx, named: dict, spatial: int) -> list:
+    """Per spatial axis the scale factor torch's kernel takes its source positions from (output over
+    input), or None where it takes them from the sizes: the given factor wins over the sizes' ratio
+    (a scale of 1.7 resizes 243 to 413, and 1/1.7 is not 243/413)."""
+    if "scale_factors" in named:
+        given = ctx.const(named["scale_factors"])
+        return list(given) if given else [None] * spatial
+    given = [ctx.const(named[arg]) if arg in named else None for arg in RESIZE_SCALE_ARGS[spatial]]
+    return [f if f is not None and f > 0 else None for f in given]
+
+
+def _linear_taps(n_in: int, n_out: int, factor, align: bool, dtype):
+    """(low, high, weight of high) per output position of a linear resize, in the arithmetic of
+    torch's CPU kernel: positions and weights in the input's float type (float32 positions of a
+    large resize differ from exact ones by more than the tolerance of the result)."""
+    real = np.dtype(dtype).type
+    dst = np.arange(n_out).astype(real)
+    if align:
+        src = dst * (real(n_in - 1) / real(n_out - 1) if n_out > 1 else real(0))
+    else:
+        scale = real(1.0 / factor) if factor else real(n_in) / real(n_out)
+        # one rounding of the exact scale * (dst + 0.5) - 0.5: the fused multiply-add torch's build does
+        src = np.maximum((np.float64(scale) * (dst + real(0.5)).astype(np.float64) - 0.5).astype(real), real(0))
+    low = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
+    weight = np.clip(src - low.astype(real), real(0), real(1))
+    return low, np.minimum(low + 1, n_in - 1), weight
+
+
+RULES: dict[str, Rule] = {
+    **{kind: Rule(_conv, _conv_check) for kind in (
+        "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution", "aten::_convolution")},
+    "aten::max_pool1d": Rule(_max_pool),
+    "aten::max_pool2d": Rule(_max_pool),
+    "aten::avg_pool1d": Rule(_avg_pool, _avg_pool_check),
+    "aten::avg_pool2d": Rule(_avg_pool, _avg_pool_check),
+    "aten::adaptive_avg_pool1d": Rule(_adaptive_avg_pool, _adaptive_avg_pool_check),
+    "aten::adaptive_avg_pool2d": Rule(_adaptive_avg_pool, _adaptive_avg_pool_check),
+    **{kind: Rule(_pad, _pad_check) for kind in (
+        "aten::pad", "aten::constant_pad_nd", "aten::reflection_pad1d", "aten::reflection_pad2d",
+        "aten::replication_pad1d", "aten::replication_pad2d")},
+    **{kind: Rule(_upsample) for kind in ("aten::upsample_nearest1d", "aten::upsample_nearest2d",
+                                          "aten::upsample_linear1d", "aten::upsample_bilinear2d")},
+}
