@@ -121,8 +121,7 @@ def tt_dynamic(model, example, max_batch, max_seq, counts):
 # static compiles: timed once it read 4.2-6.6 s for BERT with the machine's load (1.3x-1.8x a
 # static compile). So it is timed COMPILE_SAMPLES times, each into an empty engine cache, and the
 # median stands (the module of the first compile is the one measured).
-COMPILE_SAMPLES = 3
-FRESH_CACHE = False  # main: the engine cache is the run's own (not --warm-cache), so empty ones are comparable
+COMPILE_SAMPLES = 3  # with --warm-cache 1: the user's cache is no empty one to compare with
 
 
 def compile_in_empty_cache(prepare, example) -> float:
@@ -314,7 +313,7 @@ def warm_up(fn, inputs) -> None:
             return
 
 
-def bench_model(name, build, batches, seqs, rounds) -> dict:
+def bench_model(name, build, batches, seqs, rounds, compile_samples) -> dict:
     import blade
     torch.manual_seed(0)
     inner, vocab = build()
@@ -344,10 +343,11 @@ def bench_model(name, build, batches, seqs, rounds) -> dict:
                 continue
             result["compile_s"][column] = time.perf_counter() - start
             runners[column] = fn
-        if "tt_infer dynamic" in result["compile_s"] and FRESH_CACHE:
-            result["compile_s"]["tt_infer dynamic"] = statistics.median([result["compile_s"]["tt_infer dynamic"], *(
-                compile_in_empty_cache(lambda: tt_dynamic(model, example, max(batches), max(seqs), {"g++": 0, "graphs": 0}),
-                                       example) for _ in range(COMPILE_SAMPLES - 1))])
+        if "tt_infer dynamic" in result["compile_s"]:
+            again = [compile_in_empty_cache(lambda: tt_dynamic(model, example, max(batches), max(seqs),
+                                                               {"g++": 0, "graphs": 0}), example)
+                     for _ in range(compile_samples - 1)]
+            result["compile_s"]["tt_infer dynamic"] = statistics.median([result["compile_s"]["tt_infer dynamic"], *again])
         rss_after_largest = None
         previous = example
         for batch in batches:
@@ -499,7 +499,7 @@ def markdown(results, args) -> str:
             (f", {v['coverage']}" if "coverage" in v else "") for k, v in counts.items()) +
             f"; tt_infer static: {sum(p.get('static_g++', 0) for p in res['points'])} engine compile(s) "
             f"for {len(res['points'])} points.")
-        lines.append(f"Compile time (s, incl. first call; tt_infer dynamic the median of {COMPILE_SAMPLES} compiles into empty "
+        lines.append(f"Compile time (s, incl. first call; tt_infer dynamic the median of {1 if args.warm_cache else COMPILE_SAMPLES} compiles into empty "
                      "engine caches where the run's cache is its own): " + ", ".join(
             f"{k} {v:.1f}" for k, v in res["compile_s"].items()) + "; tt_infer static per point: " +
             ", ".join(f"{p['static_compile_s']:.1f}" for p in res["points"] if "static_compile_s" in p))
@@ -545,14 +545,13 @@ def main() -> int:
     if not args.warm_cache:
         cache = tempfile.TemporaryDirectory(prefix="blade-dynamic-bench-")  # removed at exit
         os.environ["BLADE_CACHE_DIR"] = cache.name
-        global FRESH_CACHE
-        FRESH_CACHE = True
     batches, seqs = (QUICK_BATCHES, QUICK_SEQS) if args.quick else (BATCHES, SEQS)
     wanted = [w.strip().lower() for w in args.models.split(",")]
     results = []
     for name, build in MODELS.items():
         if any(w in name.lower() for w in wanted):
-            results.append(bench_model(name, build, batches, seqs, args.rounds))
+            results.append(bench_model(name, build, batches, seqs, args.rounds,
+                                       compile_samples=1 if args.warm_cache else COMPILE_SAMPLES))
             if not args.no_write:
                 Path(args.out).write_text(markdown(results, args))
     print(markdown(results, args))
