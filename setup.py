@@ -27,6 +27,7 @@ RUNTIME_SOURCES = [
     "cpp/conv_patch_x86_64_v3.cpp",
     "cpp/conv_patch_x86_64_v4.cpp",
     "cpp/depthwise.cpp",
+    "cpp/expand_depthwise.cpp",
     "cpp/engine.cpp",
     "cpp/engine_fallback.cpp",
     "cpp/engine_registration.cpp",

@@ -13,7 +13,7 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 6
+#define BLADE_ABI_VERSION 7
 
 extern "C" {
 
@@ -66,6 +66,24 @@ struct BladeAttention {
   float zero_rows_max;
 };
 
+// One BladeRuntime::conv call's arguments, in its parameter order (BladeRuntime::conv_pair).
+struct BladeConv {
+  int32_t spatial;
+  const int64_t* input_shape;
+  const float* input;
+  const int64_t* weight_shape;
+  const float* weight;
+  const float* bias;
+  const int64_t* strides;
+  const int64_t* pads;
+  const int64_t* dilations;
+  int64_t groups;
+  float* output;
+  int32_t layout;
+  const float* sum;
+  const BladeActivation* activation;
+};
+
 struct BladeRuntime {
   int32_t abi_version;  // == BLADE_ABI_VERSION
   // Row-major batched SGEMM: for b in [0, batch):
@@ -99,6 +117,11 @@ struct BladeRuntime {
   // Fused attention (BladeAttention above): each block of query rows computes its score rows, their
   // softmax and their product with V while the rows are in cache (no [m, n] score matrix in memory).
   void (*attention)(const BladeAttention* attention);
+  // conv(*first) then conv(*second), where second reads first's output as its input and nothing
+  // else reads that output: the runtime may compute the two together without writing it (a 1x1
+  // convolution expanding the channels, then a depthwise one: cpp/expand_depthwise.h), else it
+  // makes the two calls.
+  void (*conv_pair)(const BladeConv* first, const BladeConv* second);
 };
 
 // Every engine .so exports these two symbols.

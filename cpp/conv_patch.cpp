@@ -242,4 +242,13 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   });
 }
 
+void patch_conv_pixels(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
+                       Clamp clamp, float* output, int64_t begin, int64_t end) {
+  TORCH_CHECK(s.direct() && s.output_channels_last, "patch_conv_pixels: a direct convolution with a channels-last output");
+  if (begin >= end) return;
+  const int64_t panel_count = (s.out_channels + kPanel - 1) / kPanel;
+  block_kernels().patch_block(s, input, panels, bias, nullptr, clamp, output, begin, end, 0, panel_count, nullptr,
+                              nullptr, false, nullptr, 0);
+}
+
 }  // namespace blade

@@ -350,4 +350,10 @@ void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const flo
   });
 }
 
+void depthwise_conv2d_rows(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
+                           const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end) {
+  WeightPrefetch none;
+  depthwise_rows(shape, input, tap_weight, bias, sum, clamp, output, begin, end, none);
+}
+
 }  // namespace blade

@@ -33,4 +33,8 @@ at::Tensor depthwise_tap_weight(const float* weight, int64_t channels, int64_t t
 void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
                       const float* sum, Clamp clamp, float* output);
 
+// Output rows [begin, end) of the flattened (batch, out_h) range, on the calling thread.
+void depthwise_conv2d_rows(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
+                           const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end);
+
 }  // namespace blade

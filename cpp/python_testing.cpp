@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "depthwise.h"
+#include "expand_depthwise.h"
 #include "gemm.h"
 #include "oversubscription.h"
 #include "runtime.h"
@@ -140,6 +142,57 @@ void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tens
   }
 }
 
+// A 1x1 convolution (w1, b1, clamped to [lo1, hi1]) then a depthwise one (w2, b2, plus sum,
+// clamped to [lo2, hi2]) on channels-last tensors: together (expand_depthwise.h, whether or not
+// that pays) or as the runtime table's two convs through an expanded tensor, `repeat` times with
+// the weights packed once.
+void expand_depthwise(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, double lo1, double hi1,
+                      const at::Tensor& w2, const at::Tensor& b2, std::vector<int64_t> strides, std::vector<int64_t> pads,
+                      std::vector<int64_t> dilations, at::Tensor& out, double lo2, double hi2, bool together,
+                      int64_t repeat, const std::optional<at::Tensor>& sum) {
+  const auto nhwc = at::MemoryFormat::ChannelsLast;
+  TORCH_CHECK(x.dim() == 4 && x.is_contiguous(nhwc) && out.is_contiguous(nhwc) && w1.is_contiguous() &&
+                  w2.is_contiguous() && b1.is_contiguous() && b2.is_contiguous(),
+              "channels-last x and out, contiguous weights");
+  TORCH_CHECK(!sum || (sum->sizes() == out.sizes() && sum->strides() == out.strides()),
+              "sum must have out's shape and layout");
+  const float* sum_data = sum ? sum->const_data_ptr<float>() : nullptr;
+  const int64_t expanded_shape[] = {x.size(0), w1.size(0), x.size(2), x.size(3)};
+  const int64_t ones[] = {1, 1}, zeros[] = {0, 0, 0, 0};
+  const int32_t nhwc_bits = BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST;
+  const auto e = patch_conv_shape(2, x.sizes().data(), w1.sizes().data(), ones, zeros, ones, 1, nhwc_bits);
+  const BladeActivation act1{BLADE_ACTIVATION_CLAMP, static_cast<float>(lo1), static_cast<float>(hi1)};
+  const BladeActivation act2{BLADE_ACTIVATION_CLAMP, static_cast<float>(lo2), static_cast<float>(hi2)};
+  if (together) {
+    const DepthwiseShape d{x.size(0), x.size(2), x.size(3), w1.size(0), w2.size(2), w2.size(3), strides[0], strides[1],
+                           dilations[0], dilations[1], pads[0], pads[1], out.size(2), out.size(3)};
+    TORCH_CHECK(e && e->direct(), "w1 must be a 1x1 convolution's weight");
+    const at::Tensor panels = patch_conv_weight(w1.const_data_ptr<float>(), *e);
+    const at::Tensor taps = depthwise_tap_weight(w2.const_data_ptr<float>(), d.channels, d.kernel_h * d.kernel_w);
+    for (int64_t i = 0; i < repeat; ++i) {
+      expand_depthwise_conv2d(*e, x.const_data_ptr<float>(), panels.const_data_ptr<float>(), b1.const_data_ptr<float>(),
+                              clamp_of(&act1), d, taps.const_data_ptr<float>(), b2.const_data_ptr<float>(), sum_data,
+                              clamp_of(&act2), out.mutable_data_ptr<float>());
+    }
+    return;
+  }
+  at::Tensor expanded = at::empty({expanded_shape[0], expanded_shape[1], expanded_shape[2], expanded_shape[3]},
+                                  x.options().memory_format(nhwc));
+  PackedWeights weights;
+  weights.add_constant(w1.const_data_ptr(), w1.nbytes());
+  weights.add_constant(w2.const_data_ptr(), w2.nbytes());
+  const PackingScope scope(&weights);
+  for (int64_t i = 0; i < repeat; ++i) {
+    gemm_new_call();
+    runtime()->conv(2, x.sizes().data(), x.const_data_ptr<float>(), w1.sizes().data(), w1.const_data_ptr<float>(),
+                    b1.const_data_ptr<float>(), ones, zeros, ones, 1, expanded.mutable_data_ptr<float>(), nhwc_bits,
+                    nullptr, &act1);
+    runtime()->conv(2, expanded_shape, expanded.const_data_ptr<float>(), w2.sizes().data(), w2.const_data_ptr<float>(),
+                    b2.const_data_ptr<float>(), strides.data(), pads.data(), dilations.data(), w1.size(0),
+                    out.mutable_data_ptr<float>(), nhwc_bits, sum_data, &act2);
+  }
+}
+
 }  // namespace
 
 void bind_testing(pybind11::module_& m) {
@@ -153,6 +206,11 @@ void bind_testing(pybind11::module_& m) {
         py::arg("b"), py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("groups"), py::arg("out"),
         py::arg("layout"), py::arg("pack"), py::arg("sum") = py::none(), py::arg("activation") = 0,
         py::arg("lo") = 0.0, py::arg("hi") = 0.0, py::arg("repeat") = 1);
+  m.def("expand_depthwise", &expand_depthwise,
+        "A 1x1 then a depthwise convolution, channels-last, together or as two runtime convs (out written in place).",
+        py::arg("x"), py::arg("w1"), py::arg("b1"), py::arg("lo1"), py::arg("hi1"), py::arg("w2"), py::arg("b2"),
+        py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("out"), py::arg("lo2"), py::arg("hi2"),
+        py::arg("together"), py::arg("repeat") = 1, py::arg("sum") = py::none());
   m.def("set_conv_kernel_enabled", &set_conv_kernel_enabled,
         "Lets the runtime's conv use its kernel ('winograd', 'depthwise', 'pointwise', 'patch') where it applies (default), or never.",
         py::arg("kernel"), py::arg("enabled"));

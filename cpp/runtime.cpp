@@ -18,6 +18,7 @@
 #include "conv_gemm.h"
 #include "conv_patch.h"
 #include "depthwise.h"
+#include "expand_depthwise.h"
 #include "gemm.h"
 #include "isa_clones.h"
 #include "oversubscription.h"
@@ -160,14 +161,16 @@ struct ConvKernelSwitch {
   std::atomic<bool> enabled{true};
   std::atomic<int64_t> calls{0};
 };
-ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel, patch_kernel;
+ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel, patch_kernel, expand_depthwise_kernel;
 
 ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
   if (kernel == "winograd") return &winograd_kernel;
   if (kernel == "depthwise") return &depthwise_kernel;
   if (kernel == "pointwise") return &pointwise_kernel;
   if (kernel == "patch") return &patch_kernel;
-  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel, "' (winograd, depthwise, pointwise, patch)");
+  if (kernel == "expand_depthwise") return &expand_depthwise_kernel;
+  TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel,
+              "' (winograd, depthwise, pointwise, patch, expand_depthwise)");
 }
 
 // Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
@@ -405,12 +408,59 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   run_other(output);
 }
 
+void conv_call(const BladeConv& c) {
+  conv(c.spatial, c.input_shape, c.input, c.weight_shape, c.weight, c.bias, c.strides, c.pads, c.dilations, c.groups,
+       c.output, c.layout, c.sum, c.activation);
+}
+
+// The pair as one expand_depthwise.h call when first is a 1x1 convolution the patch kernel runs in
+// place (constant weight, no sum), second a depthwise one the depthwise kernel runs, and together
+// pays; false otherwise (nothing computed).
+bool expand_depthwise_pair(const BladeConv& first, const BladeConv& second) {
+  if (!expand_depthwise_kernel.enabled.load(std::memory_order_relaxed) ||
+      !patch_kernel.enabled.load(std::memory_order_relaxed) || first.sum != nullptr || current_weights == nullptr ||
+      !current_weights->is_constant(first.weight) || !current_weights->is_constant(second.weight) ||
+      second.input != first.output || first.spatial != 2 || second.spatial != 2) {
+    return false;
+  }
+  const auto expand = patch_conv_shape(first.spatial, first.input_shape, first.weight_shape, first.strides, first.pads,
+                                       first.dilations, first.groups, first.layout);
+  const auto depthwise = depthwise_shape(second.spatial, second.input_shape, second.weight_shape, second.strides,
+                                         second.pads, second.dilations, second.groups, second.layout);
+  if (!expand || !expand->direct() || !expand->output_channels_last || !depthwise ||
+      depthwise->channels != expand->out_channels || depthwise->batch != expand->batch ||
+      depthwise->in_h != expand->out_h || depthwise->in_w != expand->out_w ||
+      !expand_depthwise_pays(*expand, *depthwise, serial_here() ? 1 : at::get_num_threads())) {
+    return false;
+  }
+  // the packs the two convolutions apart use (shared with them, one per weight and kind)
+  const at::Tensor panels = relaid_weight(first.weight, -3 /* patch */, first.weight_shape,
+                                          [&] { return patch_conv_weight(first.weight, *expand); });
+  const at::Tensor taps = relaid_weight(second.weight, -2 /* depthwise */, second.weight_shape, [&] {
+    return depthwise_tap_weight(second.weight, depthwise->channels, depthwise->kernel_h * depthwise->kernel_w);
+  });
+  expand_depthwise_conv2d(*expand, first.input, panels.const_data_ptr<float>(), first.bias,
+                          clamp_of(first.activation), *depthwise, taps.const_data_ptr<float>(), second.bias,
+                          second.sum, clamp_of(second.activation), second.output);
+  expand_depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void conv_pair(const BladeConv* first, const BladeConv* second) {
+  {
+    const SerialScope serial_while_oversubscribed;  // as conv's
+    if (expand_depthwise_pair(*first, *second)) return;
+  }
+  conv_call(*first);
+  conv_call(*second);
+}
+
 void attention(const BladeAttention* a) {
   const SerialScope serial_while_oversubscribed;  // as sgemm's
   blade::attention(*a, current_weights);
 }
 
-const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv, &attention};
+const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv, &attention, &conv_pair};
 
 }  // namespace
 

@@ -199,35 +199,84 @@ def _conv_input(em, node: Node, channels_last: bool) -> tuple:
     return copy, nhwc
 
 
-def emit_conv(em, node, dest):
-    """dest = conv(node's args) [+ addend] [then an activation], with the plan's epilogue (the runtime's)."""
-    if node.numel == 0:
-        return
+def _conv_operands(em, node, dest) -> tuple:
+    """(input, is it channels-last, weight and bias, is the output channels-last) of conv `node`
+    writing dest; may emit copy kernels, so called before the conv's call kernel begins."""
+    out_nhwc = node.rank == 4 and not same_strides(node.shape, dest.layout.strides, contiguous_strides(node.shape))
+    x, in_nhwc = _conv_input(em, node.args[0], out_nhwc)
+    return x, in_nhwc, [_dense_operand(em, a) for a in node.args[1:]], out_nhwc
+
+
+def _conv_call(em, kernel, node, dest, operands, suffix: str = "") -> tuple:
+    """(declarations, argument list) of rt->conv for dest = conv(node's args) with the plan's
+    epilogue; the declarations' names end in suffix (two calls in one block)."""
+    x, in_nhwc, params, out_nhwc = operands
     epilogue = em.plan.epilogues.get(node)
     addend = epilogue and epilogue.addend
     activation = epilogue and epilogue.activation
-    out_nhwc = node.rank == 4 and not same_strides(node.shape, dest.layout.strides, contiguous_strides(node.shape))
-    (x, in_nhwc), *params = _conv_input(em, node.args[0], out_nhwc), *(_dense_operand(em, a) for a in node.args[1:])
-    described = (f" + {addend!r}" if addend is not None else "") + (f" then {activation}" if activation else "")
-    kernel = em.kernels.begin_call(f"{node!r} = conv {' * '.join(map(repr, node.args))} "
-                                   f"stride {node.attrs['strides']} pads {node.attrs['pads']} "
-                                   f"dilation {node.attrs['dilations']} groups {node.attrs['groups']}{described}"
-                                   + (" (channels-last)" if out_nhwc else ""))
     ptrs = [f"{kernel.use(o.buf)} + {o.layout.offset}" for o in (x, *params)]
     # the plan checked the addend (a stored node or a view of one) starts at its buffer's offset 0
     addend_ptr = f"{kernel.use(em.memory.strided_of(addend).buf)} + 0" if addend is not None else "nullptr"
     bias = ptrs[2] if len(ptrs) > 2 else "nullptr"
     arrays = {"xs": node.args[0].shape, "ws": node.args[1].shape, "st": node.attrs["strides"],
               "pd": node.attrs["pads"], "dl": node.attrs["dilations"]}
-    decls = [f"const int64_t {name}[] = {{{', '.join(map(str, values))}}};" for name, values in arrays.items()]
+    decls = [f"const int64_t {name}{suffix}[] = {{{', '.join(map(str, values))}}};" for name, values in arrays.items()]
     if activation:
-        decls.append(f"const BladeActivation act = {{BLADE_ACTIVATION_{activation.kind.upper()}, "
+        decls.append(f"const BladeActivation act{suffix} = {{BLADE_ACTIVATION_{activation.kind.upper()}, "
                      f"{literal(activation.lo, 'float32')}, {literal(activation.hi, 'float32')}}};")
     layout = " | ".join(["BLADE_CONV_INPUT_CHANNELS_LAST"] * in_nhwc + ["BLADE_CONV_OUTPUT_CHANNELS_LAST"] * out_nhwc)
-    call = (f"rt->conv({node.rank - 2}, xs, {ptrs[0]}, ws, {ptrs[1]}, {bias}, st, pd, dl, "
-            f"{node.attrs['groups']}, {kernel.use(dest.buf, write=True)} + {dest.layout.offset}, {layout or 0}, "
-            f"{addend_ptr}, {'&act' if activation else 'nullptr'});")
-    em.kernels.end_call(kernel, ["{", *indent([DECLS] + decls + [call]), "}"])
+    args = (f"{node.rank - 2}, xs{suffix}, {ptrs[0]}, ws{suffix}, {ptrs[1]}, {bias}, st{suffix}, pd{suffix}, "
+            f"dl{suffix}, {node.attrs['groups']}, {kernel.use(dest.buf, write=True)} + {dest.layout.offset}, "
+            f"{layout or 0}, {addend_ptr}, {f'&act{suffix}' if activation else 'nullptr'}")
+    return decls, args
+
+
+def _describe_conv(em, node, out_nhwc: bool) -> str:
+    epilogue = em.plan.epilogues.get(node)
+    addend = epilogue and epilogue.addend
+    activation = epilogue and epilogue.activation
+    described = (f" + {addend!r}" if addend is not None else "") + (f" then {activation}" if activation else "")
+    return (f"{node!r} = conv {' * '.join(map(repr, node.args))} stride {node.attrs['strides']} "
+            f"pads {node.attrs['pads']} dilation {node.attrs['dilations']} groups {node.attrs['groups']}{described}"
+            + (" (channels-last)" if out_nhwc else ""))
+
+
+def emit_conv(em, node, dest):
+    """dest = conv(node's args) [+ addend] [then an activation], with the plan's epilogue (the runtime's)."""
+    if node.numel == 0:
+        return
+    operands = _conv_operands(em, node, dest)
+    kernel = em.kernels.begin_call(_describe_conv(em, node, operands[-1]))
+    decls, args = _conv_call(em, kernel, node, dest, operands)
+    em.kernels.end_call(kernel, ["{", *indent([DECLS] + decls + [f"rt->conv({args});"]), "}"])
+
+
+def emit_conv_pair(em, node, dest):
+    """The plan's pair (plan._conv_pairs) in one rt->conv_pair call: the 1x1 convolution into its
+    stored value, then node, the depthwise convolution reading it, into dest."""
+    first = em.plan.conv_pairs[node]
+    first_dest = kernel_destination(em, first)
+    if node.numel == 0 or first.numel == 0:   # nothing to compute together (emit_conv skips the empty one)
+        emit_conv(em, first, first_dest)
+        emit_conv(em, node, dest)
+        return
+    first_operands, operands = _conv_operands(em, first, first_dest), _conv_operands(em, node, dest)
+    assert operands[0].buf is first_dest.buf, "the depthwise convolution reads the stored value in place"
+    kernel = em.kernels.begin_call(f"{_describe_conv(em, first, first_operands[-1])}, "
+                                   f"then {_describe_conv(em, node, operands[-1])}")
+    first_decls, first_args = _conv_call(em, kernel, first, first_dest, first_operands, "0")
+    decls, args = _conv_call(em, kernel, node, dest, operands, "1")
+    em.kernels.end_call(kernel, ["{", *indent([DECLS] + first_decls + decls + [
+        f"const BladeConv first = {{{first_args}}};", f"const BladeConv second = {{{args}}};",
+        "rt->conv_pair(&first, &second);"]), "}"])
+
+
+def kernel_destination(em, node):
+    """Where node's kernel writes: its epilogue's target (the node has no buffer of its own), else
+    node's own memory."""
+    epilogue = em.plan.epilogues.get(node)
+    stored = epilogue.target if epilogue is not None else node
+    return em.memory.destination(stored, em.plan.orders.get(stored))
 
 
 def _batch_strides(strides, rank: int) -> list:

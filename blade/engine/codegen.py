@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .buffers import Buffer, Memory, Strided, plan_arena
 from .ir import UnsupportedOnnxOp
-from .calls import emit_attention, emit_conv, emit_matmul
+from .calls import emit_attention, emit_conv, emit_conv_pair, emit_matmul, kernel_destination
 from .expressions import Values
 from .lines import Names
 from .loops import Kernels, emit_concat, emit_elementwise, emit_pad, emit_reduce, emit_scan
@@ -73,13 +73,13 @@ class Emitter:
         for node, k in plan.outputs.items():
             memory.output(node, k)
         fused = plan.fused
+        paired = set(plan.conv_pairs.values())   # called with their depthwise convolution
         for node in plan.live:
-            if node in fused or node not in plan.materialized or node.op in ("input", "const"):
+            if node in fused or node in paired or node not in plan.materialized or node.op in ("input", "const"):
                 continue
-            epilogue = plan.epilogues.get(node)
-            stored = epilogue.target if epilogue is not None else node   # what the kernel writes
-            emit = emit_attention if node in plan.attentions else MATERIALIZE[node.op]
-            emit(self, node, memory.destination(stored, plan.orders.get(stored)))
+            emit = (emit_attention if node in plan.attentions else emit_conv_pair if node in plan.conv_pairs
+                    else MATERIALIZE[node.op])
+            emit(self, node, kernel_destination(self, node))
         for k, (_, node) in enumerate(plan.graph.outputs):
             # (an output reshaping a node written into it: make_plan)
             buf = memory.buffers.get(node) or memory.buffers.get(reshaped_source(node))

@@ -52,9 +52,21 @@ ATTENTION_FN = ctypes.CFUNCTYPE(None, ctypes.POINTER(BladeAttention))
 SCORE_MUL, SCORE_DIV, SCORE_KEEP, SCORE_ADD = 1, 2, 3, 4     # blade_abi.h BLADE_SCORE_*
 
 
+class BladeConv(ctypes.Structure):
+    """One conv call's arguments, in CONV_FN's order."""
+    _fields_ = [("spatial", ctypes.c_int32), ("input_shape", ctypes.c_void_p), ("input", ctypes.c_void_p),
+                ("weight_shape", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("pads", ctypes.c_void_p), ("dilations", ctypes.c_void_p),
+                ("groups", ctypes.c_int64), ("output", ctypes.c_void_p), ("layout", ctypes.c_int32),
+                ("sum", ctypes.c_void_p), ("activation", ctypes.c_void_p)]
+
+
+CONV_PAIR_FN = ctypes.CFUNCTYPE(None, ctypes.POINTER(BladeConv), ctypes.POINTER(BladeConv))
+
+
 class BladeRuntime(ctypes.Structure):
     _fields_ = [("abi_version", ctypes.c_int32), ("sgemm", SGEMM_FN), ("parallel_for", PARALLEL_FOR_FN),
-                ("conv", CONV_FN), ("attention", ATTENTION_FN)]
+                ("conv", CONV_FN), ("attention", ATTENTION_FN), ("conv_pair", CONV_PAIR_FN)]
 
 
 ERROR_NAMES = {1: "BLADE_ERR_INDEX_OUT_OF_RANGE", 2: "BLADE_ERR_DIVISION_BY_ZERO",
@@ -183,6 +195,12 @@ def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, grou
         _activation(out, result.shape, out_channels_last)[...] = result.astype(np.float32)
 
 
+def _conv_pair(first, second):
+    """BladeRuntime::conv_pair as its two conv calls, in order."""
+    for call in (first.contents, second.contents):
+        _conv(*(getattr(call, name) for name, _ in BladeConv._fields_))
+
+
 def _parallel_for(begin, end, grain, fn, ctx):
     chunk = RANGE_FN(fn)
     step = max(grain, 1)
@@ -208,7 +226,7 @@ class NumpyEngine:
         if len(self.constants) != len(manifest.constants):
             raise ValueError(f"engine needs {len(manifest.constants)} constants, got {len(self.constants)}")
         self.runtime = BladeRuntime(manifest.abi_version, SGEMM_FN(_sgemm), PARALLEL_FOR_FN(_parallel_for),
-                                    CONV_FN(_conv), ATTENTION_FN(_attention))
+                                    CONV_FN(_conv), ATTENTION_FN(_attention), CONV_PAIR_FN(_conv_pair))
 
     @staticmethod
     def _pointers(arrays):

@@ -12,6 +12,9 @@ Decided from the graph alone, before any code exists (compiler.STAGES dumps it a
 - convolution epilogues: act(conv), conv + addend and act(conv + addend), act a ReLU or a clamp
   (ReLU6, hardtanh), computed by the convolution itself (the runtime's kernels, oneDNN post-ops)
   when the sum's addend is stored before the convolution runs;
+- convolution pairs: a 1x1 convolution whose result (after its epilogue) only a depthwise
+  convolution reads is handed to the runtime with it in one call (MobileNet's expansion: the
+  runtime may compute the two together and never store the expanded tensor);
 - matmul epilogues: a stored matmul + bias row (a Linear's or GPT-2's Conv1D's bias; stored as a
   graph output, or as the projection whose heads a fused attention reads in place) is written by
   the GEMM: C is filled with the bias, then the GEMM accumulates into it;
@@ -83,6 +86,7 @@ class Plan:
     epilogues: dict = field(default_factory=dict)   # conv node -> Epilogue
     window_form: set = field(default_factory=set)   # reductions emitted in window form
     attentions: dict = field(default_factory=dict)  # P.V matmul -> attention.Attention (one runtime call)
+    conv_pairs: dict = field(default_factory=dict)  # depthwise conv -> the 1x1 conv it is called with
 
     @property
     def fused(self) -> set:
@@ -123,6 +127,9 @@ class Plan:
         parts = [f"stored ({self.materialized[node]})"]
         if node in targets:
             parts.append(f"computed by the epilogue of {targets[node].name}")
+        paired_with = next((d for d, e in self.conv_pairs.items() if e is node), None)
+        if paired_with is not None:
+            parts.append(f"called with {paired_with.name} (conv_pair, at {paired_with.name}'s place)")
         if node in self.epilogues:   # the convolution writes the target's buffer, it has none of its own
             e = self.epilogues[node]
             value = f"{node.op}{f' + {e.addend.name}' if e.addend is not None else ''}"
@@ -203,6 +210,7 @@ def make_plan(graph: Graph) -> Plan:
     # the stored projections whose heads a fused attention reads in place (_matmul_epilogue)
     attention_sources = {views.view_chain(operand)[1] for operand in read_in_place}
     _plan_epilogues(result, channels_last, attention_sources)
+    result.conv_pairs = _conv_pairs(result)
     return result
 
 
@@ -458,6 +466,36 @@ def _plan_epilogues(p: Plan, channels_last: set, attention_sources: set) -> None
                 written.add(epilogue.target)
                 continue
         written.add(node)
+
+
+def _conv_pairs(p: Plan) -> dict:
+    """{depthwise conv: 1x1 conv} where the 1x1 convolution (stride 1, unpadded, ungrouped, no
+    addend in its epilogue) writes a stored value that only the depthwise convolution reads, as its
+    input: the runtime gets both in one call (BladeRuntime::conv_pair). The 1x1 one is then called
+    at the depthwise one's place, later than its own: its input is still there (a buffer is
+    written once, and the call's use keeps it live) and nothing read its result in between."""
+    writers = {e.target: conv for conv, e in p.epilogues.items() if conv.op == "conv"}
+    pairs = {}
+    for node in p.live:
+        if node.op != "conv" or node.rank != 4 or node.attrs["groups"] < 2:
+            continue
+        weight = node.args[1]
+        if not (node.attrs["groups"] == node.shape[1] == node.args[0].shape[1] and weight.shape[1] == 1):
+            continue
+        value = node.args[0]
+        expand = writers.get(value, value if value.op == "conv" and value not in p.epilogues else None)
+        if expand is None or expand.op != "conv" or expand.rank != 4 or expand in pairs.values():
+            continue
+        epilogue = p.epilogues.get(expand)
+        if (epilogue is not None and epilogue.addend is not None) or expand.attrs["groups"] != 1:
+            continue
+        if (tuple(expand.args[1].shape[2:]) != (1, 1) or any(s != 1 for s in expand.attrs["strides"])
+                or any(expand.attrs["pads"]) or any(d != 1 for d in expand.attrs["dilations"])):
+            continue
+        if p.users.get(value) != [node] or value in p.outputs or value not in p.materialized:
+            continue
+        pairs[node] = expand
+    return pairs
 
 
 def _matmul_epilogue(p: Plan, matmul: Node, attention_sources: set) -> Epilogue | None:

@@ -54,3 +54,52 @@ def test_activation_epilogues_match_eager_with_nan_and_inf(name):
     assert {k: _testing.conv_kernel_calls(k) > calls[k] for k in KERNELS} == dict.fromkeys(KERNELS, True)
     assert expected.isnan().any() and (actual.isnan() == expected.isnan()).all()
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+class ExpandThenDepthwise(torch.nn.Module):
+    """MobileNetV2's expansion and depthwise convolution with ReLU6 at a size where the runtime
+    computes the two together (an expanded tensor of 1.2 MB: conv_pair), after a stem convolution
+    (so the expansion reads a channels-last input), optionally also returning the expanded value,
+    which then must be stored (no pair)."""
+
+    def __init__(self, stride, also_expanded):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.expand = torch.nn.Conv2d(16, 96, 1)
+        self.depthwise = torch.nn.Conv2d(96, 96, 3, stride=stride, padding=1, groups=96)
+        self.project = torch.nn.Conv2d(96, 24, 1)
+        self.also_expanded = also_expanded
+
+    def forward(self, x):
+        expanded = F.relu6(self.expand(F.relu6(self.stem(x))))
+        y = self.project(F.relu6(self.depthwise(expanded)))
+        return (y, expanded) if self.also_expanded else y
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("also_expanded", [False, True])
+def test_expand_depthwise_pair_matches_eager_and_apart(stride, also_expanded):
+    torch.manual_seed(1)
+    model = ExpandThenDepthwise(stride, also_expanded).eval()
+    x = torch.randn(2, 3, 40, 40) * 3
+    x[0, 1, 4, 5], x[1, 2, 0, 0] = float("nan"), float("inf")
+    results, together = [], []
+    try:
+        for enabled in (True, False):
+            _testing.set_conv_kernel_enabled("expand_depthwise", enabled)
+            before = _testing.conv_kernel_calls("expand_depthwise")
+            torch._dynamo.reset()
+            with torch.no_grad():
+                results.append(torch.compile(model, backend=Capture())(x))
+            together.append(_testing.conv_kernel_calls("expand_depthwise") - before)
+    finally:
+        _testing.set_conv_kernel_enabled("expand_depthwise", True)
+    assert together == [0 if also_expanded else 1, 0]
+    with torch.no_grad():
+        expected = model(x)
+    for actual in results:
+        for a, e in zip(*(torch.utils._pytree.tree_leaves(v) for v in (actual, expected))):
+            assert e.isnan().any() and (a.isnan() == e.isnan()).all()
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, equal_nan=True)
+    for a, b in zip(*(torch.utils._pytree.tree_leaves(v) for v in results)):
+        assert torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0))  # together is bitwise apart

@@ -7,7 +7,8 @@ import subprocess
 
 from blade.engine import compiler, npruntime
 
-STRUCTS = (npruntime.BladeRuntime, npruntime.BladeAttention, npruntime.BladeScoreStep, npruntime.BladeActivation)
+STRUCTS = (npruntime.BladeRuntime, npruntime.BladeAttention, npruntime.BladeScoreStep, npruntime.BladeActivation,
+           npruntime.BladeConv)
 
 
 def test_ctypes_structs_match_the_header(tmp_path):

@@ -325,3 +325,22 @@ def test_zero_pad_folds_into_the_convolution_pads():
     assert "pads [0, 1, 1, 2]" in folded.source
     for program in (read_twice, nonzero):
         assert any(k.startswith("pad") for k in kernels(program))
+
+
+def test_an_expansion_read_only_by_a_depthwise_convolution_is_called_with_it():
+    """conv_pair: the 1x1 convolution (its ReLU6 epilogue included) is called with the depthwise
+    one at the depthwise one's place; returned as an output too, its value is stored and it keeps
+    its own call."""
+    (case,) = [c for c in CASES if c.name == "conv-expand-depthwise-pair"]
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    ((depthwise, expand),) = planned.conv_pairs.items()
+    assert depthwise.attrs["groups"] == 48 and tuple(expand.args[1].shape) == (48, 8, 1, 1)
+    assert f"called with {depthwise.name} (conv_pair" in planned.describe()
+    source = codegen.generate(planned).source
+    assert source.count("rt->conv_pair(&first, &second);") == 1 and source.count("rt->conv(") == 2
+    model = type(case.model)()
+    model.CopyFrom(case.model)   # CASES is shared
+    model.graph.output.append(helper.make_tensor_value_info("e", 1, [1, 48, 64, 64]))
+    planned = plan.make_plan(ir.lower_onnx(model))
+    assert planned.conv_pairs == {}
+    assert "rt->conv_pair(" not in codegen.generate(planned).source

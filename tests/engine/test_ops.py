@@ -223,6 +223,22 @@ CASES = [
          "b1": np.random.default_rng(12).standard_normal((64,)).astype(f32),
          "w2": (np.random.default_rng(13).standard_normal((64, 64, 3, 3)) / 24).astype(f32),
          "w3": np.random.default_rng(14).standard_normal((8, 64, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4),
+    # MobileNetV2's expansion: a 1x1 convolution + ReLU6 (reading a channels-last input) read only
+    # by a depthwise one (TF padding, stride 2): one rt->conv_pair call, computed together by the
+    # runtime (an expanded tensor of 768 KB); then the projection.
+    graph_case("conv-expand-depthwise-pair", [
+        node("Conv", ["x", "w0"], ["c0"], pads=[1, 1, 1, 1]),
+        node("Conv", ["c0", "w1", "b1"], ["c1"]), node("Clip", ["c1", "lo", "hi"], ["e"]),
+        node("Conv", ["e", "w2", "b2"], ["c2"], group=48, strides=[2, 2], pads=[0, 0, 1, 1]),
+        node("Clip", ["c2", "lo", "hi"], ["d"]), node("Conv", ["d", "w3"], ["y"])],
+        {"x": ((1, 8, 64, 64), "float32")}, ["y"],
+        {"w0": (np.random.default_rng(20).standard_normal((8, 8, 3, 3)) / 8).astype(f32),
+         "w1": (np.random.default_rng(21).standard_normal((48, 8, 1, 1)) / 3).astype(f32),
+         "b1": np.random.default_rng(22).standard_normal((48,)).astype(f32),
+         "w2": (np.random.default_rng(23).standard_normal((48, 1, 3, 3)) / 3).astype(f32),
+         "b2": np.random.default_rng(24).standard_normal((48,)).astype(f32),
+         "w3": (np.random.default_rng(25).standard_normal((8, 48, 1, 1)) / 7).astype(f32),
+         "lo": np.array(0.0, f32), "hi": np.array(6.0, f32)}, rtol=1e-4, atol=1e-4),
     # A ResNet stem: the padded input and the window reduction of the pooling are channels-last too.
     graph_case("conv-maxpool-conv-channels-last", [
         node("Conv", ["x", "w1"], ["c1"], pads=[3, 3, 3, 3], strides=[2, 2]), node("Relu", ["c1"], ["r1"]),

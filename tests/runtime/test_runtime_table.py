@@ -611,3 +611,53 @@ def test_conv_patch_not_taken(x_shape, w_shape, groups, layout):
                   None, [1, 1], [w_shape[2] // 2] * 4, [1, 1], groups, out, layout, True)
     assert _testing.conv_kernel_calls("patch") == before
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+# A 1x1 convolution and the depthwise one that reads its output, computed together
+# (expand_depthwise.h: the expanded rows a thread's output rows read, in a buffer of its own, kept
+# from one step of rows to the next) against the two runtime convs apart: bitwise the same, with
+# NaN and infinities. Strides, dilation, 3x3/5x5/3x5 kernels, TF-style and symmetric pads, channel
+# counts off the vector width, steps that cross images (batch 3 of small images), rows of 80 (a few
+# rows a buffer), a residual sum, on 1 and 2 threads (a thread's chunks continue its buffer; a
+# chunk another thread claims starts its own).
+EXPAND_DEPTHWISE_CASES = [  # n, c_in, c_exp, h, w, (kh, kw), stride, dilation, pads
+    (1, 16, 96, 80, 80, (3, 3), 2, 1, [0, 0, 1, 1]),
+    (1, 24, 144, 40, 40, (3, 3), 1, 1, [1, 1, 1, 1]),
+    (3, 8, 36, 7, 9, (3, 3), 1, 1, [1, 1, 1, 1]),
+    (2, 5, 20, 11, 6, (5, 5), 2, 1, [2, 2, 2, 2]),
+    (1, 12, 40, 17, 23, (3, 5), 1, 2, [2, 4, 1, 3]),
+    (2, 3, 17, 9, 30, (3, 3), 2, 1, [1, 0, 0, 1]),
+    (1, 32, 192, 20, 20, (3, 3), 1, 1, [0, 0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("case", EXPAND_DEPTHWISE_CASES,
+                         ids=lambda c: f"n{c[0]}-{c[1]}to{c[2]}-{c[3]}x{c[4]}-k{c[5][0]}{c[5][1]}s{c[6]}d{c[7]}")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("with_sum", [False, True])
+def test_expand_depthwise_together_is_bitwise_apart(case, threads, with_sum):
+    n, c_in, c_exp, h, w, (kh, kw), stride, dilation, pads = case
+    torch.manual_seed(13)
+    x = torch.randn(n, c_in, h, w) * 3
+    x[0, 0, 1, 2], x[-1, -1, -1, 0], x[0, -1, 0, -1] = float("nan"), float("inf"), -float("inf")
+    x = x.contiguous(memory_format=torch.channels_last)
+    w1, b1 = torch.randn(c_exp, c_in, 1, 1) / c_in ** 0.5, torch.randn(c_exp)
+    w2, b2 = torch.randn(c_exp, 1, kh, kw) / (kh * kw) ** 0.5, torch.randn(c_exp)
+    out_h = (h + pads[0] + pads[2] - dilation * (kh - 1) - 1) // stride + 1
+    out_w = (w + pads[1] + pads[3] - dilation * (kw - 1) - 1) // stride + 1
+    residual = torch.randn(n, c_exp, out_h, out_w).contiguous(memory_format=torch.channels_last) if with_sum else None
+    outputs = []
+    with torch_threads(threads):
+        for together in (True, False):
+            out = torch.full((n, c_exp, out_h, out_w), 7.0).contiguous(memory_format=torch.channels_last)
+            for _ in range(2):  # the second call finds the first call's buffers
+                _testing.expand_depthwise(x, w1, b1, 0.0, 6.0, w2, b2, [stride] * 2, pads, [dilation] * 2, out,
+                                          -1.0, 4.0, together, 1, residual)
+            outputs.append(out)
+    expanded = torch.conv2d(x.double(), w1.double(), b1.double()).clamp(0, 6)
+    expected = torch.conv2d(torch.nn.functional.pad(expanded, [pads[1], pads[3], pads[0], pads[2]]), w2.double(),
+                            b2.double(), stride, 0, dilation, c_exp)
+    expected = (expected + residual.double() if with_sum else expected).clamp(-1, 4)
+    assert outputs[0].isnan().any()
+    assert torch.equal(outputs[0].nan_to_num(123.0), outputs[1].nan_to_num(123.0))
+    torch.testing.assert_close(outputs[0].double(), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
