@@ -28,6 +28,9 @@ constexpr int64_t kMinExpandedBytes = int64_t{512} << 10;
 constexpr int64_t kMaxWeightBytes = int64_t{64} << 10;
 constexpr int64_t kMinRowsPerThread = 4;
 
+// The image rows one output row's taps span.
+int64_t kernel_rows(const DepthwiseShape& s) { return (s.kernel_h - 1) * s.dilation_h + 1; }
+
 // Image rows [lo, hi) output row oh of the depthwise convolution reads (clipped to the image).
 struct RowSpan {
   int64_t lo, hi;
@@ -35,7 +38,7 @@ struct RowSpan {
 RowSpan rows_read(const DepthwiseShape& s, int64_t oh) {
   const int64_t top = oh * s.stride_h - s.pad_top;
   return {std::clamp<int64_t>(top, 0, s.in_h),
-          std::clamp<int64_t>(top + (s.kernel_h - 1) * s.dilation_h + 1, 0, s.in_h)};
+          std::clamp<int64_t>(top + kernel_rows(s), 0, s.in_h)};
 }
 
 // The expanded rows a thread holds: rows [lo, hi) of image n, computed during call `call`.
@@ -45,24 +48,26 @@ struct Held {
 
 }  // namespace
 
+bool expand_feeds_depthwise(const PatchConvShape& e, const DepthwiseShape& d) {
+  return e.direct() && e.output_channels_last && d.channels == e.out_channels && d.batch == e.batch &&
+         d.in_h == e.out_h && d.in_w == e.out_w;
+}
+
 bool expand_depthwise_pays(const PatchConvShape& e, const DepthwiseShape& d, int64_t threads) {
   const int64_t expanded_bytes = e.batch * e.out_h * e.out_w * e.out_channels * int64_t{sizeof(float)};
   const int64_t row_bytes = d.in_w * d.channels * int64_t{sizeof(float)};
-  const int64_t rows_needed = (d.kernel_h - 1) * d.dilation_h + 1;
   const int64_t weight_bytes = e.depth() * e.out_channels * int64_t{sizeof(float)};
-  return expanded_bytes >= kMinExpandedBytes && weight_bytes <= kMaxWeightBytes && rows_needed * row_bytes <= kBufferBytes &&
-         d.batch * d.out_h >= kMinRowsPerThread * threads;
+  return expanded_bytes >= kMinExpandedBytes && weight_bytes <= kMaxWeightBytes &&
+         kernel_rows(d) * row_bytes <= kBufferBytes && d.batch * d.out_h >= kMinRowsPerThread * threads;
 }
 
 void expand_depthwise_conv2d(const PatchConvShape& e, const float* input, const float* panels, const float* bias1,
                              Clamp clamp1, const DepthwiseShape& d, const float* tap_weight, const float* bias2,
                              const float* sum, Clamp clamp2, float* output) {
-  TORCH_CHECK(e.direct() && e.output_channels_last && d.channels == e.out_channels && d.batch == e.batch &&
-                  d.in_h == e.out_h && d.in_w == e.out_w,
+  TORCH_CHECK(expand_feeds_depthwise(e, d),
               "expand_depthwise_conv2d: the 1x1 convolution's output is not the depthwise one's input");
   const int64_t row_floats = d.in_w * d.channels, out_row_floats = d.out_w * d.channels;
-  const int64_t capacity = std::max<int64_t>((d.kernel_h - 1) * d.dilation_h + 1,
-                                             kBufferBytes / (row_floats * int64_t{sizeof(float)}));
+  const int64_t capacity = std::max(kernel_rows(d), kBufferBytes / (row_floats * int64_t{sizeof(float)}));
   const int64_t in_pixels_per_image = e.in_h * e.in_w;
   static std::atomic<int64_t> calls{0};
   const int64_t call = calls.fetch_add(1, std::memory_order_relaxed);

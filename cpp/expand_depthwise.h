@@ -18,14 +18,17 @@
 
 namespace blade {
 
+// Whether the 1x1 convolution runs in place (direct(), channels-last output) and its output is the
+// depthwise convolution's input image.
+bool expand_feeds_depthwise(const PatchConvShape& expand, const DepthwiseShape& depthwise);
+
 // Whether the pair is worth computing together: an expanded tensor larger than a core's L2 holds
 // (a smaller one stays in the caches between the two kernels anyway, and their own parallel
 // splits serve small images better), with an output of at least a few rows a thread.
 bool expand_depthwise_pays(const PatchConvShape& expand, const DepthwiseShape& depthwise, int64_t threads);
 
 // output = clamp2(depthwise(clamp1(conv1x1(input) + bias1)) + bias2 + sum), channels-last
-// throughout; `expand` is direct() with a channels-last output and `depthwise.channels` ==
-// expand.out_channels over the same image. bias1, bias2 and sum may be null.
+// throughout, where expand_feeds_depthwise. bias1, bias2 and sum may be null.
 void expand_depthwise_conv2d(const PatchConvShape& expand, const float* input, const float* panels, const float* bias1,
                              Clamp clamp1, const DepthwiseShape& depthwise, const float* tap_weight, const float* bias2,
                              const float* sum, Clamp clamp2, float* output);

@@ -427,9 +427,7 @@ bool expand_depthwise_pair(const BladeConv& first, const BladeConv& second) {
                                        first.dilations, first.groups, first.layout);
   const auto depthwise = depthwise_shape(second.spatial, second.input_shape, second.weight_shape, second.strides,
                                          second.pads, second.dilations, second.groups, second.layout);
-  if (!expand || !expand->direct() || !expand->output_channels_last || !depthwise ||
-      depthwise->channels != expand->out_channels || depthwise->batch != expand->batch ||
-      depthwise->in_h != expand->out_h || depthwise->in_w != expand->out_w ||
+  if (!expand || !depthwise || !expand_feeds_depthwise(*expand, *depthwise) ||
       !expand_depthwise_pays(*expand, *depthwise, serial_here() ? 1 : at::get_num_threads())) {
     return false;
   }
