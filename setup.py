@@ -28,6 +28,7 @@ RUNTIME_SOURCES = [
     "cpp/conv_patch_x86_64_v4.cpp",
     "cpp/depthwise.cpp",
     "cpp/expand_depthwise.cpp",
+    "cpp/grouped_conv.cpp",
     "cpp/engine.cpp",
     "cpp/engine_fallback.cpp",
     "cpp/engine_registration.cpp",

@@ -212,7 +212,8 @@ void bind_testing(pybind11::module_& m) {
         py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("out"), py::arg("lo2"), py::arg("hi2"),
         py::arg("together"), py::arg("repeat") = 1, py::arg("sum") = py::none());
   m.def("set_conv_kernel_enabled", &set_conv_kernel_enabled,
-        "Lets the runtime's conv use its kernel ('winograd', 'depthwise', 'pointwise', 'patch') where it applies (default), or never.",
+        "Lets the runtime's conv use its kernel ('winograd', 'depthwise', 'grouped', 'pointwise', 'patch', 'expand_depthwise')"
+        " where it applies (default), or never.",
         py::arg("kernel"), py::arg("enabled"));
   m.def("conv_kernel_calls", &conv_kernel_calls, "How many convolutions the runtime's kernel has computed.",
         py::arg("kernel"));

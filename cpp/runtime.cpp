@@ -19,6 +19,7 @@
 #include "conv_patch.h"
 #include "depthwise.h"
 #include "expand_depthwise.h"
+#include "grouped_conv.h"
 #include "gemm.h"
 #include "isa_clones.h"
 #include "oversubscription.h"
@@ -161,16 +162,18 @@ struct ConvKernelSwitch {
   std::atomic<bool> enabled{true};
   std::atomic<int64_t> calls{0};
 };
-ConvKernelSwitch winograd_kernel, depthwise_kernel, pointwise_kernel, patch_kernel, expand_depthwise_kernel;
+ConvKernelSwitch winograd_kernel, depthwise_kernel, grouped_kernel, pointwise_kernel, patch_kernel,
+    expand_depthwise_kernel;
 
 ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
   if (kernel == "winograd") return &winograd_kernel;
   if (kernel == "depthwise") return &depthwise_kernel;
+  if (kernel == "grouped") return &grouped_kernel;
   if (kernel == "pointwise") return &pointwise_kernel;
   if (kernel == "patch") return &patch_kernel;
   if (kernel == "expand_depthwise") return &expand_depthwise_kernel;
   TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel,
-              "' (winograd, depthwise, pointwise, patch, expand_depthwise)");
+              "' (winograd, depthwise, grouped, pointwise, patch, expand_depthwise)");
 }
 
 // Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
@@ -225,6 +228,26 @@ std::optional<DepthwiseShape> depthwise_shape(int32_t spatial, const int64_t* in
   return shape;
 }
 
+// The grouped kernel (grouped_conv.h) for every other 2-D grouped convolution between
+// channels-last tensors whose groups have a multiple of 8 output channels (RegNet, ResNeXt) and at
+// most kGroupedMaxGroupIn input channels, any stride, dilation and padding. Others (a channel
+// multiplier of 2, groups of 4 output channels) stay oneDNN's.
+std::optional<GroupedShape> grouped_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
+                                          const int64_t* strides, const int64_t* pads, const int64_t* dilations,
+                                          int64_t groups, int32_t layout) {
+  const int32_t channels_last = BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST;
+  if (!grouped_kernel.enabled.load(std::memory_order_relaxed) || spatial != 2 || layout != channels_last || groups < 2 ||
+      weight_shape[0] % (groups * kGroupedLanes) != 0 || weight_shape[1] > kGroupedMaxGroupIn) {
+    return std::nullopt;
+  }
+  GroupedShape shape{input_shape[0], input_shape[2], input_shape[3], input_shape[1], weight_shape[0], groups,
+                     weight_shape[2], weight_shape[3], strides[0], strides[1], dilations[0], dilations[1],
+                     pads[0], pads[1], 0, 0};
+  shape.out_h = (shape.in_h + pads[0] + pads[2] - dilations[0] * (shape.kernel_h - 1) - 1) / strides[0] + 1;
+  shape.out_w = (shape.in_w + pads[1] + pads[3] - dilations[1] * (shape.kernel_w - 1) - 1) / strides[1] + 1;
+  return shape;
+}
+
 // The key of a conv weight's pack in a kernel's own layout (`kind` tells the kernels' packs of one
 // weight apart; the relayouts read the weight's [out, in, kh, kw] only, and engines sharing the
 // constant share the pack, so its shape is part of the key).
@@ -265,6 +288,13 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
     });
     depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum, clamp, output);
     depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  if (const auto shape = grouped_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
+    const at::Tensor packed = relaid_weight(weight, -4 /* grouped */, weight_shape,
+                                            [&] { return grouped_conv_weight(weight, *shape); });
+    grouped_conv2d(*shape, input, packed.const_data_ptr<float>(), bias, sum, clamp, output);
+    grouped_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   if (patch_kernel.enabled.load(std::memory_order_relaxed)) {

@@ -43,35 +43,9 @@ def median_ms(fn, inputs, rounds=30):
     return 1e3 * statistics.median(times)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["bert", "gpt2"], default="bert")
-    parser.add_argument("--out", default=None, help="where to write the artifact (default: a temp dir)")
-    args = parser.parse_args()
-    model, inputs = build(args.model)
-    print(f"model: transformers {type(model).__name__}, random weights, inputs {[list(x.shape) for x in inputs]}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-
-    with torch.no_grad():
-        expected = model(*inputs).last_hidden_state
-        started = time.perf_counter()
-        compiled = torch.compile(model, backend="tt_infer")
-        actual = compiled(*inputs).last_hidden_state
-        print(f"\n[1] torch.compile(backend='tt_infer'): first call (trace + compile) {time.perf_counter() - started:.1f}s")
-        err = (actual - expected).abs().max().item()
-        rel = err / expected.abs().max().item()
-        print(f"    max abs error vs eager {err:.2e} (relative {rel:.2e})  -> {'OK' if rel <= 1e-4 else 'MISMATCH'}")
-
-        eager_ms, blade_ms = [], []
-        for _ in range(5):  # interleaved rounds: the machine is shared and noisy
-            eager_ms.append(median_ms(model, inputs))
-            blade_ms.append(median_ms(compiled, inputs))
-        e, b = statistics.median(eager_ms), statistics.median(blade_ms)
-        print(f"\n[2] median latency: eager {e:.2f} ms, tt_infer {b:.2f} ms -> speedup {e / b:.2f}x")
-
-    out_dir = args.out or tempfile.mkdtemp(prefix="blade-demo-")
-    os.makedirs(out_dir, exist_ok=True)
-    artifact = os.path.join(out_dir, f"{args.model}.blade.pt")
+def export_and_serve(model, inputs, expected, name: str, out_dir: str) -> int:
+    """Steps 3 and 4: blade.export into out_dir, then blade.load in a fresh process."""
+    artifact = os.path.join(out_dir, f"{name}.blade.pt")
     exported = blade.export(model, inputs, artifact)
     report = exported.report
     print(f"\n[3] blade.export -> {artifact} ({os.path.getsize(artifact) / 2**20:.1f} MiB)")
@@ -99,7 +73,42 @@ def main() -> int:
     if result.returncode != 0:
         print(result.stderr, file=sys.stderr)
         return 1
-    return 0 if rel <= 1e-4 else 1
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["bert", "gpt2"], default="bert")
+    parser.add_argument("--out", default=None, help="where to keep the artifact (default: a temp dir, removed at exit)")
+    args = parser.parse_args()
+    model, inputs = build(args.model)
+    print(f"model: transformers {type(model).__name__}, random weights, inputs {[list(x.shape) for x in inputs]}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    with torch.no_grad():
+        expected = model(*inputs).last_hidden_state
+        started = time.perf_counter()
+        compiled = torch.compile(model, backend="tt_infer")
+        actual = compiled(*inputs).last_hidden_state
+        print(f"\n[1] torch.compile(backend='tt_infer'): first call (trace + compile) {time.perf_counter() - started:.1f}s")
+        err = (actual - expected).abs().max().item()
+        rel = err / expected.abs().max().item()
+        print(f"    max abs error vs eager {err:.2e} (relative {rel:.2e})  -> {'OK' if rel <= 1e-4 else 'MISMATCH'}")
+
+        eager_ms, blade_ms = [], []
+        for _ in range(5):  # interleaved rounds: the machine is shared and noisy
+            eager_ms.append(median_ms(model, inputs))
+            blade_ms.append(median_ms(compiled, inputs))
+        e, b = statistics.median(eager_ms), statistics.median(blade_ms)
+        print(f"\n[2] median latency: eager {e:.2f} ms, tt_infer {b:.2f} ms -> speedup {e / b:.2f}x")
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        served = export_and_serve(model, inputs, expected, args.model, args.out)
+    else:  # nothing left behind in /tmp (--out keeps the artifact)
+        with tempfile.TemporaryDirectory(prefix="blade-demo-") as out_dir:
+            served = export_and_serve(model, inputs, expected, args.model, out_dir)
+    return served if served else (0 if rel <= 1e-4 else 1)
 
 
 if __name__ == "__main__":

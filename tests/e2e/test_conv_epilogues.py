@@ -1,7 +1,7 @@
 """Activations after convolutions (ReLU6, hardtanh, clamp) computed in the convolution's own
 output pass, through tt_infer against eager, with NaN and infinities in the input: every runtime
-kernel (patch: 1x1 and 3x3 as register-tiled GEMMs, depthwise, Winograd, oneDNN) in channels-last
-and NCHW."""
+kernel (patch: 1x1 and 3x3 as register-tiled GEMMs, depthwise, grouped, Winograd, oneDNN) in
+channels-last and NCHW."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,3 +103,38 @@ def test_expand_depthwise_pair_matches_eager_and_apart(stride, also_expanded):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, equal_nan=True)
     for a, b in zip(*(torch.utils._pytree.tree_leaves(v) for v in results)):
         assert torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0))  # together is bitwise apart
+
+
+class GroupedBottleneck(torch.nn.Module):
+    """RegNet-Y's block: 1x1, a grouped 3x3 (groups of 8 channels, stride 2) with ReLU, squeeze-and-
+    excitation, 1x1, plus a strided 1x1 shortcut; after a stem convolution, so the grouped one
+    reads and writes channels-last (the grouped kernel)."""
+
+    def __init__(self, width=48, group_width=8):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 32, 3, padding=1)
+        self.reduce = torch.nn.Conv2d(32, width, 1)
+        self.grouped = torch.nn.Conv2d(width, width, 3, stride=2, padding=1, groups=width // group_width)
+        self.squeeze, self.excite = torch.nn.Conv2d(width, 8, 1), torch.nn.Conv2d(8, width, 1)
+        self.expand, self.shortcut = torch.nn.Conv2d(width, 64, 1), torch.nn.Conv2d(32, 64, 1, stride=2)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        y = F.relu(self.grouped(F.relu(self.reduce(x))))
+        y = y * torch.sigmoid(self.excite(F.relu(self.squeeze(y.mean((2, 3), keepdim=True)))))
+        return F.relu(self.expand(y) + self.shortcut(x))
+
+
+@pytest.mark.parametrize("group_width", [8, 16, 24])
+def test_grouped_block_matches_eager(group_width):
+    torch.manual_seed(2)
+    model = GroupedBottleneck(48, group_width).eval()
+    x = torch.randn(2, 3, 20, 18) * 3
+    x[0, 1, 4, 5], x[1, 2, 0, 0] = float("nan"), float("inf")
+    before = _testing.conv_kernel_calls("grouped")
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=Capture())(x)
+    assert _testing.conv_kernel_calls("grouped") == before + 1
+    assert expected.isnan().any() and (actual.isnan() == expected.isnan()).all()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4, equal_nan=True)

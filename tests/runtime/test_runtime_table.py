@@ -318,6 +318,64 @@ def test_conv_depthwise_not_taken():
     assert _testing.conv_kernel_calls("depthwise") == before
 
 
+# The grouped kernel: 2-D grouped convolutions between channels-last tensors whose groups have a
+# multiple of 8 output channels (8 as one vector, 16 and 24 as one tile of 2 and 3, 32 and 40 as
+# several), group input channels of 8 and 16 (unrolled) and others (1 is a channel multiplier of 8,
+# 3, 24), any kernel size, stride, dilation and (asymmetric) padding; rows cut into tiles of 8, 6 or
+# 4 pixels and the even shorter ones of narrow images; bias, residual and ReLU; a weight that is an
+# engine constant (laid out once) or not. Against a float64 convolution, and oneDNN's.
+@pytest.mark.parametrize("n, c_in, c_out, groups, h, w, k, stride, dilation, pads", [
+    (1, 48, 48, 6, 14, 14, 3, 2, 1, [1, 1, 1, 1]), (2, 32, 32, 4, 9, 11, 3, 1, 1, [1, 1, 1, 1]),
+    (1, 64, 64, 4, 7, 7, 3, 1, 1, [1, 1, 1, 1]), (1, 48, 48, 2, 6, 13, 3, 1, 1, [0, 1, 2, 1]),
+    (1, 24, 64, 8, 5, 5, 1, 1, 1, [0, 0, 0, 0]), (1, 8, 64, 8, 6, 6, 3, 1, 1, [1, 1, 1, 1]),
+    (3, 96, 96, 4, 5, 9, 3, 2, 1, [1, 1, 1, 1]), (1, 64, 80, 2, 8, 3, 5, 1, 2, [4, 4, 4, 4]),
+    (1, 16, 16, 2, 1, 1, 3, 1, 1, [1, 1, 1, 1]), (1, 40, 40, 5, 4, 17, 3, 1, 1, [1, 1, 1, 1]),
+    (1, 16, 48, 2, 5, 20, 3, 1, 1, [1, 1, 1, 1]), (2, 32, 16, 2, 4, 4, 2, 2, 1, [0, 0, 0, 0]),
+    (1, 6, 16, 2, 9, 9, 3, 3, 1, [1, 0, 1, 0])])
+@pytest.mark.parametrize("with_bias, with_sum, activation, pack", [(True, False, 0, True), (False, True, 1, False),
+                                                                    (True, True, 1, True)])
+def test_conv_grouped(n, c_in, c_out, groups, h, w, k, stride, dilation, pads, with_bias, with_sum, activation, pack):
+    torch.manual_seed(6)
+    x, weight = torch.randn(n, c_in, h, w), torch.randn(c_out, c_in // groups, k, k)
+    bias = torch.randn(c_out) if with_bias else None
+    padded = torch.nn.functional.pad(x, [pads[1], pads[3], pads[0], pads[2]]).double()
+    expected = torch.conv2d(padded, weight.double(), bias.double() if with_bias else None, stride, 0, dilation, groups)
+    residual = torch.randn(expected.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
+    expected = expected + residual.double() if with_sum else expected
+    expected = expected.relu() if activation else expected
+    (ours, ours_calls), (onednn, onednn_calls) = conv_with_and_without_kernel(
+        "grouped", x, weight, bias, [stride] * 2, pads, [dilation] * 2, groups, expected.shape, pack, residual,
+        activation)
+    assert (ours_calls, onednn_calls) == (1, 0)
+    for out in (ours, onednn):
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_conv_grouped_keeps_nan_and_inf():
+    """NaN and infinities in the input reach the output as in torch (ReLU keeps NaN); padding taps
+    add zeros."""
+    x = torch.randn(1, 16, 5, 5)
+    x[0, 3, 2, 2], x[0, 12, 0, 4], x[0, 9, 4, 0] = float("nan"), float("inf"), -float("inf")
+    weight = torch.rand(16, 8, 3, 3) + 0.1  # positive: an infinity is not cancelled
+    expected = torch.conv2d(x, weight, None, 1, 1, 1, 2).relu().contiguous(memory_format=torch.channels_last)
+    (out, calls), _ = conv_with_and_without_kernel("grouped", x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 2,
+                                                   (1, 16, 5, 5), True, None, 1)
+    assert calls == 1
+    torch.testing.assert_close(out, expected, equal_nan=True)
+
+
+def test_conv_grouped_not_taken():
+    """Groups of 4 output channels, or NCHW tensors: oneDNN's convolution."""
+    x, weight = torch.randn(1, 16, 6, 6), torch.randn(16, 4, 3, 3)
+    (_, calls), _ = conv_with_and_without_kernel("grouped", x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 4,
+                                                 (1, 16, 6, 6), True)
+    assert calls == 0
+    before = _testing.conv_kernel_calls("grouped")
+    x, weight = torch.randn(1, 16, 6, 6), torch.randn(16, 8, 3, 3)
+    _testing.conv(x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 2, torch.empty(1, 16, 6, 6), 0, True)
+    assert _testing.conv_kernel_calls("grouped") == before
+
+
 # 1x1 convolutions as one GEMM: channels-last (2-D) or NCHW (1-3 spatial dims) in and out, with
 # bias, residual and ReLU, against a float64 convolution; the kernel must have computed them. The
 # patch kernel (below) takes channels-last outputs first: it is off here.
