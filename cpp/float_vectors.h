@@ -11,6 +11,7 @@ namespace float_vectors {
 
 typedef float Floats16 __attribute__((vector_size(64), aligned(4)));
 typedef float Floats8 __attribute__((vector_size(32), aligned(4)));
+typedef float Floats4 __attribute__((vector_size(16), aligned(4)));  // one SSE register (grouped_conv.cpp's groups of 4)
 
 template <typename V>
 constexpr int64_t kLanes = sizeof(V) / sizeof(float);

@@ -10,12 +10,11 @@
 namespace blade {
 namespace {
 
-// One AVX2 register (8 floats) a vector in every version: a group's output channels come in
-// multiples of 8 (RegNet's group width 8 among them), and the x86-64-v4 version gets AVX-512's
-// extra registers for the same tiles.
+// The kernels are templates on the vector type V: one AVX2 register (8 floats) for groups of a
+// multiple of 8 output channels (RegNet's group width 8 among them), one SSE register (4 floats) for
+// the others (ResNeXt 32x4d's first stage: groups of 4), in every version (the x86-64-v4 one gets
+// AVX-512's extra registers for the same tiles).
 using namespace float_vectors;
-using V = Floats8;
-static_assert(sizeof(V) == kGroupedLanes * sizeof(float), "a weight vector is kGroupedLanes output channels");
 
 // What a tap in the padding reads: the padding's zeros (the patch kernel's gather reads the same).
 alignas(64) const float kZeros[kGroupedMaxGroupIn] = {};
@@ -42,7 +41,7 @@ struct GroupRow {
 // lie inside the image width; checked ones (the border pixels) read the row of zeros for taps in
 // the padding. GroupIn: the group's input channels when known at compile time (the inner loop
 // unrolled whole, its loads at fixed offsets), else 0.
-template <int Pixels, int Vectors, int GroupIn, bool Checked>
+template <typename V, int Pixels, int Vectors, int GroupIn, bool Checked>
 __attribute__((always_inline)) inline void tile(const GroupedShape& s, const GroupRow& r, int64_t ow0,
                                                 const int64_t* cols, Clamp clamp) {
   const int64_t group_in = GroupIn > 0 ? GroupIn : s.group_in(), group_out = s.group_out(), channels = s.in_channels;
@@ -69,7 +68,7 @@ __attribute__((always_inline)) inline void tile(const GroupedShape& s, const Gro
       for (int64_t c = 0; c < group_in; ++c, w += group_out) {
         V weight[Vectors];
 #pragma GCC unroll 4
-        for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kGroupedLanes * v);
+        for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
 #pragma GCC unroll 8
         for (int p = 0; p < Pixels; ++p) {
           const V xp = x[p][c] - V{};  // broadcast (x - 0 is x, -0 included)
@@ -84,9 +83,9 @@ __attribute__((always_inline)) inline void tile(const GroupedShape& s, const Gro
   for (int p = 0; p < Pixels; ++p) {
 #pragma GCC unroll 4
     for (int v = 0; v < Vectors; ++v) {
-      const int64_t at = column(p) * out_channels + kGroupedLanes * v;
+      const int64_t at = column(p) * out_channels + kLanes<V> * v;
       V y = acc[p][v];
-      if (r.bias != nullptr) y += load<V>(r.bias + kGroupedLanes * v);
+      if (r.bias != nullptr) y += load<V>(r.bias + kLanes<V> * v);
       if (r.sum != nullptr) y += load<V>(r.sum + at);
       if (clamp.on) y = clamp_value(y, clamp.lo, clamp.hi);
       store<V>(r.out + at, y);
@@ -95,13 +94,13 @@ __attribute__((always_inline)) inline void tile(const GroupedShape& s, const Gro
 }
 
 // `pixels` (1 .. MaxPixels) pixels as one tile of that many.
-template <int Vectors, int GroupIn, bool Checked, int MaxPixels>
+template <typename V, int Vectors, int GroupIn, bool Checked, int MaxPixels>
 __attribute__((always_inline)) inline void tile_of(const GroupedShape& s, const GroupRow& r, int64_t ow0,
                                                    const int64_t* cols, int64_t pixels, Clamp clamp) {
   if constexpr (MaxPixels > 1) {
-    if (pixels < MaxPixels) return tile_of<Vectors, GroupIn, Checked, MaxPixels - 1>(s, r, ow0, cols, pixels, clamp);
+    if (pixels < MaxPixels) return tile_of<V, Vectors, GroupIn, Checked, MaxPixels - 1>(s, r, ow0, cols, pixels, clamp);
   }
-  tile<MaxPixels, Vectors, GroupIn, Checked>(s, r, ow0, cols, clamp);
+  tile<V, MaxPixels, Vectors, GroupIn, Checked>(s, r, ow0, cols, clamp);
 }
 
 // The output columns whose taps all lie inside the image width: [first, last).
@@ -117,7 +116,7 @@ struct Interior {
 // A whole output row of one group's Vectors * 8 channels from co: its interior pixels in tiles of
 // even sizes (a 7-pixel row as 4 + 3, not 6 + 1: a one-pixel tile is one accumulator chain, bound by
 // its latency), its border pixels (both sides together) in checked tiles.
-template <int Vectors, int GroupIn>
+template <typename V, int Vectors, int GroupIn>
 __attribute__((always_inline)) inline void row_tiles(const GroupedShape& s, const GroupRow& r, const Interior& in,
                                                      Clamp clamp) {
   constexpr int pixels = kTilePixels<Vectors>;
@@ -125,7 +124,7 @@ __attribute__((always_inline)) inline void row_tiles(const GroupedShape& s, cons
   const int64_t tiles = (interior + pixels - 1) / pixels;
   for (int64_t t = 0, ow = in.first; t < tiles; ++t) {
     const int64_t end = in.first + interior * (t + 1) / tiles;
-    tile_of<Vectors, GroupIn, false, pixels>(s, r, ow, nullptr, end - ow, clamp);
+    tile_of<V, Vectors, GroupIn, false, pixels>(s, r, ow, nullptr, end - ow, clamp);
     ow = end;
   }
   int64_t border[pixels];
@@ -133,22 +132,23 @@ __attribute__((always_inline)) inline void row_tiles(const GroupedShape& s, cons
   const auto add_border = [&](int64_t ow) {
     border[count++] = ow;
     if (count == pixels) {
-      tile<pixels, Vectors, GroupIn, true>(s, r, 0, border, clamp);
+      tile<V, pixels, Vectors, GroupIn, true>(s, r, 0, border, clamp);
       count = 0;
     }
   };
   for (int64_t ow = 0; ow < in.first; ++ow) add_border(ow);
   for (int64_t ow = in.last; ow < s.out_w; ++ow) add_border(ow);
-  if (count > 0) tile_of<Vectors, GroupIn, true, pixels>(s, r, 0, border, count, clamp);
+  if (count > 0) tile_of<V, Vectors, GroupIn, true, pixels>(s, r, 0, border, count, clamp);
 }
 
-// row_tiles with the group's input channels as a constant where they are 8 (RegNet's groups, whose
-// inner loop is short), else read at run time.
-template <int Vectors>
+// row_tiles with the group's input channels as a constant where they are one vector's worth (8, or
+// 4 for 4-float vectors: RegNet's and ResNeXt's narrow groups, whose inner loop is short), else
+// read at run time.
+template <typename V, int Vectors>
 __attribute__((always_inline)) inline void group_row(const GroupedShape& s, const GroupRow& r, const Interior& in,
                                                      Clamp clamp) {
-  if (s.group_in() == 8) return row_tiles<Vectors, 8>(s, r, in, clamp);
-  row_tiles<Vectors, 0>(s, r, in, clamp);
+  if (s.group_in() == kLanes<V>) return row_tiles<V, Vectors, kLanes<V>>(s, r, in, clamp);
+  row_tiles<V, Vectors, 0>(s, r, in, clamp);
 }
 
 // Whether work items go group by group (all rows of a group, then the next group's) rather than
@@ -160,7 +160,8 @@ bool by_group(const GroupedShape& s) {
 }
 
 // Work items [begin, end) of the flattened (batch * out_h) x groups range, in by_group's order:
-// each an output row of one group, its output channels 16 or 24 at a time (8 for the last ones).
+// each an output row of one group, its output channels 16 or 24 at a time (8 for the last ones;
+// 4 at a time in groups of a multiple of 4 but not of 8).
 __attribute__((always_inline)) inline void items_for(const GroupedShape& s, const float* input, const float* weight,
                                                      const float* bias, const float* sum, Clamp clamp, float* output,
                                                      int64_t begin, int64_t end) {
@@ -180,15 +181,18 @@ __attribute__((always_inline)) inline void items_for(const GroupedShape& s, cons
                        sum != nullptr ? sum + row * row_floats + channel : nullptr, output + row * row_floats + channel,
                        row % s.out_h};
       const int64_t rest = group_out - co;
-      if (rest == 3 * kGroupedLanes) {
-        group_row<3>(s, r, interior, clamp);
-        co += 3 * kGroupedLanes;
-      } else if (rest >= 2 * kGroupedLanes) {
-        group_row<2>(s, r, interior, clamp);
-        co += 2 * kGroupedLanes;
+      if (group_out % 8 != 0) {
+        group_row<Floats4, 1>(s, r, interior, clamp);
+        co += 4;
+      } else if (rest == 24) {
+        group_row<Floats8, 3>(s, r, interior, clamp);
+        co += 24;
+      } else if (rest >= 16) {
+        group_row<Floats8, 2>(s, r, interior, clamp);
+        co += 16;
       } else {
-        group_row<1>(s, r, interior, clamp);
-        co += kGroupedLanes;
+        group_row<Floats8, 1>(s, r, interior, clamp);
+        co += 8;
       }
     }
   }

@@ -1,10 +1,10 @@
-// Grouped 2-D convolution (1 < groups, each group's output channels a multiple of 8) on
-// channels-last tensors: RegNet's and ResNeXt's 3x3 convolutions, 8-64 channels a group.
+// Grouped 2-D convolution (1 < groups, each group's output channels a multiple of 4) on
+// channels-last tensors: RegNet's and ResNeXt's 3x3 convolutions, 4-64 channels a group.
 //
 // oneDNN's grouped convolution, as torch's convolution op reaches it, computed RegNet-Y's
 // 8-channel groups at about half the multiply-add rate of ONNX Runtime's (which runs each group as
 // an im2col GEMM), and returned a fresh output that the runtime then copied into the engine's
-// buffer. Here a tile of adjacent output pixels x 8-24 of a group's output channels sums in
+// buffer. Here a tile of adjacent output pixels x 4-24 of a group's output channels sums in
 // registers over the taps and the group's input channels (one weight vector, a broadcast input
 // value per pixel), reading the input in place (taps in the padding read a row of zeros), and is
 // finished in registers (bias, residual, clamp) and stored once into the engine's buffer.
@@ -28,8 +28,9 @@ struct GroupedShape {
   int64_t group_out() const { return out_channels / groups; }
 };
 
-// Output channels a weight vector holds: a group's output channels must be a multiple of it.
-constexpr int64_t kGroupedLanes = 8;
+// A group's output channels must be a multiple of this (a 4-float vector's; multiples of 8 take
+// 8-float ones).
+constexpr int64_t kGroupedLanes = 4;
 // Input channels a group may have at most (the row of zeros padding taps read).
 constexpr int64_t kGroupedMaxGroupIn = 512;
 

@@ -229,9 +229,9 @@ std::optional<DepthwiseShape> depthwise_shape(int32_t spatial, const int64_t* in
 }
 
 // The grouped kernel (grouped_conv.h) for every other 2-D grouped convolution between
-// channels-last tensors whose groups have a multiple of 8 output channels (RegNet, ResNeXt) and at
+// channels-last tensors whose groups have a multiple of 4 output channels (RegNet, ResNeXt) and at
 // most kGroupedMaxGroupIn input channels, any stride, dilation and padding. Others (a channel
-// multiplier of 2, groups of 4 output channels) stay oneDNN's.
+// multiplier of 2, groups of 2 output channels) stay oneDNN's.
 std::optional<GroupedShape> grouped_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
                                           const int64_t* strides, const int64_t* pads, const int64_t* dilations,
                                           int64_t groups, int32_t layout) {

@@ -106,9 +106,9 @@ def test_expand_depthwise_pair_matches_eager_and_apart(stride, also_expanded):
 
 
 class GroupedBottleneck(torch.nn.Module):
-    """RegNet-Y's block: 1x1, a grouped 3x3 (groups of 8 channels, stride 2) with ReLU, squeeze-and-
-    excitation, 1x1, plus a strided 1x1 shortcut; after a stem convolution, so the grouped one
-    reads and writes channels-last (the grouped kernel)."""
+    """RegNet-Y's block: 1x1, a grouped 3x3 (stride 2) with ReLU, squeeze-and-excitation, 1x1, plus
+    a strided 1x1 shortcut; after a stem convolution, so the grouped one reads and writes
+    channels-last (the grouped kernel). Groups of 4 are ResNeXt 32x4d's first stage's."""
 
     def __init__(self, width=48, group_width=8):
         super().__init__()
@@ -125,7 +125,7 @@ class GroupedBottleneck(torch.nn.Module):
         return F.relu(self.expand(y) + self.shortcut(x))
 
 
-@pytest.mark.parametrize("group_width", [8, 16, 24])
+@pytest.mark.parametrize("group_width", [4, 8, 16, 24])
 def test_grouped_block_matches_eager(group_width):
     torch.manual_seed(2)
     model = GroupedBottleneck(48, group_width).eval()

@@ -319,8 +319,8 @@ def test_conv_depthwise_not_taken():
 
 
 # The grouped kernel: 2-D grouped convolutions between channels-last tensors whose groups have a
-# multiple of 8 output channels (8 as one vector, 16 and 24 as one tile of 2 and 3, 32 and 40 as
-# several), group input channels of 8 and 16 (unrolled) and others (1 is a channel multiplier of 8,
+# multiple of 4 output channels (8 as one vector, 16 and 24 as one tile of 2 and 3, 32 and 40 as
+# several; 4 and 12 as 4-float vectors), group input channels of 8 and 16 (unrolled) and others (1 is a channel multiplier of 8,
 # 3, 24), any kernel size, stride, dilation and (asymmetric) padding; rows cut into tiles of 8, 6 or
 # 4 pixels and the even shorter ones of narrow images; bias, residual and ReLU; a weight that is an
 # engine constant (laid out once) or not. Against a float64 convolution, and oneDNN's.
@@ -331,7 +331,11 @@ def test_conv_depthwise_not_taken():
     (3, 96, 96, 4, 5, 9, 3, 2, 1, [1, 1, 1, 1]), (1, 64, 80, 2, 8, 3, 5, 1, 2, [4, 4, 4, 4]),
     (1, 16, 16, 2, 1, 1, 3, 1, 1, [1, 1, 1, 1]), (1, 40, 40, 5, 4, 17, 3, 1, 1, [1, 1, 1, 1]),
     (1, 16, 48, 2, 5, 20, 3, 1, 1, [1, 1, 1, 1]), (2, 32, 16, 2, 4, 4, 2, 2, 1, [0, 0, 0, 0]),
-    (1, 6, 16, 2, 9, 9, 3, 3, 1, [1, 0, 1, 0])])
+    (1, 6, 16, 2, 9, 9, 3, 3, 1, [1, 0, 1, 0]),
+    # groups of 4 output channels (4-float vectors): ResNeXt 32x4d's, unrolled (4 in) or not (6 in,
+    # 12 out: three vectors one after another)
+    (2, 128, 128, 32, 6, 7, 3, 2, 1, [1, 1, 1, 1]), (1, 16, 16, 4, 7, 19, 3, 1, 1, [1, 1, 1, 1]),
+    (1, 12, 24, 2, 5, 6, 3, 1, 2, [2, 1, 2, 2])])
 @pytest.mark.parametrize("with_bias, with_sum, activation, pack", [(True, False, 0, True), (False, True, 1, False),
                                                                     (True, True, 1, True)])
 def test_conv_grouped(n, c_in, c_out, groups, h, w, k, stride, dilation, pads, with_bias, with_sum, activation, pack):
@@ -365,9 +369,9 @@ def test_conv_grouped_keeps_nan_and_inf():
 
 
 def test_conv_grouped_not_taken():
-    """Groups of 4 output channels, or NCHW tensors: oneDNN's convolution."""
-    x, weight = torch.randn(1, 16, 6, 6), torch.randn(16, 4, 3, 3)
-    (_, calls), _ = conv_with_and_without_kernel("grouped", x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 4,
+    """Groups of 2 output channels, or NCHW tensors: oneDNN's convolution."""
+    x, weight = torch.randn(1, 16, 6, 6), torch.randn(16, 2, 3, 3)
+    (_, calls), _ = conv_with_and_without_kernel("grouped", x, weight, None, [1, 1], [1, 1, 1, 1], [1, 1], 8,
                                                  (1, 16, 6, 6), True)
     assert calls == 0
     before = _testing.conv_kernel_calls("grouped")

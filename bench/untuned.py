@@ -1,0 +1,193 @@
+"""Models at realistic sizes that bench/run.py does not have and nobody here tuned for: blade's AOT
+archive against ONNX Runtime at its defaults and eager, in one process per model.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/untuned.py [--models roberta,regnet] [--rounds 9] [--out bench/UNTUNED.md]
+
+Per model (transformers config, random weights, seed 0, convolutions, linears and batch norms
+re-initialised as bench/families.py does so that outputs do not vanish, eval, torch.no_grad, 2
+threads): the
+archive (`blade.export` then `blade.load`, bench/backends.py) and ONNX Runtime (default session
+options, the faster of the two exporters) built once, then `--rounds` rounds alternating the
+three (the order reversed every other round, 2 warm-up calls and a median of 5-50 calls each, a
+0.15 s pause between them). "archive vs ORT" is the median over rounds of ORT's time / the
+archive's in the same round (above 1: the archive is faster). Rel err = max |archive - eager| /
+max |eager| on the first output. A shorter, rougher look than bench/run.py (no Inductor, no
+frozen TorchScript, no load gating): it asks whether the archive's lead holds off the benchmark's
+own models.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from bench import backends  # noqa: E402
+from bench.families import _reinit  # noqa: E402
+
+SEQ = 128
+
+
+def _tokens(cfg, batch=1, seq=SEQ):
+    return torch.randint(5, cfg.vocab_size, (batch, seq))
+
+
+def _image(size=224, batch=1):
+    return torch.randn(batch, 3, size, size)
+
+
+def roberta():
+    import transformers
+    cfg = transformers.RobertaConfig(hidden_size=384, num_hidden_layers=4, num_attention_heads=6,
+                                     intermediate_size=1536)
+    return "RoBERTa (4L, 384, seq 128)", transformers.RobertaModel(cfg), (_tokens(cfg),)
+
+
+def qwen2():
+    import transformers
+    cfg = transformers.Qwen2Config(hidden_size=384, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=8000, use_cache=False)
+    return "Qwen2 (2L, 384, GQA 6/2, seq 128)", transformers.Qwen2Model(cfg), (_tokens(cfg),)
+
+
+def gpt_neox():
+    import transformers
+    cfg = transformers.GPTNeoXConfig(hidden_size=384, num_hidden_layers=3, num_attention_heads=6,
+                                     intermediate_size=1536, vocab_size=8000, use_cache=False)
+    return "GPT-NeoX (3L, 384, seq 128)", transformers.GPTNeoXModel(cfg), (_tokens(cfg),)
+
+
+def bart():
+    import transformers
+    cfg = transformers.BartConfig(d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                  decoder_attention_heads=4, encoder_ffn_dim=1024, decoder_ffn_dim=1024,
+                                  vocab_size=8000, use_cache=False)
+    return ("BART (2+2L, 256, enc 128, dec 32)", transformers.BartModel(cfg),
+            (_tokens(cfg), torch.ones(1, SEQ, dtype=torch.int64), _tokens(cfg, 1, 32)))
+
+
+def whisper_encoder():
+    import transformers
+    cfg = transformers.WhisperConfig(d_model=384, encoder_layers=2, decoder_layers=1, encoder_attention_heads=6,
+                                     encoder_ffn_dim=1536, max_source_positions=500, num_mel_bins=80)
+    return "Whisper encoder (2L, 384, 80x1000)", transformers.WhisperModel(cfg).get_encoder(), (torch.randn(1, 80, 1000),)
+
+
+def deit():
+    import transformers
+    cfg = transformers.DeiTConfig(hidden_size=384, num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536)
+    return "DeiT (4L, 384, 224x224)", transformers.DeiTModel(cfg, add_pooling_layer=False), (_image(),)
+
+
+def swin():
+    import transformers
+    cfg = transformers.SwinConfig(image_size=224, embed_dim=64, depths=[2, 2, 2], num_heads=[2, 4, 8], window_size=7)
+    return "Swin (2-2-2, 64, 224x224)", transformers.SwinModel(cfg), (_image(),)
+
+
+def segformer():
+    import transformers
+    return "SegFormer (b0, 256x256)", transformers.SegformerModel(transformers.SegformerConfig(image_size=256)), (_image(256),)
+
+
+def resnet50():
+    import transformers
+    cfg = transformers.ResNetConfig(layer_type="bottleneck", depths=[1, 2, 2, 1], hidden_sizes=[256, 512, 1024, 2048],
+                                    embedding_size=64)
+    return "ResNet bottleneck (1-2-2-1, 256-2048, 224x224)", transformers.ResNetModel(cfg), (_image(),)
+
+
+def regnet():
+    import transformers
+    cfg = transformers.RegNetConfig(depths=[1, 2, 4, 1], hidden_sizes=[48, 104, 208, 440], groups_width=8)
+    return "RegNet-Y (1-2-4-1, 48-440, groups of 8, 224x224)", transformers.RegNetModel(cfg), (_image(),)
+
+
+def efficientnet():
+    import transformers
+    cfg = transformers.EfficientNetConfig(width_coefficient=1.0, depth_coefficient=1.0, image_size=224, hidden_dim=1280)
+    return "EfficientNet-B0 (224x224)", transformers.EfficientNetModel(cfg), (_image(),)
+
+
+MODELS = {f.__name__: f for f in (roberta, qwen2, gpt_neox, bart, whisper_encoder, deit, swin, segformer, resnet50,
+                                   regnet, efficientnet)}
+
+
+def _first(out):
+    if isinstance(out, (tuple, list)):
+        return _first(out[0])
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+
+
+def measure(key: str, rounds: int) -> dict:
+    torch.manual_seed(0)
+    name, model, inputs = MODELS[key]()
+    _reinit(model).eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runs = {"eager": model, "ORT": backends.onnxruntime_cpu(model, inputs),
+                "archive": backends.tt_infer_aot(model, inputs)}
+        exporter = backends.ORT_CHOSEN.get("last")
+        expected, actual = _first(model(*inputs)), _first(runs["archive"](*inputs))
+        err = ((actual - expected).abs().max() / expected.abs().max()).item()
+        calls = max(5, min(50, int(0.08 / backends.median_call_s(model, inputs, 3))))
+        times = {k: [] for k in runs}
+        for r in range(rounds):
+            for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                for _ in range(2):
+                    runs[k](*inputs)
+                samples = []
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    runs[k](*inputs)
+                    samples.append(time.perf_counter() - start)
+                times[k].append(statistics.median(samples))
+                time.sleep(0.15)
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {"model": name, **ms, "exporter": exporter, "err": err,
+            "vs_ort": statistics.median(o / a for a, o in zip(times["archive"], times["ORT"]))}
+
+
+def render(rows: list, command: str) -> str:
+    lines = ["# blade's archive on models bench/run.py does not have", "",
+             f"`{command}`; {backends.machine()}, {torch.get_num_threads()} threads. " + __doc__.split("\n\n")[2]
+             .replace("\n", " ").strip(), "",
+             "| model | eager ms | ONNX Runtime ms | archive ms | archive x eager | archive vs ORT | ORT exporter | rel err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['eager']:.2f} | {r['ORT']:.2f} | {r['archive']:.2f} | "
+                     f"{r['eager'] / r['archive']:.2f} | {r['vs_ort']:.2f} | {r['exporter']} | {r['err']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--out", default=None, help="write the markdown table there (default: print it)")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    rows = []
+    for key in args.models.split(","):
+        try:
+            rows.append(measure(key, args.rounds))
+        except Exception as e:  # a model that fails to build, export or run is a row, not the end
+            rows.append({"model": key, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+        print(rows[-1], flush=True)
+    text = render(rows, "python bench/untuned.py " + " ".join(sys.argv[1:]))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
