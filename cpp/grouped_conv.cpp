@@ -36,11 +36,11 @@ struct GroupRow {
 };
 
 // Pixels ow0 .. ow0 + Pixels - 1 of the row (Checked: the columns cols[0 .. Pixels - 1]) x
-// Vectors * 8 output channels: the sums over the taps and the group's input channels in registers,
-// then bias, residual and clamp, stored once. Unchecked tiles are the row's pixels whose taps all
-// lie inside the image width; checked ones (the border pixels) read the row of zeros for taps in
-// the padding. GroupIn: the group's input channels when known at compile time (the inner loop
-// unrolled whole, its loads at fixed offsets), else 0.
+// Vectors * kLanes<V> output channels: the sums over the taps and the group's input channels in
+// registers, then bias, residual and clamp, stored once. Unchecked tiles are the row's pixels whose
+// taps all lie inside the image width; checked ones (the border pixels) read the row of zeros for
+// taps in the padding. GroupIn: the group's input channels when known at compile time (the inner
+// loop unrolled whole, its loads at fixed offsets), else 0.
 template <typename V, int Pixels, int Vectors, int GroupIn, bool Checked>
 __attribute__((always_inline)) inline void tile(const GroupedShape& s, const GroupRow& r, int64_t ow0,
                                                 const int64_t* cols, Clamp clamp) {
@@ -113,9 +113,9 @@ struct Interior {
   }
 };
 
-// A whole output row of one group's Vectors * 8 channels from co: its interior pixels in tiles of
-// even sizes (a 7-pixel row as 4 + 3, not 6 + 1: a one-pixel tile is one accumulator chain, bound by
-// its latency), its border pixels (both sides together) in checked tiles.
+// A whole output row of one group's Vectors * kLanes<V> channels from co: its interior pixels in
+// tiles of even sizes (a 7-pixel row as 4 + 3, not 6 + 1: a one-pixel tile is one accumulator
+// chain, bound by its latency), its border pixels (both sides together) in checked tiles.
 template <typename V, int Vectors, int GroupIn>
 __attribute__((always_inline)) inline void row_tiles(const GroupedShape& s, const GroupRow& r, const Interior& in,
                                                      Clamp clamp) {
