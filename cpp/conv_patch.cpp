@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "blade_abi.h"
+#include "conv_extent.h"
 #include "conv_patch_blocks.h"
 #include "isa.h"
 #include "isa_clones.h"
@@ -133,8 +134,8 @@ std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* i
                    weight_shape[2], weight_shape[3], strides[0], strides[1], dilations[0], dilations[1],
                    pads[0], pads[1], 0, 0, (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0,
                    (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0};
-  s.out_h = (s.in_h + pads[0] + pads[2] - s.dilation_h * (s.kernel_h - 1) - 1) / s.stride_h + 1;
-  s.out_w = (s.in_w + pads[1] + pads[3] - s.dilation_w * (s.kernel_w - 1) - 1) / s.stride_w + 1;
+  s.out_h = conv_output_extent(s.in_h, pads[0], pads[2], s.kernel_h, s.stride_h, s.dilation_h);
+  s.out_w = conv_output_extent(s.in_w, pads[1], pads[3], s.kernel_w, s.stride_w, s.dilation_w);
   if (s.depth() > kPatchMaxDepth) return std::nullopt;
   return s;
 }

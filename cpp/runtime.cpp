@@ -16,11 +16,12 @@
 #include "runtime.h"
 #include "activation.h"
 #include "conv_gemm.h"
+#include "conv_extent.h"
 #include "conv_patch.h"
 #include "depthwise.h"
 #include "expand_depthwise.h"
-#include "grouped_conv.h"
 #include "gemm.h"
+#include "grouped_conv.h"
 #include "isa_clones.h"
 #include "oversubscription.h"
 #include "timed_parallel.h"
@@ -223,8 +224,8 @@ std::optional<DepthwiseShape> depthwise_shape(int32_t spatial, const int64_t* in
   }
   DepthwiseShape shape{input_shape[0], input_shape[2], input_shape[3], input_shape[1], weight_shape[2],
                        weight_shape[3], strides[0], strides[1], dilations[0], dilations[1], pads[0], pads[1], 0, 0};
-  shape.out_h = (shape.in_h + pads[0] + pads[2] - dilations[0] * (shape.kernel_h - 1) - 1) / strides[0] + 1;
-  shape.out_w = (shape.in_w + pads[1] + pads[3] - dilations[1] * (shape.kernel_w - 1) - 1) / strides[1] + 1;
+  shape.out_h = conv_output_extent(shape.in_h, pads[0], pads[2], shape.kernel_h, strides[0], dilations[0]);
+  shape.out_w = conv_output_extent(shape.in_w, pads[1], pads[3], shape.kernel_w, strides[1], dilations[1]);
   return shape;
 }
 
@@ -243,8 +244,8 @@ std::optional<GroupedShape> grouped_shape(int32_t spatial, const int64_t* input_
   GroupedShape shape{input_shape[0], input_shape[2], input_shape[3], input_shape[1], weight_shape[0], groups,
                      weight_shape[2], weight_shape[3], strides[0], strides[1], dilations[0], dilations[1],
                      pads[0], pads[1], 0, 0};
-  shape.out_h = (shape.in_h + pads[0] + pads[2] - dilations[0] * (shape.kernel_h - 1) - 1) / strides[0] + 1;
-  shape.out_w = (shape.in_w + pads[1] + pads[3] - dilations[1] * (shape.kernel_w - 1) - 1) / strides[1] + 1;
+  shape.out_h = conv_output_extent(shape.in_h, pads[0], pads[2], shape.kernel_h, strides[0], dilations[0]);
+  shape.out_w = conv_output_extent(shape.in_w, pads[1], pads[3], shape.kernel_w, strides[1], dilations[1]);
   return shape;
 }
 
