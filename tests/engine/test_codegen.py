@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from onnx_cases import graph_case, op_case
+from onnx_cases import graph_case, op_case, run_case
 from test_ops import CASES
 from blade.engine import buffers, codegen, compiler, ir, optable, plan
+from blade.engine.compiler import compile_onnx
 
 
 def source_of(case):
@@ -281,6 +282,26 @@ def test_a_pooling_pad_between_channels_last_values_is_read_inline():
         (case,) = [c for c in CASES if c.name == name]
         planned = plan.make_plan(ir.lower_onnx(case.model))
         assert [n for n in planned.live if n.op == "pad" and n in planned.materialized]
+
+
+def test_a_large_window_reduces_along_the_output_row_in_double(tmp_path):
+    """A sum over a long axis of a row-major input (and a squeeze-and-excitation mean over a
+    channels-last activation) reads the input along the output row, vectorized, instead of one
+    output element's window at a time, a float per cache line. Its partial sums are doubles: one
+    1.0 followed by 4095 values of 1e-8 sums to 1.000041, where float steps, one after another,
+    stay at 1.0 (each 1e-8 is below half an ulp of 1.0)."""
+    x = np.full((2, 4096, 8), 1e-8, np.float32)
+    x[:, 0, :] = 1.0
+    x[1] *= -3
+    case = op_case("ReduceSum", [x.shape], np.array([1], np.int64), values={"x0": x})
+    program = source_of(case)
+    assert kernels(program) == ["reduce:v2[2, 1, 8]float32 = reduce sum over axes [1] (window form)"]
+    assert "double partial" in program.source
+    manifest = compile_onnx(case.model, tmp_path)
+    (got,) = run_case(case, tmp_path / "engine.so", manifest)
+    np.testing.assert_allclose(got, x.astype(np.float64).sum(axis=1, keepdims=True), rtol=1e-7)
+    (se,) = [c for c in CASES if c.name == "conv-swish-squeeze-excitation-conv"]
+    assert any("reduce sum over axes [2, 3] (window form)" in k for k in kernels(source_of(se)))
 
 
 def test_a_pooling_kernel_past_the_input_reads_only_the_input():

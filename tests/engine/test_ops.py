@@ -256,6 +256,17 @@ CASES = [
         {"x": ((1, 3, 21, 19), "float32")}, ["y"],
         {"w1": np.random.default_rng(9).standard_normal((16, 3, 7, 7)).astype(f32),
          "w2": np.random.default_rng(10).standard_normal((16, 16, 3, 3)).astype(f32)}, rtol=1e-4, atol=1e-4),
+    # A squeeze-and-excitation block (EfficientNet, RegNet): a global mean over the channels-last
+    # swish output between convolutions, read along the channels in the window form (two blocks
+    # of 16 channels, one per thread; the sum above: three blocks of 16).
+    graph_case("conv-swish-squeeze-excitation-conv", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), node("Sigmoid", ["c1"], ["s1"]),
+        node("Mul", ["c1", "s1"], ["a"]), node("ReduceMean", ["a", "hw"], ["m"], keepdims=1),
+        node("Sigmoid", ["m"], ["g"]), node("Mul", ["a", "g"], ["e"]), node("Conv", ["e", "w2"], ["y"])],
+        {"x": ((1, 3, 40, 36), "float32")}, ["y"],
+        {"w1": np.random.default_rng(11).standard_normal((32, 3, 3, 3)).astype(f32),
+         "w2": np.random.default_rng(12).standard_normal((8, 32, 1, 1)).astype(f32),
+         "hw": arr([2, 3], i64)}, rtol=1e-4, atol=1e-4),
     # ResNet's first block: the residual is the max pool's output, a reshaped view of its window
     # reduction, which the second convolution's epilogue adds (asymmetric pool pads: the pad's
     # border fill is one slab per side).
@@ -326,6 +337,16 @@ CASES = [
                                                                         np.arange(36).reshape(4, 9) % 7).astype(f32)},
             name="ReduceMin-window-form-nan"),
     op_case("AveragePool", [(1, 2, 18, 18)], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="AveragePool-window-form"),
+    # Large windows over a stored input whose innermost dim is an output dim also take the window
+    # form (loops.py: _large_window_along_row; test_codegen checks its float sum's precision):
+    # a sum, NaN and inf through max, an integer sum.
+    op_case("ReduceSum", [(2, 64, 48)], arr([1], i64), name="ReduceSum-large-window-along-row"),
+    op_case("ReduceMax", [(2, 40, 12)], arr([1], i64),
+            values={"x0": np.where(np.arange(960).reshape(2, 40, 12) % 97 == 5, np.nan,
+                                   np.where(np.arange(960).reshape(2, 40, 12) % 89 == 3, np.inf,
+                                            np.random.default_rng(42).standard_normal((2, 40, 12)))).astype(f32)},
+            name="ReduceMax-large-window-nan"),
+    op_case("ReduceSum", [(3, 50, 9)], arr([1], i64), dtypes=["int64"], name="ReduceSum-large-window-int64"),
     op_case("AveragePool", [(2, 3, 8, 8)], kernel_shape=[2, 2], strides=[2, 2]),
     op_case("AveragePool", [(1, 2, 7, 6)], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="AveragePool-pad-exclude"),
     op_case("AveragePool", [(1, 2, 7, 6)], kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1,
