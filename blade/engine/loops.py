@@ -325,22 +325,34 @@ def emit_reduce(em, node, dest):
 
 def _large_window_along_row(em, node, dest: Strided) -> bool:
     """Whether a reduce node outside the plan's window form still reads its input along the
-    output row: its window is static, its input is stored with the output's innermost dim in
-    memory (stride 1), and that row is long enough to vectorize and short enough for a row of
-    double partial sums on the stack (_window_reduce_kernel)."""
+    output row: its window is static, its input has the output's innermost dim innermost in
+    memory (stride 1, _read_along), and that row is long enough to vectorize and short enough
+    for a row of double partial sums on the stack (_window_reduce_kernel)."""
     src = node.args[0]
     if node in em.plan.window_form or node.attrs["kind"] in ARG_REDUCE:
         return False
     if not isinstance(math.prod(src.shape[a] for a in node.attrs["axes"]), int):
         return False
-    stored = em.memory.strided_of(src)
     order = memory_order(dest)
     moving = [d for d in order if dest.shape[d] != 1]
-    if stored is None or not moving:
+    if not moving:
         return False
     row = moving[-1]
-    return (stored.layout.strides[row] == 1 and isinstance(dest.shape[row], int)
-            and WINDOW_REDUCE_MIN_ROW <= dest.shape[row] <= LARGE_WINDOW_MAX_ROW)
+    return (isinstance(dest.shape[row], int) and WINDOW_REDUCE_MIN_ROW <= dest.shape[row] <= LARGE_WINDOW_MAX_ROW
+            and _read_along(em, src, row))
+
+
+def _read_along(em, value, dim) -> bool:
+    """Whether reading value along dim reads memory at stride 1: it is stored (or a view of
+    memory) so, or computed inline elementwise from values that are or that do not vary along dim
+    (RegNet's squeeze-and-excitation mean reads the ReLU of a stored convolution inline)."""
+    stored = em.memory.strided_of(value)
+    if stored is not None:
+        return stored.layout.strides[dim] == 1
+    if value.op != "ew":
+        return False
+    varying = [a for a in value.args if math.prod(a.shape) != 1 and (a.rank != value.rank or a.shape[dim] != 1)]
+    return bool(varying) and all(a.rank == value.rank and _read_along(em, a, dim) for a in varying)
 
 
 def _row_block(n):

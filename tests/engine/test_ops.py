@@ -267,6 +267,15 @@ CASES = [
         {"w1": np.random.default_rng(11).standard_normal((32, 3, 3, 3)).astype(f32),
          "w2": np.random.default_rng(12).standard_normal((8, 32, 1, 1)).astype(f32),
          "hw": arr([2, 3], i64)}, rtol=1e-4, atol=1e-4),
+    # RegNet-Y's: the mean reads the ReLU of the convolution inline.
+    graph_case("conv-relu-squeeze-excitation-conv", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), node("Relu", ["c1"], ["a"]),
+        node("ReduceMean", ["a", "hw"], ["m"], keepdims=1), node("Sigmoid", ["m"], ["g"]),
+        node("Mul", ["a", "g"], ["e"]), node("Conv", ["e", "w2"], ["y"])],
+        {"x": ((1, 3, 40, 36), "float32")}, ["y"],
+        {"w1": np.random.default_rng(13).standard_normal((48, 3, 3, 3)).astype(f32),
+         "w2": np.random.default_rng(14).standard_normal((8, 48, 1, 1)).astype(f32),
+         "hw": arr([2, 3], i64)}, rtol=1e-4, atol=1e-4),
     # ResNet's first block: the residual is the max pool's output, a reshaped view of its window
     # reduction, which the second convolution's epilogue adds (asymmetric pool pads: the pad's
     # border fill is one slab per side).
