@@ -20,7 +20,7 @@ from .ir import UnsupportedOnnxOp
 from .calls import emit_attention, emit_conv, emit_conv_pair, emit_matmul, kernel_destination
 from .expressions import Values
 from .lines import Names
-from .loops import Kernels, emit_concat, emit_elementwise, emit_pad, emit_reduce, emit_scan
+from .loops import Kernels, emit_concat, emit_elementwise, emit_pad, emit_reduce, emit_scan, emit_transposing
 from .manifest import SizeSymbol, TensorSpec
 from .plan import Plan, reshaped_source
 from .render import keep_rows_on_stack, render_source
@@ -85,8 +85,8 @@ class Emitter:
             buf = memory.buffers.get(node) or memory.buffers.get(reshaped_source(node))
             if buf is None or (buf.kind, buf.index) != ("output", k):
                 out = Strided.dense(Buffer("output", k, node.dtype, node.numel), node.shape)
-                self.kernels.emit_loop(f"output {k} = copy of {node!r}", out,
-                                       lambda scope, idx, node=node: self.values.value(node, idx, scope))
+                emit_transposing(self, f"output {k} = copy of {node!r}", out, node,
+                                 lambda scope, idx, node=node: self.values.value(node, idx, scope))
         self.kernels.close_group()
         rows_on_stack = keep_rows_on_stack(self.kernels.blocks)
         scratch_bytes = plan_arena([b for b in memory.scratch if b not in rows_on_stack])

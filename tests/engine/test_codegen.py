@@ -304,6 +304,18 @@ def test_a_large_window_reduces_along_the_output_row_in_double(tmp_path):
         assert any("reduce sum over axes [2, 3] (window form)" in k for k in kernels(source_of(se))), se.name
 
 
+def test_a_kernel_reading_along_another_dim_than_it_writes_runs_in_tiles():
+    """A channels-last value into an NCHW output (48 channels: blocks of 16), and a transposed
+    output copied from another, run as tiled transposes; 12 channels (no block divides them) keep
+    the plain loop. (Their values: test_ops.)"""
+    cases = {c.name: c for c in CASES}
+    assert kernels(source_of(cases["conv-residual-relu-nchw-output-48"]))[-1].endswith(
+        "[1, 48, 9, 7]float32 = ew Relu (tiled transpose)")
+    assert not any("tiled" in k for k in kernels(source_of(cases["conv-residual-relu-nchw-output-12"])))
+    assert any(k.startswith("output 1 = copy of") and k.endswith("(tiled transpose)")
+               for k in kernels(source_of(cases["output-transposing-output"])))
+
+
 def test_a_pooling_kernel_past_the_input_reads_only_the_input():
     """EfficientNet's head: avg_pool2d(320, ceil_mode=True) over a 2x2 map. The window's taps past
     the input are all fill, so the engine reduces the input itself: no pad up to the kernel's size

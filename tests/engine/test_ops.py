@@ -267,6 +267,19 @@ CASES = [
         {"w1": np.random.default_rng(11).standard_normal((32, 3, 3, 3)).astype(f32),
          "w2": np.random.default_rng(12).standard_normal((8, 32, 1, 1)).astype(f32),
          "hw": arr([2, 3], i64)}, rtol=1e-4, atol=1e-4),
+    # A ResNet's last block: the residual sum's ReLU, read from two channels-last convolutions,
+    # is a graph output (NCHW): a tiled transpose (loops.emit_transposing); with 12 channels (no
+    # block of 8 divides them) the plain loop. An output transposing another one, copied in tiles.
+    *[graph_case(f"conv-residual-relu-nchw-output-{c}", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), node("Conv", ["c1", "w2"], ["c2"]),
+        node("Conv", ["c1", "w3"], ["c3"]), node("Add", ["c2", "c3"], ["s"]), node("Relu", ["s"], ["y"])],
+        {"x": ((1, 3, 9, 7), "float32")}, ["y"],
+        {"w1": np.random.default_rng(15).standard_normal((8, 3, 3, 3)).astype(f32),
+         "w2": np.random.default_rng(16).standard_normal((c, 8, 1, 1)).astype(f32),
+         "w3": np.random.default_rng(17).standard_normal((c, 8, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4)
+      for c in (48, 12)],
+    graph_case("output-transposing-output", [node("Exp", ["x"], ["y1"]), node("Transpose", ["y1"], ["y2"], perm=[0, 2, 1])],
+               {"x": ((2, 5, 40), "float32")}, ["y1", "y2"]),
     # RegNet-Y's: the mean reads the ReLU of the convolution inline.
     graph_case("conv-relu-squeeze-excitation-conv", [
         node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), node("Relu", ["c1"], ["a"]),
