@@ -23,7 +23,10 @@ Decided from the graph alone, before any code exists (compiler.STAGES dumps it a
   read inline by its window reduction).
 
 What it leaves to code generation: loop kernels fuse into row groups (one parallel loop) by their
-actual memory accesses (loops.py), and row-local scratch moves to the stack (render.py).
+actual memory accesses (loops.py), row-local scratch moves to the stack (render.py), and loops
+follow the buffers' layouts: a large-window reduction whose input has its output row innermost
+takes the window form too, and a loop reading along another dim than it writes runs in tiles
+(loops.py, emit_reduce and emit_transposing).
 """
 from __future__ import annotations
 
