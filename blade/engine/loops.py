@@ -290,7 +290,8 @@ def emit_transposing(em, comment, dest: Strided, value, value_fn, computed=False
     def tile_value(scope, idx):
         merged = idx[:q] + [idx[q] * block + idx[-1]] + idx[q + 1:-1]
         return value_fn(scope, unpermuted(merged, order))
-    em.kernels.emit_loop(comment + " (tiled transpose)", tiles, tile_value, rows=q + 1)
+    # parallel over the blocks and the dim after them (a [1, 16, 56, 56] output is one block: its rows)
+    em.kernels.emit_loop(comment + " (tiled transpose)", tiles, tile_value, rows=min(q + 2, len(order)))
 
 
 def emit_pad(em, node, dest):
