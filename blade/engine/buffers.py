@@ -95,6 +95,20 @@ def permuted(s: Strided, order) -> Strided:
                    Layout(s.layout.offset, tuple(s.layout.strides[d] for d in order)))
 
 
+def blocked(s: Strided, dim: int, block: int) -> Strided:
+    """s with dim cut into (its blocks, in place; a block's elements, appended as the last dim):
+    the same elements, in the loop order of a kernel that runs block by block."""
+    stride = s.layout.strides[dim]
+    return Strided(s.buf, s.shape[:dim] + (s.shape[dim] // block,) + s.shape[dim + 1:] + (block,),
+                   Layout(s.layout.offset, s.layout.strides[:dim] + (block * stride,) + s.layout.strides[dim + 1:]
+                          + (stride,)))
+
+
+def unblocked(idx, dim: int, block: int) -> list:
+    """Indices of s from indices of blocked(s, dim, block) (its inverse)."""
+    return list(idx[:dim]) + [idx[dim] * block + idx[-1]] + list(idx[dim + 1:-1])
+
+
 def unpermuted(idx, order) -> list:
     """Indices in the logical dim order from indices in `order` (the inverse of permuted)."""
     logical = [None] * len(order)

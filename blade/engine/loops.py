@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .buffers import Buffer, Strided, memory_order, permuted, unpermuted
+from .buffers import Buffer, Strided, blocked, memory_order, permuted, unblocked, unpermuted
 from .lines import Access, Names, Scope, cpp, declare, for_loop
 from .manifest import DTYPES
 from .optable import ARG_REDUCE, REDUCE, CType, literal
@@ -282,14 +282,11 @@ def emit_transposing(em, comment, dest: Strided, value, value_fn, computed=False
         em.kernels.emit_loop(comment, dest, value_fn)
         return
     # dest in memory order, the read dim cut into (its blocks, in place; a block's elements, innermost)
-    q, p = order.index(read), permuted(dest, order)
-    strides = p.layout.strides
-    tiles = Strided(dest.buf, p.shape[:q] + (p.shape[q] // block,) + p.shape[q + 1:] + (block,),
-                    Layout(p.layout.offset, strides[:q] + (block * strides[q],) + strides[q + 1:] + (strides[q],)))
+    q = order.index(read)
+    tiles = blocked(permuted(dest, order), q, block)
 
     def tile_value(scope, idx):
-        merged = idx[:q] + [idx[q] * block + idx[-1]] + idx[q + 1:-1]
-        return value_fn(scope, unpermuted(merged, order))
+        return value_fn(scope, unpermuted(unblocked(idx, q, block), order))
     # parallel over the blocks and the dim after them (a [1, 16, 56, 56] output is one block: its rows)
     em.kernels.emit_loop(comment + " (tiled transpose)", tiles, tile_value, rows=min(q + 2, len(order)))
 
@@ -341,10 +338,7 @@ def emit_reduce(em, node, dest):
         rows = [p for p, n in enumerate(dest.shape) if n != 1][-1]
         lanes = None if small else _row_block(dest.shape[rows])
         if lanes is not None:   # the row's blocks become rows: the threads share a global pool's channels
-            n, stride = dest.shape[rows], dest.layout.strides[rows]
-            dest = Strided(dest.buf, dest.shape[:rows] + (n // lanes, lanes) + dest.shape[rows + 1:],
-                           Layout(dest.layout.offset, dest.layout.strides[:rows] + (lanes * stride, stride)
-                                  + dest.layout.strides[rows + 1:]))
+            dest = blocked(dest, rows, lanes)
             rows += 1
         em.kernels.emit_loop(comment + " (window form)", dest, None, work, rows=rows,
                              make=lambda c, d, _, w, g: _window_reduce_kernel(em, node, c, d, w, g, order,
@@ -407,7 +401,7 @@ def _window_reduce_kernel(em, node, comment, dest: Strided, work_per_element, gr
                           in_double=False, lanes=None) -> Kernel:
     """A reduce node's kernel inside group's row loop: dest's row is set to the initial value,
     then for each window position (outer loops) combined with the input along the row. dest
-    is the output with its dims permuted into `order` (memory order), its row dim split into
+    is the output with its dims permuted into `order` (memory order), its row dim `blocked` into
     blocks of `lanes` (_row_block) unless None. in_double: a float sum accumulates in a row of
     doubles on the stack, stored rounded once at the end: a large window (12544 positions) summed
     in float, one position after another, could lose 1e-4. (Max and min are exact in any order;
@@ -418,10 +412,7 @@ def _window_reduce_kernel(em, node, comment, dest: Strided, work_per_element, gr
     shape, k = dest.shape, len(group.rows)
     inner = [p for p in range(k, len(shape)) if shape[p] != 1]
     idx = loop_vars(shape)
-    if lanes is None:
-        logical = unpermuted(idx, order)
-    else:   # dest's row dim split in two: (its block, a position in the block)
-        logical = unpermuted(idx[:k - 1] + [idx[k - 1] * lanes + idx[k]] + idx[k + 1:], order)
+    logical = unpermuted(idx if lanes is None else unblocked(idx, k - 1, lanes), order)
     axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
     window_vars = {a: Var.loop(names.fresh("r"), src.shape[a]) for a in axes}
     kernel.use(dest.buf, write=True)
