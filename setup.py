@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent
 # and C++ programs link or dlopen to load saved blade modules with libtorch alone
 # (examples/cpp). The single list of them (examples/cpp/CMakeLists.txt reads it from here).
 RUNTIME_SOURCES = [
+    "cpp/activation.cpp",
     "cpp/archive_check.cpp",
     "cpp/content_digest.cpp",
     "cpp/conv_gemm.cpp",

@@ -13,7 +13,7 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 7
+#define BLADE_ABI_VERSION 8
 
 extern "C" {
 
@@ -168,6 +168,9 @@ int32_t blade_engine_derived_sizes(int64_t* sizes);
 // (NaN stays NaN; a tie keeps v, so -0 stays -0). ReLU6 and hardtanh; lo = -inf or hi = +inf for
 // a one-sided clamp. The bounds must not be NaN.
 #define BLADE_ACTIVATION_CLAMP 2
+// v * sigmoid(v) (SiLU, swish), with sigmoid as engine_prelude.h's blade_sigmoidf: what the engine's
+// unfused Mul(v, Sigmoid(v)) computes (EfficientNet, MobileNetV3, YOLO).
+#define BLADE_ACTIVATION_SILU 3
 
 #define BLADE_ATTENTION_MAX_STEPS 4
 #define BLADE_SCORE_MUL 1   // s * value

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "activation.h"
 #include "blade_abi.h"
 #include "conv_extent.h"
 #include "conv_patch_blocks.h"
@@ -35,6 +36,24 @@ const BlockKernels& block_kernels() {
     return conv_patch_blocks::baseline_blocks();
   }();
   return kernels;
+}
+
+// SiLU over what a block call just stored (in L1/L2 still): output pixels [begin, end) x the
+// channels of panels [panel_begin, panel_end).
+void silu_block(const PatchConvShape& s, float* output, int64_t begin, int64_t end, int64_t panel_begin,
+                int64_t panel_end) {
+  const int64_t c0 = panel_begin * kPanel, c1 = std::min(panel_end * kPanel, s.out_channels);
+  if (s.output_channels_last) {
+    if (c0 == 0 && c1 == s.out_channels) return silu_in_place(output + begin * c1, (end - begin) * c1);
+    for (int64_t row = begin; row < end; ++row) silu_in_place(output + row * s.out_channels + c0, c1 - c0);
+    return;
+  }
+  const int64_t plane = s.out_h * s.out_w;
+  for (int64_t row = begin; row < end;) {
+    const int64_t n = row / plane, p0 = row % plane, run = std::min(end - row, plane - p0);
+    for (int64_t c = c0; c < c1; ++c) silu_in_place(output + (n * s.out_channels + c) * plane + p0, run);
+    row += run;
+  }
 }
 
 // Image rows [begin, end) (over the batch) of an NCHW input as channels-last pixels. Three
@@ -155,7 +174,8 @@ at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& s) {
 }
 
 void patch_conv(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
-                const float* sum, Clamp clamp, float* output) {
+                const float* sum, Activation act, float* output) {
+  const Clamp clamp = act.clamp;
   const int64_t rows = s.batch * s.out_h * s.out_w;
   if (rows <= 0 || s.out_channels == 0) return;
   // An NCHW input (a model's image, 3 channels) is gathered from a channels-last copy: strided
@@ -214,9 +234,10 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
           // A whole pixel block's run of panels in one call (its panels prefetched one ahead).
           const int64_t panel_end = row_blocks == 1 ? unit_end : panel + 1;
           const int64_t unit_next = row_blocks == 1 ? unit_end : unit + 1;
-          block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, rows * block / row_blocks,
-                                      rows * (block + 1) / row_blocks, panel, panel_end, nullptr, staged_block(),
-                                      true, unit_next == unit_end ? after : nullptr, successor.depth);
+          const int64_t begin = rows * block / row_blocks, end = rows * (block + 1) / row_blocks;
+          block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, begin, end, panel, panel_end, nullptr,
+                                      staged_block(), true, unit_next == unit_end ? after : nullptr, successor.depth);
+          if (act.silu) silu_block(s, output, begin, end, panel, panel_end);
           unit = unit_next;
         }
       }
@@ -236,20 +257,22 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t block = item / splits, split = item % splits;
       const int64_t begin = rows * block / blocks, end = rows * (block + 1) / blocks;
-      block_kernel(s, input, panels, bias, sum, clamp, output, begin, end, split * panel_count / splits,
-                   (split + 1) * panel_count / splits, gathered.data(), staged_block(),
-                   item == item_begin || large_weight, nullptr, 0);
+      const int64_t panel_begin = split * panel_count / splits, panel_end = (split + 1) * panel_count / splits;
+      block_kernel(s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end, gathered.data(),
+                   staged_block(), item == item_begin || large_weight, nullptr, 0);
+      if (act.silu) silu_block(s, output, begin, end, panel_begin, panel_end);
     }
   });
 }
 
 void patch_conv_pixels(const PatchConvShape& s, const float* input, const float* panels, const float* bias,
-                       Clamp clamp, float* output, int64_t begin, int64_t end) {
+                       Activation act, float* output, int64_t begin, int64_t end) {
   TORCH_CHECK(s.direct() && s.output_channels_last, "patch_conv_pixels: a direct convolution with a channels-last output");
   if (begin >= end) return;
   const int64_t panel_count = (s.out_channels + kPanel - 1) / kPanel;
-  block_kernels().patch_block(s, input, panels, bias, nullptr, clamp, output, begin, end, 0, panel_count, nullptr,
+  block_kernels().patch_block(s, input, panels, bias, nullptr, act.clamp, output, begin, end, 0, panel_count, nullptr,
                               nullptr, false, nullptr, 0);
+  if (act.silu) silu_block(s, output, begin, end, 0, panel_count);
 }
 
 }  // namespace blade

@@ -72,14 +72,14 @@ struct WeightSpan {
 };
 WeightSpan upcoming_patch_weights(int64_t thread, int64_t threads);
 
-// output = clamp(conv(input) + bias + sum), sum in the output's layout; bias and sum may be null.
+// output = act(conv(input) + bias + sum), sum in the output's layout; bias and sum may be null.
 void patch_conv(const PatchConvShape& shape, const float* input, const float* panels, const float* bias,
-                const float* sum, Clamp clamp, float* output);
+                const float* sum, Activation act, float* output);
 
 // Output pixels [begin, end) of a direct() convolution with a channels-last output (every panel),
-// on the calling thread: clamp(conv(input) + bias). For a caller that runs the convolution a few
+// on the calling thread: act(conv(input) + bias). For a caller that runs the convolution a few
 // rows at a time into a buffer of its own (expand_depthwise.h).
 void patch_conv_pixels(const PatchConvShape& shape, const float* input, const float* panels, const float* bias,
-                       Clamp clamp, float* output, int64_t begin, int64_t end);
+                       Activation act, float* output, int64_t begin, int64_t end);
 
 }  // namespace blade

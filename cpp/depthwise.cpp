@@ -304,6 +304,21 @@ __attribute__((target("default"))) void depthwise_rows(BLADE_DEPTHWISE_PARAMS) {
 void depthwise_rows(BLADE_DEPTHWISE_PARAMS) { depthwise_rows_for<Floats8>(BLADE_DEPTHWISE_ARGS); }
 #endif
 
+// depthwise_rows, then SiLU when act.silu: a few rows at a time (about kSiluBytes of output),
+// each while it is still in L1/L2.
+constexpr int64_t kSiluBytes = int64_t{64} << 10;
+void activated_rows(const DepthwiseShape& s, const float* input, const float* taps, const float* bias, const float* sum,
+                    Activation act, float* output, int64_t begin, int64_t end, WeightPrefetch& weights) {
+  if (!act.silu) return depthwise_rows(s, input, taps, bias, sum, act.clamp, output, begin, end, weights);
+  const int64_t row_floats = s.out_w * s.channels;
+  const int64_t step = std::max<int64_t>(1, kSiluBytes / std::max<int64_t>(1, row_floats * int64_t{sizeof(float)}));
+  for (int64_t first = begin; first < end; first += step) {
+    const int64_t last = std::min(end, first + step);
+    depthwise_rows(s, input, taps, bias, sum, act.clamp, output, first, last, weights);
+    silu_in_place(output + first * row_floats, (last - first) * row_floats);
+  }
+}
+
 }  // namespace
 
 at::Tensor depthwise_tap_weight(const float* weight, int64_t channels, int64_t taps) {
@@ -316,7 +331,7 @@ at::Tensor depthwise_tap_weight(const float* weight, int64_t channels, int64_t t
 }
 
 void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
-                      const float* sum, Clamp clamp, float* output) {
+                      const float* sum, Activation act, float* output) {
   const int64_t rows = shape.batch * shape.out_h;
   // A chunk of rows worth a thread wake-up: about 32K multiply-adds.
   const int64_t per_row = std::max<int64_t>(1, shape.out_w * shape.channels * shape.kernel_h * shape.kernel_w);
@@ -345,15 +360,15 @@ void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const flo
       weights = WeightPrefetch{spans[t].begin + cursor, spans[t].begin + spans[t].bytes,
                                std::max<int64_t>(1, shape.channels / kWeightPrefetchChannels)};
     }
-    depthwise_rows(shape, input, tap_weight, bias, sum, clamp, output, begin, end, weights);
+    activated_rows(shape, input, tap_weight, bias, sum, act, output, begin, end, weights);
     if (weights.next != nullptr) cursor = weights.next - spans[t].begin;
   });
 }
 
 void depthwise_conv2d_rows(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
-                           const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end) {
+                           const float* sum, Activation act, float* output, int64_t begin, int64_t end) {
   WeightPrefetch none;
-  depthwise_rows(shape, input, tap_weight, bias, sum, clamp, output, begin, end, none);
+  activated_rows(shape, input, tap_weight, bias, sum, act, output, begin, end, none);
 }
 
 }  // namespace blade

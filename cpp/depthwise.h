@@ -28,13 +28,13 @@ struct DepthwiseShape {
 // contiguous over the channels, the order the kernel reads them in.
 at::Tensor depthwise_tap_weight(const float* weight, int64_t channels, int64_t taps);
 
-// output = clamp(depthwise(input) + bias + sum); input, sum and output are dense NHWC; bias and sum
+// output = act(depthwise(input) + bias + sum); input, sum and output are dense NHWC; bias and sum
 // may be null. Parallel over output rows on ATen's pool.
 void depthwise_conv2d(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
-                      const float* sum, Clamp clamp, float* output);
+                      const float* sum, Activation act, float* output);
 
 // Output rows [begin, end) of the flattened (batch, out_h) range, on the calling thread.
 void depthwise_conv2d_rows(const DepthwiseShape& shape, const float* input, const float* tap_weight, const float* bias,
-                           const float* sum, Clamp clamp, float* output, int64_t begin, int64_t end);
+                           const float* sum, Activation act, float* output, int64_t begin, int64_t end);
 
 }  // namespace blade

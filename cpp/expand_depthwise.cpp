@@ -62,8 +62,8 @@ bool expand_depthwise_pays(const PatchConvShape& e, const DepthwiseShape& d, int
 }
 
 void expand_depthwise_conv2d(const PatchConvShape& e, const float* input, const float* panels, const float* bias1,
-                             Clamp clamp1, const DepthwiseShape& d, const float* tap_weight, const float* bias2,
-                             const float* sum, Clamp clamp2, float* output) {
+                             Activation act1, const DepthwiseShape& d, const float* tap_weight, const float* bias2,
+                             const float* sum, Activation act2, float* output) {
   TORCH_CHECK(expand_feeds_depthwise(e, d),
               "expand_depthwise_conv2d: the 1x1 convolution's output is not the depthwise one's input");
   const int64_t row_floats = d.in_w * d.channels, out_row_floats = d.out_w * d.channels;
@@ -97,7 +97,7 @@ void expand_depthwise_conv2d(const PatchConvShape& e, const float* input, const 
         part.batch = 1;
         part.in_h = part.out_h = need_hi - held.hi;
         patch_conv_pixels(part, input + (n * in_pixels_per_image + held.hi * e.in_w) * e.in_channels, panels, bias1,
-                          clamp1, rows + (held.hi - held.lo) * row_floats, 0, part.out_h * part.out_w);
+                          act1, rows + (held.hi - held.lo) * row_floats, 0, part.out_h * part.out_w);
         held.hi = need_hi;
       }
       // The depthwise rows from the buffer: image rows [held.lo, held.hi) as an image of their own
@@ -107,7 +107,7 @@ void expand_depthwise_conv2d(const PatchConvShape& e, const float* input, const 
       from_buffer.in_h = held.hi - held.lo;
       from_buffer.pad_top = d.pad_top + held.lo;
       const int64_t image_out = n * d.out_h * out_row_floats;
-      depthwise_conv2d_rows(from_buffer, rows, tap_weight, bias2, sum != nullptr ? sum + image_out : nullptr, clamp2,
+      depthwise_conv2d_rows(from_buffer, rows, tap_weight, bias2, sum != nullptr ? sum + image_out : nullptr, act2,
                             output + image_out, oh, oh_end);
       row = n * d.out_h + oh_end;
     }

@@ -27,10 +27,10 @@ bool expand_feeds_depthwise(const PatchConvShape& expand, const DepthwiseShape& 
 // splits serve small images better), with an output of at least a few rows a thread.
 bool expand_depthwise_pays(const PatchConvShape& expand, const DepthwiseShape& depthwise, int64_t threads);
 
-// output = clamp2(depthwise(clamp1(conv1x1(input) + bias1)) + bias2 + sum), channels-last
+// output = act2(depthwise(act1(conv1x1(input) + bias1)) + bias2 + sum), channels-last
 // throughout, where expand_feeds_depthwise. bias1, bias2 and sum may be null.
 void expand_depthwise_conv2d(const PatchConvShape& expand, const float* input, const float* panels, const float* bias1,
-                             Clamp clamp1, const DepthwiseShape& depthwise, const float* tap_weight, const float* bias2,
-                             const float* sum, Clamp clamp2, float* output);
+                             Activation act1, const DepthwiseShape& depthwise, const float* tap_weight,
+                             const float* bias2, const float* sum, Activation act2, float* output);
 
 }  // namespace blade

@@ -143,13 +143,14 @@ void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tens
 }
 
 // A 1x1 convolution (w1, b1, clamped to [lo1, hi1]) then a depthwise one (w2, b2, plus sum,
-// clamped to [lo2, hi2]) on channels-last tensors: together (expand_depthwise.h, whether or not
+// clamped to [lo2, hi2]) on channels-last tensors (with `activation` BLADE_ACTIVATION_SILU: SiLU
+// after each instead of the clamps): together (expand_depthwise.h, whether or not
 // that pays) or as the runtime table's two convs through an expanded tensor, `repeat` times with
 // the weights packed once.
 void expand_depthwise(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, double lo1, double hi1,
                       const at::Tensor& w2, const at::Tensor& b2, std::vector<int64_t> strides, std::vector<int64_t> pads,
                       std::vector<int64_t> dilations, at::Tensor& out, double lo2, double hi2, bool together,
-                      int64_t repeat, const std::optional<at::Tensor>& sum) {
+                      int64_t repeat, const std::optional<at::Tensor>& sum, int64_t activation) {
   const auto nhwc = at::MemoryFormat::ChannelsLast;
   TORCH_CHECK(x.dim() == 4 && x.is_contiguous(nhwc) && out.is_contiguous(nhwc) && w1.is_contiguous() &&
                   w2.is_contiguous() && b1.is_contiguous() && b2.is_contiguous(),
@@ -161,8 +162,9 @@ void expand_depthwise(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
   const int64_t ones[] = {1, 1}, zeros[] = {0, 0, 0, 0};
   const int32_t nhwc_bits = BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST;
   const auto e = patch_conv_shape(2, x.sizes().data(), w1.sizes().data(), ones, zeros, ones, 1, nhwc_bits);
-  const BladeActivation act1{BLADE_ACTIVATION_CLAMP, static_cast<float>(lo1), static_cast<float>(hi1)};
-  const BladeActivation act2{BLADE_ACTIVATION_CLAMP, static_cast<float>(lo2), static_cast<float>(hi2)};
+  const int32_t kind = static_cast<int32_t>(activation);
+  const BladeActivation act1{kind, static_cast<float>(lo1), static_cast<float>(hi1)};
+  const BladeActivation act2{kind, static_cast<float>(lo2), static_cast<float>(hi2)};
   if (together) {
     const DepthwiseShape d{x.size(0), x.size(2), x.size(3), w1.size(0), w2.size(2), w2.size(3), strides[0], strides[1],
                            dilations[0], dilations[1], pads[0], pads[1], out.size(2), out.size(3)};
@@ -171,8 +173,8 @@ void expand_depthwise(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
     const at::Tensor taps = depthwise_tap_weight(w2.const_data_ptr<float>(), d.channels, d.kernel_h * d.kernel_w);
     for (int64_t i = 0; i < repeat; ++i) {
       expand_depthwise_conv2d(*e, x.const_data_ptr<float>(), panels.const_data_ptr<float>(), b1.const_data_ptr<float>(),
-                              clamp_of(&act1), d, taps.const_data_ptr<float>(), b2.const_data_ptr<float>(), sum_data,
-                              clamp_of(&act2), out.mutable_data_ptr<float>());
+                              activation_of(&act1), d, taps.const_data_ptr<float>(), b2.const_data_ptr<float>(), sum_data,
+                              activation_of(&act2), out.mutable_data_ptr<float>());
     }
     return;
   }
@@ -210,7 +212,8 @@ void bind_testing(pybind11::module_& m) {
         "A 1x1 then a depthwise convolution, channels-last, together or as two runtime convs (out written in place).",
         py::arg("x"), py::arg("w1"), py::arg("b1"), py::arg("lo1"), py::arg("hi1"), py::arg("w2"), py::arg("b2"),
         py::arg("strides"), py::arg("pads"), py::arg("dilations"), py::arg("out"), py::arg("lo2"), py::arg("hi2"),
-        py::arg("together"), py::arg("repeat") = 1, py::arg("sum") = py::none());
+        py::arg("together"), py::arg("repeat") = 1, py::arg("sum") = py::none(),
+        py::arg("activation") = BLADE_ACTIVATION_CLAMP);
   m.def("set_conv_kernel_enabled", &set_conv_kernel_enabled,
         "Lets the runtime's conv use its kernel ('winograd', 'depthwise', 'grouped', 'pointwise', 'patch', 'expand_depthwise')"
         " where it applies (default), or never.",

@@ -79,10 +79,12 @@ BLADE_ISA_CLONES void copy_range(const float* from, float* to, int64_t begin, in
   for (int64_t i = begin; i < end; ++i) to[i] = kClamp ? clamp_value(from[i], clamp.lo, clamp.hi) : from[i];
 }
 
-// to[i] = clamp(from[i]) for `count` dense floats (from == to: in place), in parallel.
-void copy_clamped(const float* from, float* to, int64_t count, Clamp clamp) {
-  const auto copy = clamp.on ? copy_range<true> : copy_range<false>;
-  timed_parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) { copy(from, to, begin, end, clamp); });
+// to[i] = the activation (clamp or SiLU) of from[i] for `count` dense floats (from == to: in place), in
+// parallel.
+void copy_activated(const float* from, float* to, int64_t count, Activation act) {
+  if (act.silu) return silu_parallel(from, to, count);
+  const auto copy = act.clamp.on ? copy_range<true> : copy_range<false>;
+  timed_parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) { copy(from, to, begin, end, act.clamp); });
 }
 
 at::Tensor dense(const float* data, at::IntArrayRef sizes) {
@@ -266,14 +268,15 @@ at::Tensor relaid_weight(const float* weight, int64_t kind, const int64_t* weigh
 }
 
 void conv_winograd(const Conv3x3Shape& shape, const float* input, const int64_t* weight_shape, const float* weight,
-                   const float* bias, const float* sum, Clamp clamp, float* output) {
+                   const float* bias, const float* sum, Activation act, float* output) {
   PackedWeights* weights = current_weights;
   const at::Tensor u = weights->get(conv_pack_key(weight, -1 /* winograd */, weight_shape), [&] {
     return winograd_weight(weight, shape.out_channels, shape.in_channels);
   });
   // so its GEMMs pack it (also when another engine of the same weight transformed it)
   if (!weights->is_constant(u.const_data_ptr())) weights->add_constant(u.const_data_ptr(), u.nbytes());
-  winograd_conv3x3(shape, input, u.const_data_ptr<float>(), bias, sum, clamp, output, weights);
+  winograd_conv3x3(shape, input, u.const_data_ptr<float>(), bias, sum, act.clamp, output, weights);
+  silu_output(output, shape.batch * shape.out_h * shape.out_w * shape.out_channels, act);
   winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -281,20 +284,21 @@ void conv_winograd(const Conv3x3Shape& shape, const float* input, const int64_t*
 void conv_other(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
                 const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
                 const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
-                Clamp clamp) {
+                Activation act) {
   if (const auto shape = depthwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
     const int64_t taps = shape->kernel_h * shape->kernel_w;
     const at::Tensor tap_weight = relaid_weight(weight, -2 /* depthwise */, weight_shape, [&] {
       return depthwise_tap_weight(weight, shape->channels, taps);
     });
-    depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum, clamp, output);
+    depthwise_conv2d(*shape, input, tap_weight.const_data_ptr<float>(), bias, sum, act, output);
     depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   if (const auto shape = grouped_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
     const at::Tensor packed = relaid_weight(weight, -4 /* grouped */, weight_shape,
                                             [&] { return grouped_conv_weight(weight, *shape); });
-    grouped_conv2d(*shape, input, packed.const_data_ptr<float>(), bias, sum, clamp, output);
+    grouped_conv2d(*shape, input, packed.const_data_ptr<float>(), bias, sum, act.clamp, output);
+    silu_output(output, shape->batch * shape->out_h * shape->out_w * shape->out_channels, act);
     grouped_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -302,14 +306,15 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
     if (const auto shape = patch_conv_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
       const at::Tensor panels = relaid_weight(weight, -3 /* patch */, weight_shape,
                                               [&] { return patch_conv_weight(weight, *shape); });
-      patch_conv(*shape, input, panels.const_data_ptr<float>(), bias, sum, clamp, output);
+      patch_conv(*shape, input, panels.const_data_ptr<float>(), bias, sum, act, output);
       patch_kernel.calls.fetch_add(1, std::memory_order_relaxed);
       return;
     }
   }
   if (pointwise_kernel.enabled.load(std::memory_order_relaxed)) {
     if (const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
-      pointwise_conv(*shape, input, weight, bias, sum, clamp, output);
+      pointwise_conv(*shape, input, weight, bias, sum, act.clamp, output);
+      silu_output(output, shape->batch * shape->pixels * shape->out_channels, act);
       pointwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
       return;
     }
@@ -351,10 +356,10 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
   // the probe above kept oneDNN), next to the convolution.
   if (y.numel() == 0) return;
   if (y.is_contiguous(out_format)) {
-    copy_clamped(y.const_data_ptr<float>(), output, y.numel(), clamp);
+    copy_activated(y.const_data_ptr<float>(), output, y.numel(), act);
   } else {
     engine_tensor(output, y.sizes(), out_channels_last).copy_(y);
-    if (clamp.on) copy_clamped(output, output, y.numel(), clamp);
+    if (act.clamp.on || act.silu) copy_activated(output, output, y.numel(), act);
   }
 }
 
@@ -420,16 +425,16 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   // T5 b8 call that started parallel took ~1 s instead of ~150 ms serially, its GEMMs still on 2
   // threads after serial mode had begun.
   const SerialScope serial_while_oversubscribed;
-  const Clamp clamp = clamp_of(activation);
+  const Activation act = activation_of(activation);
   TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
   const auto run_other = [&](float* out) {
     conv_other(spatial, input_shape, input, weight_shape, weight, bias, strides, pads, dilations, groups, out, layout,
-               sum, clamp);
+               sum, act);
   };
   if (const auto shape = winograd_shape(spatial, input_shape, weight_shape, weight, strides, pads, dilations, groups,
                                        layout)) {
     const auto run_winograd = [&](float* out) {
-      conv_winograd(*shape, input, weight_shape, weight, bias, sum, clamp, out);
+      conv_winograd(*shape, input, weight_shape, weight, bias, sum, act, out);
     };
     const int64_t weight_bytes = weight_shape[0] * weight_shape[1] * 9 * static_cast<int64_t>(sizeof(float));
     if (!winograd_marginal(*shape) || winograd_wins(*shape, weight_bytes, weight, run_winograd, run_other)) {
@@ -469,8 +474,8 @@ bool expand_depthwise_pair(const BladeConv& first, const BladeConv& second) {
     return depthwise_tap_weight(second.weight, depthwise->channels, depthwise->kernel_h * depthwise->kernel_w);
   });
   expand_depthwise_conv2d(*expand, first.input, panels.const_data_ptr<float>(), first.bias,
-                          clamp_of(first.activation), *depthwise, taps.const_data_ptr<float>(), second.bias,
-                          second.sum, clamp_of(second.activation), second.output);
+                          activation_of(first.activation), *depthwise, taps.const_data_ptr<float>(), second.bias,
+                          second.sum, activation_of(second.activation), second.output);
   expand_depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
@@ -494,16 +499,6 @@ const BladeRuntime kRuntime = {BLADE_ABI_VERSION, &sgemm, &parallel_for, &conv, 
 }  // namespace
 
 const BladeRuntime* runtime() { return &kRuntime; }
-
-Clamp clamp_of(const BladeActivation* activation) {
-  constexpr float inf = std::numeric_limits<float>::infinity();
-  if (activation == nullptr || activation->kind == BLADE_ACTIVATION_NONE) return {false, -inf, inf};
-  if (activation->kind == BLADE_ACTIVATION_RELU) return {true, 0.0f, inf};  // v < 0 ? 0 : v is exactly clamp(0, +inf)
-  TORCH_CHECK(activation->kind == BLADE_ACTIVATION_CLAMP, "blade runtime: unknown convolution activation ",
-              activation->kind);
-  TORCH_CHECK(!std::isnan(activation->lo) && !std::isnan(activation->hi), "blade runtime: a NaN clamp bound");
-  return {true, activation->lo, activation->hi};
-}
 
 void set_conv_kernel_enabled(const std::string& kernel, bool enabled) {
   conv_kernel_switch(kernel)->enabled.store(enabled, std::memory_order_relaxed);

@@ -23,7 +23,7 @@ CONV_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p)
 CONV_INPUT_CHANNELS_LAST, CONV_OUTPUT_CHANNELS_LAST = 1, 2   # blade_abi.h BLADE_CONV_* layout bits
-ACTIVATION_RELU, ACTIVATION_CLAMP = 1, 2                     # blade_abi.h BLADE_ACTIVATION_*
+ACTIVATION_RELU, ACTIVATION_CLAMP, ACTIVATION_SILU = 1, 2, 3  # blade_abi.h BLADE_ACTIVATION_*
 
 
 class BladeActivation(ctypes.Structure):
@@ -189,6 +189,10 @@ def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, grou
         elif act.kind == ACTIVATION_CLAMP:   # Max then Min: NaN stays NaN
             result = np.where(np.isnan(result) | (result >= act.lo), result, act.lo)
             result = np.where(np.isnan(result) | (result <= act.hi), result, act.hi)
+        elif act.kind == ACTIVATION_SILU:
+            # exp(-v) = inf below -88: v / inf is -0 (-inf / inf: NaN), as the engine's v * 0
+            with np.errstate(over="ignore", invalid="ignore"):
+                result = result / (1.0 + np.exp(-result))
         else:
             raise ValueError(f"unknown activation kind {act.kind}")
     if result.size:

@@ -9,8 +9,8 @@ Decided from the graph alone, before any code exists (compiler.STAGES dumps it a
 - the dim order of each stored buffer: row-major, channels-last (convolutions and the values between
   them: oneDNN then reads and writes without reordering), or the order of the one permute that reads
   a batched matmul (attention heads back to [seq, heads * dim], written by sgemm's strides);
-- convolution epilogues: act(conv), conv + addend and act(conv + addend), act a ReLU or a clamp
-  (ReLU6, hardtanh), computed by the convolution itself (the runtime's kernels, oneDNN post-ops)
+- convolution epilogues: act(conv), conv + addend and act(conv + addend), act a ReLU, a clamp
+  (ReLU6, hardtanh) or SiLU, computed by the convolution itself (the runtime's kernels, oneDNN post-ops)
   when the sum's addend is stored before the convolution runs;
 - convolution pairs: a 1x1 convolution whose result (after its epilogue) only a depthwise
   convolution reads is handed to the runtime with it in one call (MobileNet's expansion: the
@@ -58,15 +58,16 @@ def reads_per_element(node: Node) -> int:
 
 @dataclass(frozen=True)
 class Activation:
-    """An activation a convolution applies itself (blade_abi.h BladeActivation): "relu", or
-    "clamp" to [lo, hi], computed as the engine's Max(v, lo) then Min(v, hi) (a one-sided clamp has
-    lo = -inf or hi = inf, which leave every value, NaN included, as it is)."""
+    """An activation a convolution applies itself (blade_abi.h BladeActivation): "relu", "clamp"
+    to [lo, hi], computed as the engine's Max(v, lo) then Min(v, hi) (a one-sided clamp has lo =
+    -inf or hi = inf, which leave every value, NaN included, as it is), or "silu", the engine's
+    Mul(v, Sigmoid(v))."""
     kind: str
     lo: float = -math.inf
     hi: float = math.inf
 
     def __str__(self):
-        return "relu" if self.kind == "relu" else f"clamp[{self.lo}, {self.hi}]"
+        return f"clamp[{self.lo}, {self.hi}]" if self.kind == "clamp" else self.kind
 
 
 @dataclass(frozen=True)
@@ -599,7 +600,10 @@ def _activation(p: Plan, value: Node, only_user, is_ew) -> tuple:
     (Relu; Max with a scalar constant bound, then possibly Min with one: a clamp, as ONNX Clip and
     torch's clamp/relu6/hardtanh lower), or (None, value). Only the first operand of Max/Min may be
     the value: Max(v, lo) keeps v on a NaN or a tie, Max(lo, v) keeps lo on a tie. A stored Max
-    ends the clamp there (its value is read elsewhere)."""
+    ends the clamp there (its value is read elsewhere). Or SiLU (_silu)."""
+    silu = _silu(p, value, is_ew)
+    if silu is not None:
+        return Activation("silu"), silu
     user = only_user(value)
     if is_ew(user, "Relu"):
         return Activation("relu"), user
@@ -610,6 +614,21 @@ def _activation(p: Plan, value: Node, only_user, is_ew) -> tuple:
         if bound is not None:
             bounds[side], node = bound, user
     return (Activation("clamp", **bounds), node) if bounds else (None, value)
+
+
+def _silu(p: Plan, value: Node, is_ew) -> Node | None:
+    """The Mul computing SiLU of value when value is read by exactly Sigmoid(value) and
+    Mul(value, that sigmoid), in either order (aten::silu's lowering, cluster/rules/elementwise.py),
+    and by nothing else (no graph output), the sigmoid inline and read only by the Mul; else None."""
+    readers = p.users.get(value, [])
+    if (len(readers) != 2 or value.dtype != "float32" or value in p.outputs
+            or any(value is node for _, node in p.graph.outputs)):
+        return None
+    sigmoid = next((r for r in readers if is_ew(r, "Sigmoid") and r.args[0] is value), None)
+    mul = next((r for r in readers if is_ew(r, "Mul")), None)
+    if sigmoid is None or mul is None or sigmoid in p.materialized or p.users.get(sigmoid) != [mul]:
+        return None
+    return mul if len(mul.args) == 2 and set(mul.args) == {value, sigmoid} else None
 
 
 def _scalar_bound(node: Node, value: Node) -> float | None:

@@ -350,6 +350,28 @@ def test_clamps_after_convolutions_are_their_epilogues():
                            3: plan.Activation("clamp", lo, hi)}   # y3 = Max(lo, conv) stays a loop
 
 
+def test_silu_after_convolutions_is_their_epilogue():
+    """EfficientNet's block: SiLU (Sigmoid then Mul, in either order) after the expansion, the
+    depthwise and the squeeze convolution is each one's epilogue (BLADE_ACTIVATION_SILU), the
+    expansion still called with the depthwise one; its Sigmoid and Mul have no loop of their own.
+    After a residual sum too; not when the convolution or the Sigmoid is read elsewhere, nor for the
+    sigmoid of another value."""
+    (block,) = [c for c in CASES if c.name == "conv-silu-efficientnet-block"]
+    planned = plan.make_plan(ir.lower_onnx(block.model))
+    silu = plan.Activation("silu")
+    assert sorted((e.activation == silu, e.addend is not None) for e in planned.epilogues.values()) == [
+        (False, True), (True, False), (True, False), (True, False)]
+    assert len(planned.conv_pairs) == 1
+    source = codegen.generate(planned).source
+    assert source.count("BLADE_ACTIVATION_SILU") == 3 and source.count("rt->conv_pair(&first, &second);") == 1
+    assert source.count("blade_sigmoidf(") == 1   # the gate's: the three SiLUs are the runtime's
+    (forms,) = [c for c in CASES if c.name == "conv-silu-forms"]
+    planned = plan.make_plan(ir.lower_onnx(forms.model))
+    fused = {planned.outputs[e.target]: (e.activation, e.addend is not None) for e in planned.epilogues.values()
+             if e.target in planned.outputs}
+    assert fused == {0: (silu, True)}
+
+
 def test_zero_pad_folds_into_the_convolution_pads():
     """Only when nothing else reads the padded tensor and the pad value is +0.0."""
     folded, read_twice, nonzero = (source_of(c) for c in CASES if c.name in (

@@ -303,6 +303,46 @@ CASES = [
          "w2": np.random.default_rng(32).standard_normal((16, 16, 3, 3)).astype(f32),
          "w3": np.random.default_rng(33).standard_normal((16, 16, 3, 3)).astype(f32),
          "w4": np.random.default_rng(34).standard_normal((8, 16, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4),
+    # EfficientNet's MBConv block: each SiLU (Sigmoid then Mul, either order) is the epilogue of the
+    # convolution before it: the 1x1 expansion's and the depthwise one's, called together
+    # (conv_pair, a 614 KB expansion), and the squeeze's (a 1x1 on a 1x1 image); the gate's Sigmoid
+    # stays a loop. NaN and infinities (silu(-inf) = -inf * 0 is NaN) go through every kernel.
+    graph_case("conv-silu-efficientnet-block", [
+        node("Conv", ["x", "w1", "b1"], ["c1"]), node("Sigmoid", ["c1"], ["s1"]), node("Mul", ["c1", "s1"], ["a1"]),
+        node("Conv", ["a1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], group=96), node("Sigmoid", ["c2"], ["s2"]),
+        node("Mul", ["s2", "c2"], ["a2"]), node("ReduceMean", ["a2", "hw"], ["m"], keepdims=1),
+        node("Conv", ["m", "w3", "b3"], ["c3"]), node("Sigmoid", ["c3"], ["s3"]), node("Mul", ["c3", "s3"], ["a3"]),
+        node("Conv", ["a3", "w4", "b4"], ["c4"]), node("Sigmoid", ["c4"], ["g"]), node("Mul", ["a2", "g"], ["e"]),
+        node("Conv", ["e", "w5"], ["c5"]), node("Add", ["c5", "x"], ["y"])],
+        {"x": ((1, 16, 40, 40), "float32")}, ["y"],
+        {"w1": (np.random.default_rng(40).standard_normal((96, 16, 1, 1)) / 4).astype(f32),
+         "b1": np.random.default_rng(41).standard_normal((96,)).astype(f32),
+         "w2": (np.random.default_rng(42).standard_normal((96, 1, 3, 3)) / 3).astype(f32),
+         "b2": np.random.default_rng(43).standard_normal((96,)).astype(f32),
+         "w3": (np.random.default_rng(44).standard_normal((4, 96, 1, 1)) / 10).astype(f32),
+         "b3": np.random.default_rng(45).standard_normal((4,)).astype(f32),
+         "w4": (np.random.default_rng(46).standard_normal((96, 4, 1, 1)) / 2).astype(f32),
+         "b4": np.random.default_rng(47).standard_normal((96,)).astype(f32),
+         "w5": (np.random.default_rng(48).standard_normal((16, 96, 1, 1)) / 10).astype(f32),
+         "hw": arr([2, 3], i64)},
+        values={"x": np.where(np.arange(16 * 40 * 40).reshape(1, 16, 40, 40) % 997 == 5, np.nan,
+                              np.where(np.arange(16 * 40 * 40).reshape(1, 16, 40, 40) % 991 == 3, -np.inf,
+                                       np.random.default_rng(49).standard_normal((1, 16, 40, 40)) * 3)).astype(f32)},
+        rtol=1e-4, atol=1e-4),
+    # SiLU after a residual sum (YOLO's bottlenecks) is that convolution's epilogue, with the sum; a
+    # convolution that is also a graph output keeps its SiLU a loop, as does a Sigmoid read twice
+    # (y3's Mul and the output y4) and a Mul of the sigmoid of another value.
+    graph_case("conv-silu-forms", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), node("Add", ["c1", "x"], ["r"]),
+        node("Sigmoid", ["r"], ["s1"]), node("Mul", ["r", "s1"], ["y1"]),
+        node("Conv", ["x", "w2"], ["y2"]), node("Sigmoid", ["y2"], ["s2"]), node("Mul", ["y2", "s2"], ["y5"]),
+        node("Conv", ["x", "w3"], ["c3"]), node("Sigmoid", ["c3"], ["y4"]), node("Mul", ["c3", "y4"], ["y3"]),
+        node("Conv", ["x", "w4"], ["c4"]), node("Sigmoid", ["x"], ["s4"]), node("Mul", ["c4", "s4"], ["y6"])],
+        {"x": ((2, 8, 7, 9), "float32")}, ["y1", "y2", "y3", "y4", "y5", "y6"],
+        {"w1": np.random.default_rng(50).standard_normal((8, 8, 3, 3)).astype(f32),
+         "w2": np.random.default_rng(51).standard_normal((8, 8, 1, 1)).astype(f32),
+         "w3": np.random.default_rng(52).standard_normal((8, 8, 1, 1)).astype(f32),
+         "w4": np.random.default_rng(53).standard_normal((8, 8, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4),
     # A sum epilogue's addend that is a graph output computed after the convolution (ONNX node
     # order): the convolution must not read it before its kernel ran, so the sum stays a loop.
     graph_case("conv-epilogue-addend-computed-later", [
@@ -517,3 +557,31 @@ def test_op(case, compiled):
             run_case(case, *compiled[case.name])
     else:
         check_case(case, compiled[case.name])
+
+
+@pytest.mark.parametrize("kernel", ["patch", "depthwise", "nchw"])
+def test_the_runtime_silu_epilogue_is_the_engines_silu_bitwise(kernel, tmp_path):
+    """A convolution's SiLU epilogue (the runtime's, BLADE_ACTIVATION_SILU) gives the floats of the
+    engine's own Mul(v, Sigmoid(v)) loop over the whole float range (`wide`: flushes, overflows,
+    infinities, NaN): a 1x1 convolution of weight 1 passes v through to the epilogue on the patch
+    kernel (one channel), the depthwise kernel (groups = channels) and an NCHW output's path."""
+    import torch
+    from blade._C import _testing
+    shape = (1, 17, 1, wide.size // 17)   # 1411 values
+    (case,) = [graph_case("silu", [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["y"])],
+                          {"x": (shape, "float32")}, ["y"], values={"x": wide.reshape(shape)})]
+    (engine_silu,) = run_case(case, *compile_cases([case], tmp_path)["silu"])
+    x = torch.from_numpy(wide.reshape(shape))
+    channels_last = torch.channels_last
+    if kernel == "patch":
+        x, weight, groups, layout = x.reshape(1, 1, 1, -1).contiguous(memory_format=channels_last), torch.ones(1, 1, 1, 1), 1, 3
+    elif kernel == "depthwise":
+        x, weight, groups, layout = x.contiguous(memory_format=channels_last), torch.ones(17, 1, 1, 1), 17, 3
+    else:
+        x, weight, groups, layout = x.reshape(1, 1, 1, -1), torch.ones(1, 1, 1, 1), 1, 0
+    out = torch.full(x.shape, 7.0).contiguous(memory_format=channels_last if layout else torch.contiguous_format)
+    before = _testing.conv_kernel_calls(kernel) if kernel != "nchw" else 0
+    _testing.conv(x, weight, None, [1, 1], [0, 0, 0, 0], [1, 1], groups, out, layout, True, None, 3)
+    if kernel != "nchw":
+        assert _testing.conv_kernel_calls(kernel) == before + 1
+    np.testing.assert_array_equal(out.contiguous().reshape(shape).numpy(), engine_silu)

@@ -8,6 +8,11 @@ import torch
 from blade._C import _testing
 from runtime_testing import run_sgemm, torch_threads
 
+# _testing.conv's activation kinds (blade_abi.h BLADE_ACTIVATION_*: none, ReLU, a clamp, SiLU), the
+# clamp's bounds the ones the tests pass (-0.5, 0.75).
+ACTIVATIONS = {0: lambda t: t, 1: lambda t: t.clamp(min=0), 2: lambda t: t.clamp(-0.5, 0.75),
+               3: torch.nn.functional.silu}
+
 
 @pytest.mark.parametrize("trans_a, trans_b", list(itertools.product([False, True], repeat=2)))
 @pytest.mark.parametrize("batch", [1, 3])
@@ -119,7 +124,7 @@ def test_conv_layouts(layout, pack, c_in, c_out, groups, pads, stride):
 
 @pytest.mark.parametrize("layout", [0, 3])
 @pytest.mark.parametrize("pack", [False, True])
-@pytest.mark.parametrize("with_sum, activation", [(True, 0), (False, 1), (True, 1)])
+@pytest.mark.parametrize("with_sum, activation", [(True, 0), (False, 1), (True, 1), (True, 3)])
 def test_conv_epilogue(layout, pack, with_sum, activation):
     """The fused epilogue: + sum (a residual, in the output's layout), then ReLU."""
     torch.manual_seed(1)
@@ -127,7 +132,7 @@ def test_conv_epilogue(layout, pack, with_sum, activation):
     memory_format = torch.channels_last if layout else torch.contiguous_format
     residual = torch.randn(1, 16, 9, 9).contiguous(memory_format=memory_format)
     expected = torch.conv2d(x, w, b, padding=1) + (residual if with_sum else 0)
-    expected = expected.relu() if activation else expected
+    expected = ACTIVATIONS[activation](expected)
     out = torch.full_like(residual, float("nan"))
     _testing.conv(x.contiguous(memory_format=memory_format), w, b, [1, 1], [1, 1, 1, 1], [1, 1], 1, out, layout,
                   pack, residual if with_sum else None, activation)
@@ -159,7 +164,8 @@ def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, resid
                                                          (1, 80, 64, 13, 11, [0, 1, 2, 0]), (32, 64, 64, 1, 1, [1, 1, 1, 1]),
                                                          (40, 128, 64, 3, 3, [0, 0, 0, 0]), (1, 96, 128, 11, 13, [1, 0, 0, 2]),
                                                          (2, 64, 64, 29, 31, [1, 1, 1, 1])])
-@pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 1)])
+@pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 1),
+                                                             (True, True, 3)])
 def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activation):
     torch.manual_seed(2)
     x, weight = torch.randn(n, c_in, h, w), torch.randn(c_out, c_in, 3, 3) / (9 * c_in) ** 0.5
@@ -168,7 +174,7 @@ def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activati
     expected = torch.conv2d(padded, weight.double(), bias.double() if with_bias else None)
     residual = torch.randn(expected.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
     expected = expected + residual.double() if with_sum else expected
-    expected = expected.relu() if activation else expected
+    expected = ACTIVATIONS[activation](expected)
     with_winograd, without = conv_with_and_without_winograd(x, weight, bias, pads, expected.shape, True, residual,
                                                             activation)
     for out in (with_winograd, without):
@@ -278,7 +284,7 @@ def conv_with_and_without_kernel(kernel, x, weight, bias, strides, pads, dilatio
     (1, 96, 6, 40, 3, 2, 1, [0, 0, 1, 1]), (2, 24, 7, 30, 3, 2, 1, [1, 1, 1, 1]),
     (1, 40, 9, 23, 5, 2, 1, [2, 2, 2, 2]), (1, 16, 5, 9, 3, 2, 1, [1, 2, 1, 0]), (1, 16, 5, 4, 5, 2, 1, [0, 0, 0, 1])])
 @pytest.mark.parametrize("with_bias, with_sum, activation, pack", [(True, False, 0, True), (False, True, 1, False),
-                                                                    (True, True, 1, True)])
+                                                                    (True, True, 1, True), (True, True, 3, True)])
 def test_conv_depthwise(n, c, h, w, k, stride, dilation, pads, with_bias, with_sum, activation, pack):
     torch.manual_seed(4)
     x, weight = torch.randn(n, c, h, w), torch.randn(c, 1, k, k)
@@ -287,7 +293,7 @@ def test_conv_depthwise(n, c, h, w, k, stride, dilation, pads, with_bias, with_s
     expected = torch.conv2d(padded, weight.double(), bias.double() if with_bias else None, stride, 0, dilation, c)
     residual = torch.randn(expected.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
     expected = expected + residual.double() if with_sum else expected
-    expected = expected.relu() if activation else expected
+    expected = ACTIVATIONS[activation](expected)
     (ours, ours_calls), (onednn, onednn_calls) = conv_with_and_without_kernel(
         "depthwise", x, weight, bias, [stride] * 2, pads, [dilation] * 2, c, expected.shape, pack, residual, activation)
     assert (ours_calls, onednn_calls) == (1, 0)
@@ -337,7 +343,7 @@ def test_conv_depthwise_not_taken():
     (2, 128, 128, 32, 6, 7, 3, 2, 1, [1, 1, 1, 1]), (1, 16, 16, 4, 7, 19, 3, 1, 1, [1, 1, 1, 1]),
     (1, 12, 24, 2, 5, 6, 3, 1, 2, [2, 1, 2, 2])])
 @pytest.mark.parametrize("with_bias, with_sum, activation, pack", [(True, False, 0, True), (False, True, 1, False),
-                                                                    (True, True, 1, True)])
+                                                                    (True, True, 1, True), (True, True, 3, False)])
 def test_conv_grouped(n, c_in, c_out, groups, h, w, k, stride, dilation, pads, with_bias, with_sum, activation, pack):
     torch.manual_seed(6)
     x, weight = torch.randn(n, c_in, h, w), torch.randn(c_out, c_in // groups, k, k)
@@ -346,7 +352,7 @@ def test_conv_grouped(n, c_in, c_out, groups, h, w, k, stride, dilation, pads, w
     expected = torch.conv2d(padded, weight.double(), bias.double() if with_bias else None, stride, 0, dilation, groups)
     residual = torch.randn(expected.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
     expected = expected + residual.double() if with_sum else expected
-    expected = expected.relu() if activation else expected
+    expected = ACTIVATIONS[activation](expected)
     (ours, ours_calls), (onednn, onednn_calls) = conv_with_and_without_kernel(
         "grouped", x, weight, bias, [stride] * 2, pads, [dilation] * 2, groups, expected.shape, pack, residual,
         activation)
@@ -386,6 +392,7 @@ def test_conv_grouped_not_taken():
 @pytest.mark.parametrize("shape, layout", [((2, 24, 5, 7), 3), ((1, 3, 4, 4), 3), ((2, 16, 6, 5), 0), ((3, 8, 10), 0),
                                            ((1, 4, 3, 2, 5), 0), ((1, 144, 1, 1), 3)])
 @pytest.mark.parametrize("with_bias, with_sum, activation", [(False, False, 0), (True, False, 1), (False, True, 0),
+                                                             (True, True, 3),
                                                              (True, True, 1)])
 def test_conv_pointwise(shape, layout, with_bias, with_sum, activation):
     torch.manual_seed(5)
@@ -397,7 +404,7 @@ def test_conv_pointwise(shape, layout, with_bias, with_sum, activation):
     memory_format = torch.channels_last if layout else torch.contiguous_format
     residual = torch.randn(expected.shape).contiguous(memory_format=memory_format) if with_sum else None
     expected = expected + residual.double() if with_sum else expected
-    expected = expected.relu() if activation else expected
+    expected = ACTIVATIONS[activation](expected)
     outputs = []
     try:
         _testing.set_conv_kernel_enabled("patch", False)
@@ -464,7 +471,7 @@ def patch_reference(x, weight, bias, stride, pads, dilation, residual, activatio
     expected = torch.conv2d(padded, weight.double(), None if bias is None else bias.double(), stride,
                             dilation=dilation)
     expected = expected + residual.double() if residual is not None else expected
-    return {0: expected, 1: expected.clamp(min=0), 2: expected.clamp(-0.5, 0.75)}[activation]
+    return ACTIVATIONS[activation](expected)
 
 
 def patch_output(shape, channels_last):
@@ -473,7 +480,8 @@ def patch_output(shape, channels_last):
 
 
 @pytest.mark.parametrize("case", PATCH_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}d{c[5]}")
-@pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 2)])
+@pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 2),
+                                                             (True, True, 3)])
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
 def test_conv_patch(case, with_bias, with_sum, activation, pack, output_channels_last):
@@ -521,16 +529,18 @@ PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input chan
 @pytest.mark.parametrize("case", PATCH_SPLIT_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
-def test_conv_patch_threads_and_gather(case, threads, output_channels_last):
+@pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
+def test_conv_patch_threads_and_gather(case, threads, output_channels_last, activation):
     torch.manual_seed(9)
     x_shape, c_out, k, stride, pads, input_channels_last = case
     check_patch_conv(x_shape, c_out, (k, k), (stride, stride), pads, (1, 1), input_channels_last, output_channels_last,
-                     threads)
+                     threads, activation)
 
 
 def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last,
-                     threads):
-    """The patch kernel on `threads` threads, with bias, a residual and a clamp, against float64."""
+                     threads, activation=2):
+    """The patch kernel on `threads` threads, with bias, a residual and `activation` (a clamp: each
+    value as it is stored; SiLU: over each block stored), against float64."""
     if not (input_channels_last or output_channels_last):
         pytest.skip("NCHW to NCHW is not the patch kernel's (test_conv_patch_not_taken)")
     x = torch.randn(x_shape)
@@ -538,7 +548,7 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
     bias = torch.randn(c_out)
     shape = patch_reference(x, weight, None, stride, pads, dilation, None, 0).shape
     residual = patch_output(shape, output_channels_last).normal_()
-    expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, 2)
+    expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, activation)
     out = patch_output(shape, output_channels_last)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -546,7 +556,7 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
         before = _testing.conv_kernel_calls("patch")
         _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
                       list(stride), pads, list(dilation), 1, out, 2 * int(output_channels_last) | int(input_channels_last),
-                      True, residual, 2, -0.5, 0.75)
+                      True, residual, activation, -0.5, 0.75)
         assert _testing.conv_kernel_calls("patch") == before + 1
     finally:
         torch.set_num_threads(before_threads)
@@ -697,7 +707,8 @@ EXPAND_DEPTHWISE_CASES = [  # n, c_in, c_exp, h, w, (kh, kw), stride, dilation, 
                          ids=lambda c: f"n{c[0]}-{c[1]}to{c[2]}-{c[3]}x{c[4]}-k{c[5][0]}{c[5][1]}s{c[6]}d{c[7]}")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("with_sum", [False, True])
-def test_expand_depthwise_together_is_bitwise_apart(case, threads, with_sum):
+@pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
+def test_expand_depthwise_together_is_bitwise_apart(case, threads, with_sum, activation):
     n, c_in, c_exp, h, w, (kh, kw), stride, dilation, pads = case
     torch.manual_seed(13)
     x = torch.randn(n, c_in, h, w) * 3
@@ -714,12 +725,14 @@ def test_expand_depthwise_together_is_bitwise_apart(case, threads, with_sum):
             out = torch.full((n, c_exp, out_h, out_w), 7.0).contiguous(memory_format=torch.channels_last)
             for _ in range(2):  # the second call finds the first call's buffers
                 _testing.expand_depthwise(x, w1, b1, 0.0, 6.0, w2, b2, [stride] * 2, pads, [dilation] * 2, out,
-                                          -1.0, 4.0, together, 1, residual)
+                                          -1.0, 4.0, together, 1, residual, activation)
             outputs.append(out)
-    expanded = torch.conv2d(x.double(), w1.double(), b1.double()).clamp(0, 6)
+    first, second = ((lambda t: t.clamp(0, 6), lambda t: t.clamp(-1, 4)) if activation == 2
+                     else (torch.nn.functional.silu,) * 2)
+    expanded = first(torch.conv2d(x.double(), w1.double(), b1.double()))
     expected = torch.conv2d(torch.nn.functional.pad(expanded, [pads[1], pads[3], pads[0], pads[2]]), w2.double(),
                             b2.double(), stride, 0, dilation, c_exp)
-    expected = (expected + residual.double() if with_sum else expected).clamp(-1, 4)
+    expected = second(expected + residual.double() if with_sum else expected)
     assert outputs[0].isnan().any()
     assert torch.equal(outputs[0].nan_to_num(123.0), outputs[1].nan_to_num(123.0))
     torch.testing.assert_close(outputs[0].double(), expected, rtol=1e-5, atol=1e-5, equal_nan=True)

@@ -1,0 +1,41 @@
+#include "activation.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+#include "isa_clones.h"
+#include "timed_parallel.h"
+// blade_sigmoidf, the engine's own (its non-AVX-512 version here: this unit builds for baseline
+// x86-64; the AVX-512 one gives the same floats bit for bit).
+#include "engine_prelude.h"
+
+namespace blade {
+
+Activation activation_of(const BladeActivation* activation) {
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  constexpr Clamp identity{false, -inf, inf};
+  if (activation == nullptr || activation->kind == BLADE_ACTIVATION_NONE) return {identity, false};
+  if (activation->kind == BLADE_ACTIVATION_SILU) return {identity, true};
+  if (activation->kind == BLADE_ACTIVATION_RELU) return {{true, 0.0f, inf}, false};  // v < 0 ? 0 : v is exactly clamp(0, +inf)
+  TORCH_CHECK(activation->kind == BLADE_ACTIVATION_CLAMP, "blade runtime: unknown convolution activation ",
+              activation->kind);
+  TORCH_CHECK(!std::isnan(activation->lo) && !std::isnan(activation->hi), "blade runtime: a NaN clamp bound");
+  return {{true, activation->lo, activation->hi}, false};
+}
+
+// One clone per ISA level so that the loop vectorizes with the widest registers the CPU has, as
+// the engine's own loop over Mul(v, Sigmoid(v)) does.
+BLADE_ISA_CLONES void silu_range(const float* from, float* to, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float v = from[i];
+    to[i] = v * blade_sigmoidf(v);
+  }
+}
+
+void silu_parallel(const float* from, float* to, int64_t count) {
+  timed_parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) { silu_range(from + begin, to + begin, end - begin); });
+}
+
+}  // namespace blade
