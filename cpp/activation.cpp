@@ -26,8 +26,10 @@ Activation activation_of(const BladeActivation* activation) {
 }
 
 // One clone per ISA level so that the loop vectorizes with the widest registers the CPU has, as
-// the engine's own loop over Mul(v, Sigmoid(v)) does.
+// the engine's own loop over Mul(v, Sigmoid(v)) does (at -O3; the runtime builds at -O2, whose
+// cost model left this loop scalar, its selects as branches: 1.4 ns a float, without `omp simd`).
 BLADE_ISA_CLONES void silu_range(const float* from, float* to, int64_t count) {
+#pragma omp simd
   for (int64_t i = 0; i < count; ++i) {
     const float v = from[i];
     to[i] = v * blade_sigmoidf(v);
