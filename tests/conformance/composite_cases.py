@@ -119,6 +119,24 @@ def _conv_samples(dt):
     ]
 
 
+def _conv_activation_samples(dt):
+    """(x, weight, bias, stride, padding, groups) for an activation that is its convolution's
+    epilogue (plan.Activation): NCHW and channels-last inputs, a 1x1, a strided depthwise one, and
+    NaN and infinities in the input."""
+    edges = make((1, 8, 7, 7), dt)
+    edges[0, 1, 2, 3], edges[0, 5, 0, 0], edges[0, 6, 6, 6] = math.nan, math.inf, -math.inf
+    return [
+        (make((2, 4, 9, 9), dt), make((6, 4, 3, 3), dt), make((6,), dt), 1, 1, 1),
+        (channels_last((1, 16, 10, 10), dt), make((40, 16, 1, 1), dt), make((40,), dt), 1, 0, 1),
+        (channels_last((1, 16, 11, 10), dt), make((16, 1, 3, 3), dt), make((16,), dt), 2, 1, 16),
+        (edges, make((8, 8, 1, 1), dt), None, 1, 0, 1),
+    ]
+
+
+def _conv_epilogue(activation):
+    return lambda x, w, b, stride, padding, groups: activation(F.conv2d(x, w, b, stride, padding, 1, groups))
+
+
 def _pad_samples(spatial: int, reflect: bool):
     def samples(dt):
         lead = (2, 3) + (5,) * (spatial - 1)
@@ -248,6 +266,14 @@ COMPOSITE_CASES = [
         x, w, b, stride, pad, dil, False, [0] * len(stride), groups), _conv_samples, ("f32",)),
     Composite("aten::_convolution", lambda x, w, b, stride, pad, dil, groups: torch._convolution(
         x, w, b, stride, pad, dil, False, [0] * len(stride), groups, False, False, True, True), _conv_samples, ("f32",)),
+    # activations a convolution computes in its own output pass (SiLU also after a residual sum)
+    Composite("aten::silu", _conv_epilogue(F.silu), _conv_activation_samples, ("f32",), "conv-epilogue"),
+    Composite("aten::silu", lambda x, w, b: F.silu(F.conv2d(x, w, b, padding=1) + x), lambda dt: [
+        (channels_last((1, 8, 6, 7), dt), make((8, 8, 3, 3), dt), make((8,), dt)),
+        (make((2, 8, 5, 5), dt), make((8, 8, 3, 3), dt), None)], ("f32",), "conv-residual-epilogue"),
+    Composite("aten::relu", _conv_epilogue(F.relu), _conv_activation_samples, ("f32",), "conv-epilogue"),
+    Composite("aten::hardtanh", _conv_epilogue(lambda t: F.hardtanh(t, 0.0, 6.0)), _conv_activation_samples, ("f32",),
+              "conv-epilogue"),
     # pooling, padding, resampling: the kinds OpInfo's wrappers do not spell
     Composite("aten::max_pool1d", lambda x, k, s, p, d, ceil: F.max_pool1d(x, k, s, p, d, ceil_mode=ceil), lambda dt: [
         (make((2, 3, 9), dt), 2, None, 0, 1, False), (make((2, 3, 9), dt), 3, 2, 1, 1, True),
