@@ -47,7 +47,7 @@ inline void silu_output(float* output, int64_t count, Activation act) {
 }
 
 // v clamped to [lo, hi] as the engine's Max(v, lo) then Min(v, hi) for bounds that are not NaN
-// (clamp_of refuses those): NaN stays NaN (every comparison with it is false) and a tie keeps v
+// (activation_of refuses those): NaN stays NaN (every comparison with it is false) and a tie keeps v
 // (-0 stays -0). One compare and blend per bound, which GCC vectorizes (vmaxps/vminps); the
 // engine's `v != v ||` form made it scalarize the vector version lane by lane (20x slower).
 // Written for float and for GCC vector types (bounds broadcast as `bound - V{}`, which keeps -0).
