@@ -114,8 +114,14 @@ def efficientnet():
     return "EfficientNet-B0 (224x224)", transformers.EfficientNetModel(cfg), (_image(),)
 
 
+def mobilevit():
+    import transformers
+    cfg = transformers.MobileViTConfig(image_size=256)   # MobileViT-S: SiLU after its convolutions
+    return "MobileViT-S (256x256)", transformers.MobileViTModel(cfg), (_image(256),)
+
+
 MODELS = {f.__name__: f for f in (roberta, qwen2, gpt_neox, bart, whisper_encoder, deit, swin, segformer, resnet50,
-                                   regnet, efficientnet)}
+                                   regnet, efficientnet, mobilevit)}
 
 
 def _first(out):
