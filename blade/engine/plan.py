@@ -554,9 +554,13 @@ def _conv_epilogue(p: Plan, conv: Node, written: set, channels_last: set) -> Epi
     otherwise."""
     graph_outputs = {node for _, node in p.graph.outputs}
 
+    def readers(node):
+        """The nodes reading node; None when a graph output is node too (read outside)."""
+        return None if node in graph_outputs else p.users.get(node, [])
+
     def only_user(node):
-        used = p.users.get(node, [])
-        return used[0] if len(used) == 1 and node not in graph_outputs else None
+        used = readers(node)
+        return used[0] if used is not None and len(used) == 1 else None
 
     def is_ew(node, fn):
         return node is not None and node.op == "ew" and node.attrs.get("fn") == fn and node.shape == conv.shape
@@ -567,9 +571,9 @@ def _conv_epilogue(p: Plan, conv: Node, written: set, channels_last: set) -> Epi
         if len(others) != 1 or others[0].shape != conv.shape or others[0].dtype != conv.dtype:
             return None
         addend = others[0]
-        activation, target = (None, user) if user in p.materialized else _activation(p, user, only_user, is_ew)
+        activation, target = (None, user) if user in p.materialized else _activation(p, user, readers, only_user, is_ew)
     else:
-        activation, target = _activation(p, conv, only_user, is_ew)
+        activation, target = _activation(p, conv, readers, only_user, is_ew)
         if activation is None:
             return None
     if target not in p.materialized or target in written:
@@ -595,13 +599,13 @@ def _stored_as(p: Plan, value: Node, written: set, strides) -> bool:
     return layout is not None and layout.offset == 0 and same_strides(value.shape, layout.strides, strides)
 
 
-def _activation(p: Plan, value: Node, only_user, is_ew) -> tuple:
+def _activation(p: Plan, value: Node, readers, only_user, is_ew) -> tuple:
     """(Activation, the node computing it) for the activation applied to `value` by its only user
     (Relu; Max with a scalar constant bound, then possibly Min with one: a clamp, as ONNX Clip and
     torch's clamp/relu6/hardtanh lower), or (None, value). Only the first operand of Max/Min may be
     the value: Max(v, lo) keeps v on a NaN or a tie, Max(lo, v) keeps lo on a tie. A stored Max
     ends the clamp there (its value is read elsewhere). Or SiLU (_silu)."""
-    silu = _silu(p, value, is_ew)
+    silu = _silu(p, value, readers, is_ew)
     if silu is not None:
         return Activation("silu"), silu
     user = only_user(value)
@@ -616,17 +620,16 @@ def _activation(p: Plan, value: Node, only_user, is_ew) -> tuple:
     return (Activation("clamp", **bounds), node) if bounds else (None, value)
 
 
-def _silu(p: Plan, value: Node, is_ew) -> Node | None:
+def _silu(p: Plan, value: Node, readers, is_ew) -> Node | None:
     """The Mul computing SiLU of value when value is read by exactly Sigmoid(value) and
     Mul(value, that sigmoid), in either order (aten::silu's lowering, cluster/rules/elementwise.py),
     and by nothing else (no graph output), the sigmoid inline and read only by the Mul; else None."""
-    readers = p.users.get(value, [])
-    if (len(readers) != 2 or value.dtype != "float32" or value in p.outputs
-            or any(value is node for _, node in p.graph.outputs)):
+    value_readers = readers(value)
+    if value_readers is None or len(value_readers) != 2 or value.dtype != "float32":
         return None
-    sigmoid = next((r for r in readers if is_ew(r, "Sigmoid") and r.args[0] is value), None)
-    mul = next((r for r in readers if is_ew(r, "Mul")), None)
-    if sigmoid is None or mul is None or sigmoid in p.materialized or p.users.get(sigmoid) != [mul]:
+    sigmoid = next((r for r in value_readers if is_ew(r, "Sigmoid") and r.args[0] is value), None)
+    mul = next((r for r in value_readers if is_ew(r, "Mul")), None)
+    if sigmoid is None or mul is None or sigmoid in p.materialized or readers(sigmoid) != [mul]:
         return None
     return mul if len(mul.args) == 2 and set(mul.args) == {value, sigmoid} else None
 
