@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <unordered_map>
+#include <unistd.h>
 #include <vector>
 
 #include "activation.h"
@@ -132,6 +133,41 @@ Successors& successors() {
   return table;
 }
 
+// How many blocks patch_conv cuts `rows` output pixels into on `threads` threads (see there).
+int64_t pixel_blocks(int64_t rows, int64_t threads) {
+  int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+  if (blocks > threads && blocks % threads != 0) blocks = (blocks + threads - 1) / threads * threads;
+  return blocks;
+}
+
+// Gathered rows (all of a thread's pixels, gathered once) of at most this many floats: 1 MB.
+constexpr int64_t kFewGatheredFloats = int64_t{1} << 18;
+
+// A gathered convolution (not direct()) with fewer pixel blocks than two a thread, a channels-last
+// output and panels the threads divide: each thread gathers every pixel's rows once and computes
+// all of them for an equal share of the panels, so that each streams its share of the weight once,
+// each panel over every pixel. Split by pixel blocks as larger convolutions are, each thread read
+// every panel for half the pixels: ResNet-50's 1024 -> 2048 1x1 stride-2 shortcut (49 pixels, an
+// 8 MB weight, cold in the model) took 1.34 ms that way and 1.07 this way (AVX-512 Xeon, 2 threads,
+// in the model, alternating). (Direct ones read their rows in place: patch_conv's few-pixels path.)
+bool few_gathered_pixels(const PatchConvShape& s, int64_t threads) {
+  const int64_t rows = s.batch * s.out_h * s.out_w, panel_count = (s.out_channels + kPanel - 1) / kPanel;
+  return !s.direct() && s.output_channels_last && pixel_blocks(rows, threads) < 2 * threads &&
+         panel_count % threads == 0 && rows * s.depth() <= kFewGatheredFloats;
+}
+
+// This CPU's L2 per core in bytes; 0 when the C library does not say.
+int64_t l2_bytes() {
+  static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    return std::max<int64_t>(0, sysconf(_SC_LEVEL2_CACHE_SIZE));
+#else
+    return int64_t{0};
+#endif
+  }();
+  return bytes;
+}
+
 }  // namespace
 
 WeightSpan upcoming_patch_weights(int64_t thread, int64_t threads) {
@@ -155,7 +191,13 @@ std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* i
                    (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0};
   s.out_h = conv_output_extent(s.in_h, pads[0], pads[2], s.kernel_h, s.stride_h, s.dilation_h);
   s.out_w = conv_output_extent(s.in_w, pads[1], pads[3], s.kernel_w, s.stride_w, s.dilation_w);
-  if (s.depth() > kPatchMaxDepth) return std::nullopt;
+  // Deeper: few pixels whose panels stay in L2 across their tiles. ResNet-50's 512-channel 3x3
+  // stride-2 at 7x7 (depth 4608, 590 KB panels, 49 pixels): 1.38 ms against oneDNN's 1.53 in the
+  // model (a 2 MB L2, 2 threads, alternating); on a 512 KB L2 it stays oneDNN's.
+  if (s.depth() > kPatchMaxDepth && !(few_gathered_pixels(s, at::get_num_threads()) &&
+                                      2 * s.depth() * kPanel * int64_t{sizeof(float)} <= l2_bytes())) {
+    return std::nullopt;
+  }
   return s;
 }
 
@@ -197,15 +239,14 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   // + 30 + 10, left one thread 60 pixels and the other 40; MobileNetV2 has 16 such 10x10 1x1
   // convolutions). Block b is pixels [rows * b / blocks, rows * (b + 1) / blocks).
   const int64_t threads = at::get_num_threads();
-  int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
-  if (blocks > threads && blocks % threads != 0) blocks = (blocks + threads - 1) / threads * threads;
+  const int64_t blocks = pixel_blocks(rows, threads);
   const int64_t block_rows = (rows + blocks - 1) / blocks;  // the largest block
   const int64_t panel_count = (s.out_channels + kPanel - 1) / kPanel;
   // A thread's first block prefetches its panels (panel_rows); later blocks find them in its cache
   // unless the weight exceeds about half an L2 (prefetching hot panels cost MobileNetV2's 16 -> 96
   // at 80x80, 6 KB of weight in 134 blocks, 4%).
   const bool large_weight = panel_count * s.depth() * kPanel * int64_t{sizeof(float)} > (int64_t{1} << 19);
-  const bool few_pixels = blocks < 2 * threads && s.direct();
+  const bool few_pixels = blocks < 2 * threads && (s.direct() || few_gathered_pixels(s, threads));
   const Successor successor = successors().follow(panels, s.depth(), panel_count, !few_pixels);
   if (few_pixels) {
     // Few pixels (MobileNetV2's 5x5 stage: 25 pixels, 5 to 40 panels): units of one panel x one
@@ -216,12 +257,15 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
     // pixels (at least a tile a thread) are cut into at least `threads` blocks so that the runs
     // still come out even (neighbouring threads share one panel). One thread takes this path too
     // (one block: one run), so that its last panel prefetches the next convolution's first.
-    const bool split_rows = panel_count % threads != 0 && rows >= threads * kTileRows;
-    const int64_t row_blocks = split_rows ? std::max(blocks, threads) : blocks;
+    // Gathered rows are one block (all pixels), each run's gathered once (few_gathered_pixels).
+    const bool split_rows = s.direct() && panel_count % threads != 0 && rows >= threads * kTileRows;
+    const int64_t row_blocks = !s.direct() ? 1 : split_rows ? std::max(blocks, threads) : blocks;
     // A run worth a thread wake-up: about 64K multiply-adds (a 1x1 image runs on one thread).
     const int64_t work = rows * s.depth() * panel_count * kPanel;
     const int64_t units = panel_count * row_blocks, runs = std::clamp<int64_t>(work >> 16, 1, std::min(threads, units));
     timed_parallel_for(0, runs, 1, [&](int64_t run_begin, int64_t run_end) {
+      thread_local std::vector<float> gathered;
+      if (!s.direct()) gathered.resize(rows * s.depth() + kGatherSlack);
       for (int64_t run = run_begin; run < run_end; ++run) {
         const int64_t unit_begin = units * run / runs, unit_end = units * (run + 1) / runs;
         // The panel this run's thread is likely to start the next convolution with (its run of the
@@ -235,8 +279,8 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
           const int64_t panel_end = row_blocks == 1 ? unit_end : panel + 1;
           const int64_t unit_next = row_blocks == 1 ? unit_end : unit + 1;
           const int64_t begin = rows * block / row_blocks, end = rows * (block + 1) / row_blocks;
-          block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, begin, end, panel, panel_end, nullptr,
-                                      staged_block(), true, unit_next == unit_end ? after : nullptr, successor.depth);
+          block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, begin, end, panel, panel_end,
+                                      gathered.data(), staged_block(), true, unit_next == unit_end ? after : nullptr, successor.depth);
           if (act.silu) silu_block(s, output, begin, end, panel, panel_end);
           unit = unit_next;
         }

@@ -52,7 +52,9 @@ struct PatchConvShape {
 // otherwise. Past that a weight panel (depth x 32 floats, 288 KB at the limit) no longer stays in
 // L2 across the tiles that reuse it, and oneDNN's blocked convolution wins (ResNet-18's 512-channel
 // 3x3 at 7x7, depth 4608: 2.09 ms here against oneDNN's 1.86; its 256-channel one, depth 2304,
-// 0.94 against 0.96; one core).
+// 0.94 against 0.96; one core). Deeper ones are taken when their pixels are few enough for each
+// thread to gather them all and stream its share of the panels once (few_gathered_pixels) and a
+// panel fits half this CPU's L2, which then holds it across its tiles.
 constexpr int64_t kPatchMaxDepth = 2304;
 std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* input_shape, const int64_t* weight_shape,
                                                const int64_t* strides, const int64_t* pads, const int64_t* dilations,

@@ -1,6 +1,7 @@
 """The BladeRuntime table engines call back into: sgemm against numpy over its whole contract, and
 parallel_for's chunking on ATen's pool."""
 import itertools
+import subprocess
 
 import pytest
 import torch
@@ -522,6 +523,9 @@ PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input chan
     ((1, 20, 6, 7), 24, 3, 1, [0, 0, 0, 0], True),         # runs of 60 floats, ending the input
     ((2, 5, 8, 8), 19, 3, 2, [1, 1, 1, 1], True),          # taps of 5 floats, padded borders
     ((1, 64, 12, 12), 600, 3, 2, [0, 0, 1, 1], True),      # gathered rows, a 1.4 MB weight
+    ((1, 256, 14, 14), 128, 1, 2, [0, 0, 0, 0], True),     # 49 gathered pixels, 4 panels: all gathered a thread
+    ((2, 40, 7, 7), 64, 3, 2, [1, 1, 1, 1], True),         # 32 gathered pixels over images, 2 panels
+    ((1, 64, 7, 7), 96, 3, 2, [1, 1, 1, 1], True),         # 16 gathered pixels, 3 panels (2 threads: by blocks)
     ((8, 144, 40, 40), 24, 1, 1, [0, 0, 0, 0], True),      # a 7.4 MB input: the next block's rows prefetched
 ]
 
@@ -538,9 +542,9 @@ def test_conv_patch_threads_and_gather(case, threads, output_channels_last, acti
 
 
 def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last,
-                     threads, activation=2):
-    """The patch kernel on `threads` threads, with bias, a residual and `activation` (a clamp: each
-    value as it is stored; SiLU: over each block stored), against float64."""
+                     threads, activation=2, taken=True):
+    """The patch kernel (another one unless `taken`) on `threads` threads, with bias, a residual and
+    `activation` (a clamp: each value as it is stored; SiLU: over each block stored), against float64."""
     if not (input_channels_last or output_channels_last):
         pytest.skip("NCHW to NCHW is not the patch kernel's (test_conv_patch_not_taken)")
     x = torch.randn(x_shape)
@@ -557,10 +561,34 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
         _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
                       list(stride), pads, list(dilation), 1, out, 2 * int(output_channels_last) | int(input_channels_last),
                       True, residual, activation, -0.5, 0.75)
-        assert _testing.conv_kernel_calls("patch") == before + 1
+        assert _testing.conv_kernel_calls("patch") == before + int(taken)
     finally:
         torch.set_num_threads(before_threads)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# Past 2304 values per receptive field the patch kernel takes a convolution whose pixels each
+# thread gathers all of (fewer blocks of 48 than two a thread, panels the threads divide) when a
+# panel (depth x 32 floats) fits half the CPU's L2; other deep ones stay oneDNN's. ResNet-50's
+# 512-channel 3x3 stride 2 at 7x7 (depth 4608: 590 KB panels) in small.
+def deep_panels_fit_l2(depth):
+    # the C library's sysconf(_SC_LEVEL2_CACHE_SIZE), as the runtime reads it (Python's os.sysconf lacks it)
+    answer = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
+    return 2 * depth * 32 * 4 <= int(answer or 0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("x_shape, c_out, few_on", [  # few on (1 thread, 2 threads)
+    ((1, 512, 12, 12), 64, (True, True)),     # 36 pixels, 2 panels: one block
+    ((1, 512, 14, 14), 64, (False, True)),    # 49 pixels: two blocks, two threads' runs
+    ((1, 512, 12, 12), 80, (True, False)),    # 3 panels (the last 16 wide): 2 threads do not divide them
+    ((1, 512, 24, 24), 64, (False, False)),   # 144 pixels
+])
+@pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
+def test_conv_patch_deep_few_pixels(threads, x_shape, c_out, few_on, activation):
+    torch.manual_seed(12)
+    check_patch_conv(x_shape, c_out, (3, 3), (2, 2), [1, 1, 1, 1], (1, 1), True, True, threads, activation,
+                     taken=few_on[threads - 1] and deep_panels_fit_l2(x_shape[1] * 9))
 
 
 def run_conv_chain_twice(first, layers, size, threads):
@@ -671,9 +699,10 @@ def test_conv_patch_nan_and_inf():
 @pytest.mark.parametrize("x_shape, w_shape, groups, layout", [((1, 8, 6, 6), (8, 4, 1, 1), 2, 3),
                                                                ((1, 8, 6, 6), (8, 8, 1, 1), 1, 0),
                                                                ((1, 8, 6, 6), (8, 8, 3, 3), 1, 0),
-                                                               ((1, 288, 5, 5), (16, 288, 3, 3), 1, 3)])
+                                                               ((1, 288, 12, 12), (16, 288, 3, 3), 1, 3)])
 def test_conv_patch_not_taken(x_shape, w_shape, groups, layout):
-    """Grouped convolutions, NCHW to NCHW and receptive fields past 2304 values stay the others'."""
+    """Grouped convolutions, NCHW to NCHW and receptive fields past 2304 values (with more pixels
+    than test_conv_patch_deep_few_pixels's) stay the others'."""
     torch.manual_seed(8)
     x, weight = torch.randn(x_shape), torch.randn(w_shape)
     expected = torch.conv2d(x, weight, None, 1, padding=w_shape[2] // 2, groups=groups)
