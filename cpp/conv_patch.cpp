@@ -156,8 +156,9 @@ bool few_gathered_pixels(const PatchConvShape& s, int64_t threads) {
          panel_count % threads == 0 && rows * s.depth() <= kFewGatheredFloats;
 }
 
-// This CPU's L2 per core in bytes; 0 when the C library does not say.
-int64_t l2_bytes() {
+}  // namespace
+
+int64_t l2_cache_bytes() {
   static const int64_t bytes = [] {
 #ifdef _SC_LEVEL2_CACHE_SIZE
     return std::max<int64_t>(0, sysconf(_SC_LEVEL2_CACHE_SIZE));
@@ -167,8 +168,6 @@ int64_t l2_bytes() {
   }();
   return bytes;
 }
-
-}  // namespace
 
 WeightSpan upcoming_patch_weights(int64_t thread, int64_t threads) {
   const Successor next = successors().upcoming();
@@ -195,7 +194,7 @@ std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* i
   // stride-2 at 7x7 (depth 4608, 590 KB panels, 49 pixels): 1.38 ms against oneDNN's 1.53 in the
   // model (a 2 MB L2, 2 threads, alternating); on a 512 KB L2 it stays oneDNN's.
   if (s.depth() > kPatchMaxDepth && !(few_gathered_pixels(s, at::get_num_threads()) &&
-                                      2 * s.depth() * kPanel * int64_t{sizeof(float)} <= l2_bytes())) {
+                                      2 * s.depth() * kPanel * int64_t{sizeof(float)} <= l2_cache_bytes())) {
     return std::nullopt;
   }
   return s;

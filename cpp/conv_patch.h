@@ -60,6 +60,9 @@ std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* i
                                                const int64_t* strides, const int64_t* pads, const int64_t* dilations,
                                                int64_t groups, int32_t layout);
 
+// This CPU's L2 per core in bytes (sysconf); 0 when the C library does not say.
+int64_t l2_cache_bytes();
+
 // weight [out, in, kh, kw] -> panels [ceil(out / 32)][kh * kw * in][32], zero-padded.
 at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& shape);
 

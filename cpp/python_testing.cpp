@@ -220,6 +220,8 @@ void bind_testing(pybind11::module_& m) {
         py::arg("kernel"), py::arg("enabled"));
   m.def("conv_kernel_calls", &conv_kernel_calls, "How many convolutions the runtime's kernel has computed.",
         py::arg("kernel"));
+  m.def("l2_cache_bytes", &l2_cache_bytes,
+        "The L2 per core the runtime reads (sysconf), which decides the patch kernel's deepest convolutions.");
   m.def("set_gemm_column_split_rows", &set_gemm_column_split_rows,
         "GEMMs with at most max_rows rows run in column blocks across threads (0: never, -1: the default).",
         py::arg("max_rows"));

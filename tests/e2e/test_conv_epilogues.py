@@ -138,3 +138,43 @@ def test_grouped_block_matches_eager(group_width):
     assert _testing.conv_kernel_calls("grouped") == before + 1
     assert expected.isnan().any() and (actual.isnan() == expected.isnan()).all()
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+class DownsampleFewPixels(torch.nn.Module):
+    """ResNet's last downsampling block in small, after a 1x1 convolution (so that the block reads
+    a channels-last input): 36 output pixels, so each thread gathers them all and computes a share
+    of the weight's panels (cpp/conv_patch.cpp few_gathered_pixels): the 3x3 stride-2 convolution
+    at depth 4608 (past 2304: the patch kernel's where its 590 KB panels fit half the L2, oneDNN's
+    elsewhere), the 1x1 stride-2 shortcut, and the second 3x3."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(32, 512, 1)
+        self.conv1 = torch.nn.Conv2d(512, 64, 3, stride=2, padding=1)
+        self.shortcut = torch.nn.Conv2d(512, 64, 1, stride=2)
+        self.conv2 = torch.nn.Conv2d(64, 64, 3, padding=1)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        return F.relu(self.conv2(F.relu(self.conv1(x))) + self.shortcut(x))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_few_pixel_convolutions_match_eager(threads):
+    torch.manual_seed(3)
+    model = DownsampleFewPixels().eval()
+    x = torch.randn(1, 32, 12, 12)
+    x[0, 5, 4, 5], x[0, 30, 0, 0] = float("nan"), float("inf")
+    before, saved = _testing.conv_kernel_calls("patch"), torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            expected = model(x)
+            actual = torch.compile(model, backend=Capture())(x)
+    finally:
+        torch.set_num_threads(saved)
+    # the stem, the shortcut and conv2, and conv1 where its 590 KB panels fit half the L2
+    conv1_taken = 2 * 512 * 9 * 32 * 4 <= _testing.l2_cache_bytes()
+    assert _testing.conv_kernel_calls("patch") == before + 3 + conv1_taken
+    assert expected.isnan().any() and (actual.isnan() == expected.isnan()).all()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4, equal_nan=True)

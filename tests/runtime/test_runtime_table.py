@@ -1,8 +1,6 @@
 """The BladeRuntime table engines call back into: sgemm against numpy over its whole contract, and
 parallel_for's chunking on ATen's pool."""
 import itertools
-import subprocess
-
 import pytest
 import torch
 
@@ -572,9 +570,9 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
 # panel (depth x 32 floats) fits half the CPU's L2; other deep ones stay oneDNN's. ResNet-50's
 # 512-channel 3x3 stride 2 at 7x7 (depth 4608: 590 KB panels) in small.
 def deep_panels_fit_l2(depth):
-    # the C library's sysconf(_SC_LEVEL2_CACHE_SIZE), as the runtime reads it (Python's os.sysconf lacks it)
-    answer = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
-    return 2 * depth * 32 * 4 <= int(answer or 0)
+    """Whether the runtime's patch kernel takes a convolution of this depth past 2304 (with few
+    enough pixels): its 32-channel panels fit half the L2 the runtime reads."""
+    return 2 * depth * 32 * 4 <= _testing.l2_cache_bytes()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
