@@ -3,6 +3,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <unordered_map>
 #include <unistd.h>
@@ -158,7 +159,14 @@ bool few_gathered_pixels(const PatchConvShape& s, int64_t threads) {
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> l2_cache_bytes_set{-1};  // set_l2_cache_bytes's value; -1: sysconf's
+}  // namespace
+
+void set_l2_cache_bytes(int64_t bytes) { l2_cache_bytes_set.store(bytes, std::memory_order_relaxed); }
+
 int64_t l2_cache_bytes() {
+  if (const int64_t set = l2_cache_bytes_set.load(std::memory_order_relaxed); set >= 0) return set;
   static const int64_t bytes = [] {
 #ifdef _SC_LEVEL2_CACHE_SIZE
     return std::max<int64_t>(0, sysconf(_SC_LEVEL2_CACHE_SIZE));

@@ -60,8 +60,10 @@ std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* i
                                                const int64_t* strides, const int64_t* pads, const int64_t* dilations,
                                                int64_t groups, int32_t layout);
 
-// This CPU's L2 per core in bytes (sysconf); 0 when the C library does not say.
+// This CPU's L2 per core in bytes (sysconf); 0 when the C library does not say. Tests set it
+// (set_l2_cache_bytes; -1: sysconf's again) to take the deep path on any CPU, or not.
 int64_t l2_cache_bytes();
+void set_l2_cache_bytes(int64_t bytes);
 
 // weight [out, in, kh, kw] -> panels [ceil(out / 32)][kh * kw * in][32], zero-padded.
 at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& shape);
