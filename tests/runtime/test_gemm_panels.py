@@ -12,7 +12,7 @@ import torch
 
 import blade._C
 from blade._C import _testing
-from runtime_testing import PANELS_USABLE, run_sgemm
+from runtime_testing import PANELS_USABLE, run_sgemm, torch_threads
 
 
 needs_avx2 = pytest.mark.skipif(not PANELS_USABLE, reason="the panels kernel needs AVX2 and FMA (MKL runs instead)")
@@ -152,13 +152,17 @@ def test_pinned_kernel_really_runs():
 @needs_avx2
 def test_auto_times_it():
     """8 rows x a constant [1024, 128]: above auto's 2 MFLOP, so the bucket's calls sample every
-    kernel, this one too (each kernel's first call at the shape is no sample)."""
+    kernel, this one too (each kernel's first call at the shape is no sample). On one thread: the
+    thread count is part of a bucket's key, and a serial window opened by load mid-test (GEMMs then
+    run on one thread) split 2-thread calls between two buckets, neither of which got a sample (a
+    loaded CI run found no choice at all)."""
     m, n, k = 8, 128, 1024
     a, b, c = torch.randn(m, k), torch.randn(n, k), torch.empty(m, n)
     _testing.set_gemm_backend("auto")
     try:
-        for _ in range(2 * 4):  # one weight's calls sample (four candidates, a first call each)
-            _testing.sgemm(1, m, n, k, 1.0, a, k, 0, False, b, k, 0, True, 0.0, c, n, 0, pack=True)
+        with torch_threads(1):
+            for _ in range(2 * 4):  # one weight's calls sample (four candidates, a first call each)
+                _testing.sgemm(1, m, n, k, 1.0, a, k, 0, False, b, k, 0, True, 0.0, c, n, 0, pack=True)
         choices = blade._C.gemm_choices()
     finally:
         _testing.set_gemm_backend("")
