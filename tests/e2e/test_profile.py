@@ -28,7 +28,15 @@ def test_profile_reports_every_kernel():
     # the choice table is per bucket of shapes and process-wide: an earlier test's GEMM in the same
     # bucket would have made (and named) the choice; start from an empty table
     _testing.set_gemm_backend("")
-    profile = blade.profile(model, x, runs=5, warmup=2)
+    # on one thread: the thread count is part of a bucket's key, and a serial window opened by load
+    # (GEMMs then run on one thread) split 2-thread calls between two buckets, neither of which got
+    # a sample, so a loaded CI run listed no choice
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        profile = blade.profile(model, x, runs=5, warmup=2)
+    finally:
+        torch.set_num_threads(threads)
     text = str(profile)
     print("\n" + text)
     assert profile.kernels, "a profiled engine reports its kernels"
