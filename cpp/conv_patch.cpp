@@ -157,10 +157,8 @@ bool few_gathered_pixels(const PatchConvShape& s, int64_t threads) {
          panel_count % threads == 0 && rows * s.depth() <= kFewGatheredFloats;
 }
 
-}  // namespace
-
-namespace {
 std::atomic<int64_t> l2_cache_bytes_set{-1};  // set_l2_cache_bytes's value; -1: sysconf's
+
 }  // namespace
 
 void set_l2_cache_bytes(int64_t bytes) { l2_cache_bytes_set.store(bytes, std::memory_order_relaxed); }

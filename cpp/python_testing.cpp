@@ -220,9 +220,8 @@ void bind_testing(pybind11::module_& m) {
         py::arg("kernel"), py::arg("enabled"));
   m.def("conv_kernel_calls", &conv_kernel_calls, "How many convolutions the runtime's kernel has computed.",
         py::arg("kernel"));
-  m.def("l2_cache_bytes", &l2_cache_bytes,
-        "The L2 per core the runtime reads (sysconf), which decides the patch kernel's deepest convolutions.");
-  m.def("set_l2_cache_bytes", &set_l2_cache_bytes, "Sets the L2 size l2_cache_bytes reports (-1: sysconf's again).",
+  m.def("set_l2_cache_bytes", &set_l2_cache_bytes,
+        "Sets the L2 size per core the runtime's patch kernel decides its deepest convolutions by (-1: sysconf's).",
         py::arg("bytes"));
   m.def("set_gemm_column_split_rows", &set_gemm_column_split_rows,
         "GEMMs with at most max_rows rows run in column blocks across threads (0: never, -1: the default).",
