@@ -27,16 +27,27 @@ using conv_patch_blocks::kGatherSlack;
 using conv_patch_blocks::kPanel;
 using conv_patch_blocks::kTileRows;
 
+// The block functions of an ISA level (the baseline's below x86-64-v3, or without versions).
+const BlockKernels& level_block_kernels(const std::string& isa) {
+#if BLADE_CONV_PATCH_ISA_VERSIONS
+  static const BlockKernels v4 = conv_patch_blocks::x86_64_v4_blocks(), v3 = conv_patch_blocks::x86_64_v3_blocks();
+  if (isa == "x86-64-v4") return v4;
+  if (isa == "x86-64-v3") return v3;
+#endif
+  static const BlockKernels baseline = conv_patch_blocks::baseline_blocks();
+  return baseline;
+}
+
+// The versions set_patch_isa picked (tests), else null.
+std::atomic<const BlockKernels*> chosen_block_kernels{nullptr};
+
 // The block functions for this CPU, picked once (g++'s function multiversioning picked them when
 // they were versions of one function in one file; isa.h checks the same levels).
 const BlockKernels& block_kernels() {
-  static const BlockKernels kernels = [] {
-#if BLADE_CONV_PATCH_ISA_VERSIONS
-    if (isa_supported("x86-64-v4")) return conv_patch_blocks::x86_64_v4_blocks();
-    if (isa_supported("x86-64-v3")) return conv_patch_blocks::x86_64_v3_blocks();
-#endif
-    return conv_patch_blocks::baseline_blocks();
-  }();
+  if (const BlockKernels* chosen = chosen_block_kernels.load(std::memory_order_relaxed)) return *chosen;
+  static const BlockKernels& kernels = level_block_kernels(isa_supported("x86-64-v4")   ? "x86-64-v4"
+                                                           : isa_supported("x86-64-v3") ? "x86-64-v3"
+                                                                                        : "");
   return kernels;
 }
 
@@ -160,6 +171,16 @@ bool few_gathered_pixels(const PatchConvShape& s, int64_t threads) {
 std::atomic<int64_t> l2_cache_bytes_set{-1};  // set_l2_cache_bytes's value; -1: sysconf's
 
 }  // namespace
+
+bool set_patch_isa(const std::string& isa) {
+  if (isa.empty()) {
+    chosen_block_kernels.store(nullptr, std::memory_order_relaxed);
+    return true;
+  }
+  if (isa != "x86-64" && !isa_supported(isa)) return false;
+  chosen_block_kernels.store(&level_block_kernels(isa), std::memory_order_relaxed);
+  return true;
+}
 
 void set_l2_cache_bytes(int64_t bytes) { l2_cache_bytes_set.store(bytes, std::memory_order_relaxed); }
 

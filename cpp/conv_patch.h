@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "activation.h"
 
@@ -64,6 +65,11 @@ std::optional<PatchConvShape> patch_conv_shape(int32_t spatial, const int64_t* i
 // (set_l2_cache_bytes; -1: sysconf's again) to take the deep path on any CPU, or not.
 int64_t l2_cache_bytes();
 void set_l2_cache_bytes(int64_t bytes);
+
+// Tests: run the block functions of ISA level `isa` ("x86-64", "x86-64-v3", "x86-64-v4"; "" this
+// CPU's best again) so each version is checked on one machine. False (nothing changed) when this
+// CPU lacks the level.
+bool set_patch_isa(const std::string& isa);
 
 // weight [out, in, kh, kw] -> panels [ceil(out / 32)][kh * kw * in][32], zero-padded.
 at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& shape);

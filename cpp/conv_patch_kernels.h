@@ -26,6 +26,7 @@ namespace {
 // 69 ms instead of ~1 ms on an AVX2-only EPYC). The vector types and their loads: float_vectors.h.
 using namespace float_vectors;
 using conv_patch_blocks::kBlockRows;
+using conv_patch_blocks::kDepthChunk;
 using conv_patch_blocks::kGatherSlack;
 using conv_patch_blocks::kPanel;
 using conv_patch_blocks::kTileRows;
@@ -157,13 +158,23 @@ __attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], 
 // A tile of Rows pixels x `width` (<= kLanes<V> * Vectors) output channels: the sums over the depth in
 // registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
 // lda (ldc) floats apart. With Prefetch, the first of every `every` steps over the depth also
-// prefetches a row of kPanel floats, consecutive rows from `next` on (see panel_rows).
-template <typename V, int Rows, int Vectors, bool Prefetch>
+// prefetches a row of kPanel floats, consecutive rows from `next` on (see panel_rows). With
+// Continue the sums start from what `out` holds (an earlier chunk's, panel_in_chunks: whole vectors,
+// width is kLanes<V> * Vectors), else from zero.
+template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue = false>
 __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                 const float* bias, const float* sum, Clamp clamp, float* out,
                                                 int64_t ldc, int64_t width, const float* next, int64_t every) {
   V acc[Rows][Vectors];
-  zero_tile(acc);
+  if constexpr (Continue) {
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 2
+      for (int v = 0; v < Vectors; ++v) acc[r][v] = load<V>(out + r * ldc + kLanes<V> * v);
+    }
+  } else {
+    zero_tile(acc);
+  }
   if constexpr (Prefetch) {
     static_assert(kPanel == 32, "a panel row is two 64-byte lines");
     for (int64_t k0 = 0; k0 < depth; k0 += every, next += kPanel) {
@@ -185,51 +196,51 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
 // 1x1 convolution at 80x80 took 85 -> 50 us (one core), 373 -> 254 us at batch 8 on 2 threads.
 // The two-vector tiles' loops stayed clean inlined. (BLADE_PATCH_TARGET: an out-of-line function
 // does not take its caller's target, so it names the unit's.)
-template <typename V, int Rows, int Vectors, bool Prefetch>
+template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue>
 BLADE_PATCH_TARGET __attribute__((noinline)) void tile_out_of_line(const float* a, int64_t lda, const float* panel,
                                                                    int64_t depth, const float* bias, const float* sum,
                                                                    Clamp clamp, float* out, int64_t ldc, int64_t width,
                                                                    const float* next, int64_t every) {
-  tile<V, Rows, Vectors, Prefetch>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+  tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
 }
 
-template <typename V, int Rows, int Vectors, bool Prefetch>
+template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue>
 __attribute__((always_inline)) inline void placed_tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                        const float* bias, const float* sum, Clamp clamp, float* out,
                                                        int64_t ldc, int64_t width, const float* next, int64_t every) {
   if constexpr (Vectors == 1) {
-    tile_out_of_line<V, Rows, Vectors, Prefetch>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+    tile_out_of_line<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
   } else {
-    tile<V, Rows, Vectors, Prefetch>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+    tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
   }
 }
 
-template <typename V, int Rows, int Vectors>
+template <typename V, int Rows, int Vectors, bool Continue>
 __attribute__((always_inline)) inline void tile_prefetching(const float* a, int64_t lda, const float* panel,
                                                             int64_t depth, const float* bias, const float* sum,
                                                             Clamp clamp, float* out, int64_t ldc, int64_t width,
                                                             const float* next, int64_t every) {
   if (next != nullptr) {
-    placed_tile<V, Rows, Vectors, true>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+    placed_tile<V, Rows, Vectors, true, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
   } else {
-    placed_tile<V, Rows, Vectors, false>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr, 1);
+    placed_tile<V, Rows, Vectors, false, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr, 1);
   }
 }
 
 // One tile of `rows` (1..MaxRows) pixels: tile_prefetching's Rows picked at run time.
-template <typename V, int Vectors, int MaxRows>
+template <typename V, int Vectors, int MaxRows, bool Continue>
 __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const float* a, int64_t lda, const float* panel,
                                                         int64_t depth, const float* bias, const float* sum, Clamp clamp,
                                                         float* out, int64_t ldc, int64_t width, const float* next,
                                                         int64_t every) {
   if constexpr (MaxRows > 1) {
     if (rows < MaxRows) {
-      tile_of_rows<V, Vectors, MaxRows - 1>(rows, a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next,
+      tile_of_rows<V, Vectors, MaxRows - 1, Continue>(rows, a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next,
                                             every);
       return;
     }
   }
-  tile_prefetching<V, MaxRows, Vectors>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+  tile_prefetching<V, MaxRows, Vectors, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
 }
 
 // `rows` pixels of one panel in as few tiles of at most MaxRows as it takes, of even sizes (25
@@ -244,7 +255,7 @@ __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const floa
 // input rows, input_ahead), tile 0 prefetches the whole next panel and tiles 1 and 2 the ahead
 // block's first 2 * depth * kPanel floats, the rows of 64 pixels, a row a step (a block has at
 // most kBlockRows = 48).
-template <typename V, int Vectors, int MaxRows = kTileRows>
+template <typename V, int Vectors, int MaxRows = kTileRows, bool Continue = false>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,
                                                       int64_t ldc, int64_t width, int64_t rows, const float* next,
@@ -265,7 +276,7 @@ __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t ld
                                                                         : nullptr)
                              : next != nullptr && first_row < next_depth ? next + first_row * kPanel
                                                                     : nullptr;
-    tile_of_rows<V, Vectors, MaxRows>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc,
+    tile_of_rows<V, Vectors, MaxRows, Continue>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc,
                                       ldc, width, tile_next, every);
     r = end;
   }
@@ -328,7 +339,7 @@ __attribute__((always_inline)) inline const float* shifted(const float* p, int64
 
 // `rows` pixels of one panel's `width` channels, as tiles of kTileChannels<V> channels (a whole
 // panel with AVX-512, its two halves with AVX2), all of them sharing the prefetch of `next`.
-template <typename V>
+template <typename V, bool Continue = false>
 __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                         const float* bias, const float* sum, Clamp clamp, float* out,
                                                         int64_t ldc, int64_t width, int64_t rows, const float* next,
@@ -341,7 +352,7 @@ __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t 
     // and 3083 -> 2464 us at batch 8. (32 as four vectors x 3 pixels was 15-25% slower than two
     // 16-wide tiles.)
     if (width > 2 * kLanes<V> && width <= 3 * kLanes<V>) {
-      panel_rows<V, 3, 4>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, next_depth, ahead, 0, 1);
+      panel_rows<V, 3, 4, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, next_depth, ahead, 0, 1);
       return;
     }
   }
@@ -349,10 +360,10 @@ __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t 
   for (int64_t slice = 0, j = 0; slice < slices; ++slice, j += kTileChannels<V>) {
     const int64_t w = std::min(kTileChannels<V>, width - j);
     if (w > kLanes<V>) {
-      panel_rows<V, 2>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
+      panel_rows<V, 2, kTileRows, Continue>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
                        next, next_depth, ahead, slice, slices);
     } else {
-      panel_rows<V, 1>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
+      panel_rows<V, 1, kTileRows, Continue>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
                        next, next_depth, ahead, slice, slices);
     }
   }
@@ -511,6 +522,34 @@ __attribute__((always_inline)) inline bool input_ahead(const PatchConvShape& s) 
   return s.batch * s.in_h * s.in_w * s.in_channels * int64_t{sizeof(float)} > kAheadInputBytes;
 }
 
+// A whole panel (kPanel channels) of `rows` pixels summed over the depth in chunks of kDepthChunk
+// rows: each tile sums one chunk, its running sums kept in the output (or the NCHW staging block)
+// between chunks and reloaded for the next (bitwise the sums of one pass); bias, residual and clamp
+// come with the last chunk. A chunk of the panel and of the rows stays in L1 across all of the
+// block's tiles, where in one pass every tile streamed the whole panel from L2 and the first tile
+// of a weight that comes from memory waited on it. Each chunk prefetches the next one (the last
+// chunk `next`, next_depth rows: what panel_slices would prefetch over the panel).
+template <typename V>
+__attribute__((always_inline)) inline void panel_in_chunks(const float* a, int64_t depth, const PanelTarget& t,
+                                                           int64_t rows, const float* next, int64_t next_depth) {
+  for (int64_t k0 = 0; k0 < depth; k0 += kDepthChunk) {
+    const int64_t chunk = std::min(kDepthChunk, depth - k0), rest = depth - k0 - chunk;
+    const bool last = rest == 0;
+    const float* chunk_next = last ? next : t.panel + (k0 + chunk) * kPanel;
+    const int64_t chunk_next_depth = std::min(kDepthChunk, last ? next_depth : rest);
+    const float* bias = last ? t.bias : nullptr;
+    const float* sum = last ? t.sum : nullptr;
+    const Clamp clamp = last ? t.clamp : Clamp{};
+    if (k0 == 0) {
+      panel_slices<V, false>(a, depth, t.panel, chunk, bias, sum, clamp, t.out, t.ldc, t.width, rows, chunk_next,
+                             chunk_next_depth);
+    } else {
+      panel_slices<V, true>(a + k0, depth, t.panel + k0 * kPanel, chunk, bias, sum, clamp, t.out, t.ldc, t.width,
+                            rows, chunk_next, chunk_next_depth);
+    }
+  }
+}
+
 // Output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered (or a 1x1's input
 // read in place).
 template <typename V>
@@ -529,8 +568,12 @@ __attribute__((always_inline)) inline void patch_block_for(BLADE_BLOCK_PARAMS) {
     // after the last one `after` (after_depth rows) when the caller knows what this thread does next.
     const bool last = p + 1 == panel_end && after != nullptr;
     const float* next = last ? after : prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
-    panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next,
-                    last ? after_depth : depth, p == panel_begin ? ahead : nullptr);
+    if (depth > 2 * kDepthChunk && t.width == kPanel && !(p == panel_begin && ahead != nullptr)) {
+      panel_in_chunks<V>(a, depth, t, end - begin, next, last ? after_depth : depth);
+    } else {
+      panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next,
+                      last ? after_depth : depth, p == panel_begin ? ahead : nullptr);
+    }
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
 }

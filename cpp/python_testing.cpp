@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "conv_patch.h"
 #include "depthwise.h"
 #include "expand_depthwise.h"
 #include "gemm.h"
@@ -223,6 +224,10 @@ void bind_testing(pybind11::module_& m) {
   m.def("set_l2_cache_bytes", &set_l2_cache_bytes,
         "Sets the L2 size per core the runtime's patch kernel decides its deepest convolutions by (-1: sysconf's).",
         py::arg("bytes"));
+  m.def("set_patch_isa", &set_patch_isa,
+        "Runs the patch kernel's block functions of ISA level isa ('x86-64', 'x86-64-v3', 'x86-64-v4'; '': this CPU's "
+        "best); False when this CPU lacks it.",
+        py::arg("isa"));
   m.def("set_gemm_column_split_rows", &set_gemm_column_split_rows,
         "GEMMs with at most max_rows rows run in column blocks across threads (0: never, -1: the default).",
         py::arg("max_rows"));

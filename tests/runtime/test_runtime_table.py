@@ -526,6 +526,10 @@ PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input chan
     ((2, 40, 7, 7), 64, 3, 2, [1, 1, 1, 1], True),         # 32 gathered pixels over images, 2 panels
     ((1, 64, 7, 7), 96, 3, 2, [1, 1, 1, 1], True),         # 16 gathered pixels, 3 panels (2 threads: by blocks)
     ((8, 144, 40, 40), 24, 1, 1, [0, 0, 0, 0], True),      # a 7.4 MB input: the next block's rows prefetched
+    # Deeper than two chunks of 96 (panel_in_chunks): sums carried between chunks in the output
+    ((1, 37, 9, 9), 40, 3, 2, [1, 1, 1, 1], True),         # depth 333: chunks 96, 96, 96, 45; the 8-wide panel in one pass
+    ((2, 72, 10, 10), 48, 3, 1, [1, 1, 1, 1], True),       # depth 648 over 200 pixels in blocks (48 outputs: not Winograd)
+    ((4, 400, 28, 28), 64, 1, 1, [0, 0, 0, 0], True),      # 1x1, a 5 MB input: the first panel in one pass (rows ahead)
 ]
 
 
@@ -538,6 +542,28 @@ def test_conv_patch_threads_and_gather(case, threads, output_channels_last, acti
     x_shape, c_out, k, stride, pads, input_channels_last = case
     check_patch_conv(x_shape, c_out, (k, k), (stride, stride), pads, (1, 1), input_channels_last, output_channels_last,
                      threads, activation)
+
+
+# Each ISA version of the patch kernel's block functions (conv_patch_blocks.h) this CPU can run, not
+# only its best one: 16-float vectors (one tile a panel) with AVX-512, 8-float ones (two tiles a
+# panel) with AVX2 and the baseline, on cases of PATCH_CASES and PATCH_SPLIT_CASES that take each
+# path (one pass and chunks over the depth, gathered and direct, few pixels, NCHW output).
+ISA_CASES = [PATCH_CASES[4], PATCH_CASES[6], PATCH_CASES[13]] + [c[:5] + (1,) + c[5:] for c in PATCH_SPLIT_CASES[-7:]]
+
+
+@pytest.mark.parametrize("isa", ["x86-64", "x86-64-v3", "x86-64-v4"])
+@pytest.mark.parametrize("case", ISA_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}")
+@pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
+def test_conv_patch_each_isa(isa, case, output_channels_last):
+    if not _testing.set_patch_isa(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    try:
+        torch.manual_seed(10)
+        x_shape, c_out, k, stride, pads, dilation, input_channels_last = case
+        check_patch_conv(x_shape, c_out, (k, k), (stride, stride), pads, (dilation, dilation), input_channels_last,
+                         output_channels_last, 2)
+    finally:
+        _testing.set_patch_isa("")
 
 
 def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last,
