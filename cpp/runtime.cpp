@@ -165,18 +165,19 @@ struct ConvKernelSwitch {
   std::atomic<bool> enabled{true};
   std::atomic<int64_t> calls{0};
 };
-ConvKernelSwitch winograd_kernel, depthwise_kernel, grouped_kernel, pointwise_kernel, patch_kernel,
+ConvKernelSwitch winograd_kernel, winograd4_kernel, depthwise_kernel, grouped_kernel, pointwise_kernel, patch_kernel,
     expand_depthwise_kernel;
 
 ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
   if (kernel == "winograd") return &winograd_kernel;
+  if (kernel == "winograd4") return &winograd4_kernel;
   if (kernel == "depthwise") return &depthwise_kernel;
   if (kernel == "grouped") return &grouped_kernel;
   if (kernel == "pointwise") return &pointwise_kernel;
   if (kernel == "patch") return &patch_kernel;
   if (kernel == "expand_depthwise") return &expand_depthwise_kernel;
   TORCH_CHECK(false, "blade runtime: no convolution kernel named '", kernel,
-              "' (winograd, depthwise, grouped, pointwise, patch, expand_depthwise)");
+              "' (winograd, winograd4, depthwise, grouped, pointwise, patch, expand_depthwise)");
 }
 
 // Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
@@ -209,7 +210,7 @@ std::optional<Conv3x3Shape> winograd_shape(int32_t spatial, const int64_t* input
                            pads[0], pads[1], input_shape[2] + pads[0] + pads[2] - 2,
                            input_shape[3] + pads[1] + pads[3] - 2};
   const bool threaded = at::get_num_threads() > 1 && !serial_here();
-  if (winograd_tiles(shape) < (threaded ? kWinogradMinTilesThreaded : kWinogradMinTiles)) return std::nullopt;
+  if (winograd_tiles(shape, 2) < (threaded ? kWinogradMinTilesThreaded : kWinogradMinTiles)) return std::nullopt;
   return shape;
 }
 
@@ -267,15 +268,33 @@ at::Tensor relaid_weight(const float* weight, int64_t kind, const int64_t* weigh
                                                             : relayout();
 }
 
+// The output tile Winograd runs a shape in: 4x4 (F(4x4, 3x3), winograd.h) where its GEMMs have
+// kWinograd4MinTiles rows or more and its transformed weight (36 x c_in x c_out floats) is at most
+// 128 x 128 channels' (2.4 MB), else 2x2. In ResNet-18 b1 (AVX-512 Xeon, 2 threads, in the model,
+// alternating): the 64-channel 3x3 at 56x56 (196 tiles) 0.64-0.72 -> 0.51-0.64 ms, the 128-channel
+// one at 28x28 (49 tiles) 0.58-0.62 -> 0.51; the 256-channel one at 14x14 (16 tiles, a 9.4 MB
+// weight) 0.63-0.68 -> 0.99 (its GEMMs stream the weight for few rows), and alone at batch 2-8
+// slower too.
+constexpr int64_t kWinograd4MinTiles = 32;
+constexpr int64_t kWinograd4MaxChannelProduct = 128 * 128;
+int64_t winograd_tile(const Conv3x3Shape& shape) {
+  return winograd4_kernel.enabled.load(std::memory_order_relaxed) && winograd_tiles(shape, 4) >= kWinograd4MinTiles &&
+                 shape.in_channels * shape.out_channels <= kWinograd4MaxChannelProduct
+             ? 4
+             : 2;
+}
+
 void conv_winograd(const Conv3x3Shape& shape, const float* input, const int64_t* weight_shape, const float* weight,
                    const float* bias, const float* sum, Activation act, float* output) {
   PackedWeights* weights = current_weights;
-  const at::Tensor u = weights->get(conv_pack_key(weight, -1 /* winograd */, weight_shape), [&] {
-    return winograd_weight(weight, shape.out_channels, shape.in_channels);
+  const int64_t tile = winograd_tile(shape);
+  const at::Tensor u = weights->get(conv_pack_key(weight, tile == 4 ? -5 /* winograd 4x4 */ : -1 /* winograd */, weight_shape), [&] {
+    return winograd_weight(weight, shape.out_channels, shape.in_channels, tile);
   });
   // so its GEMMs pack it (also when another engine of the same weight transformed it)
   if (!weights->is_constant(u.const_data_ptr())) weights->add_constant(u.const_data_ptr(), u.nbytes());
-  winograd_conv3x3(shape, input, u.const_data_ptr<float>(), bias, sum, act.clamp, output, weights);
+  winograd_conv3x3(shape, tile, input, u.const_data_ptr<float>(), bias, sum, act.clamp, output, weights);
+  if (tile == 4) winograd4_kernel.calls.fetch_add(1, std::memory_order_relaxed);
   silu_output(output, shape.batch * shape.out_h * shape.out_w * shape.out_channels, act);
   winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
 }
@@ -377,7 +396,7 @@ constexpr int kWinogradTimings = 3;  // timed calls each, after each way's first
 // a call keeps the rule from before (Winograd from kWinogradMinTilesThreaded tiles).
 bool winograd_marginal(const Conv3x3Shape& shape) {
   return at::get_num_threads() > 1 && !serial_here() && !at::in_parallel_region() &&
-         winograd_tiles(shape) < kWinogradMinTiles;
+         winograd_tiles(shape, 2) < kWinogradMinTiles;
 }
 
 struct WinogradTimings {

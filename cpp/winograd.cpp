@@ -16,10 +16,9 @@ namespace {
 // channel loop scalar) and cloned per ISA (isa_clones.h): the extension is built for baseline
 // x86-64, and AVX-512 doubles their throughput.
 
-constexpr int64_t kPoints = 16;               // 4x4 transformed points per tile
-
 // v[e * plane + c] = (B^T d B)[e] for the 4x4 patch d whose pixel e (row-major) starts at pixel[e].
-BLADE_ISA_CLONES void input_transform(const float* const* pixel, int64_t channels, float* v, int64_t plane) {
+BLADE_ISA_CLONES void input_transform_2(const float* const* pixel, int64_t channels, float* v, int64_t plane) {
+  constexpr int kPoints = 16;
 #pragma omp simd
   for (int64_t c = 0; c < channels; ++c) {
     float d[kPoints], t[kPoints];
@@ -45,8 +44,9 @@ BLADE_ISA_CLONES void input_transform(const float* const* pixel, int64_t channel
 // out[q][k] = clamp((A^T m A)[q] + bias[k] + sum[q][k]) for the 2x2 outputs q of one tile, m[e] at
 // m[e * plane + k]. Outputs outside the image point at a scratch row (written, never read).
 template <bool kSum, bool kClamp>
-BLADE_ISA_CLONES void output_transform(const float* m, int64_t plane, int64_t channels, const float* bias,
-                                       const float* const* sum, Clamp clamp, float* const* out) {
+BLADE_ISA_CLONES void output_transform_2(const float* m, int64_t plane, int64_t channels, const float* bias,
+                                         const float* const* sum, Clamp clamp, float* const* out) {
+  constexpr int kPoints = 16;
 #pragma omp simd
   for (int64_t k = 0; k < channels; ++k) {
     float s[kPoints], t[8];
@@ -73,10 +73,107 @@ BLADE_ISA_CLONES void output_transform(const float* m, int64_t plane, int64_t ch
   }
 }
 
+// F(4x4, 3x3) (Lavin & Gray's points 0, +-1, +-2 and infinity): 36 multiplies per 16 outputs
+// where F(2x2, 3x3) takes 64 (16 per 4), its input and output transforms per output fewer too,
+// at ~15x F(2x2)'s rounding (max error ~3e-6 of the largest output on random 64-256-channel
+// layers against float64, where F(2x2) and a direct convolution are at ~2e-7).
+
+// v[e * plane + c] = (B^T d B)[e] for the 6x6 patch d whose pixel e (row-major) starts at pixel[e].
+BLADE_ISA_CLONES void input_transform_4(const float* const* pixel, int64_t channels, float* v, int64_t plane) {
+  constexpr int kPoints = 36;
+#pragma omp simd
+  for (int64_t c = 0; c < channels; ++c) {
+    float d[kPoints], t[kPoints];
+    #pragma GCC unroll 36
+    for (int e = 0; e < kPoints; ++e) d[e] = pixel[e][c];
+    // B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]
+    #pragma GCC unroll 6
+    for (int j = 0; j < 6; ++j) {  // B^T d, column j
+      const float d0 = d[0 * 6 + j], d1 = d[1 * 6 + j], d2 = d[2 * 6 + j], d3 = d[3 * 6 + j], d4 = d[4 * 6 + j],
+                  d5 = d[5 * 6 + j];
+      t[0 * 6 + j] = 4.0f * d0 - 5.0f * d2 + d4;
+      t[1 * 6 + j] = -4.0f * (d1 + d2) + d3 + d4;
+      t[2 * 6 + j] = 4.0f * (d1 - d2) - d3 + d4;
+      t[3 * 6 + j] = 2.0f * (d3 - d1) - d2 + d4;
+      t[4 * 6 + j] = 2.0f * (d1 - d3) - d2 + d4;
+      t[5 * 6 + j] = 4.0f * d1 - 5.0f * d3 + d5;
+    }
+    #pragma GCC unroll 6
+    for (int i = 0; i < 6; ++i) {  // (B^T d) B, row i
+      const float t0 = t[i * 6 + 0], t1 = t[i * 6 + 1], t2 = t[i * 6 + 2], t3 = t[i * 6 + 3], t4 = t[i * 6 + 4],
+                  t5 = t[i * 6 + 5];
+      v[(i * 6 + 0) * plane + c] = 4.0f * t0 - 5.0f * t2 + t4;
+      v[(i * 6 + 1) * plane + c] = -4.0f * (t1 + t2) + t3 + t4;
+      v[(i * 6 + 2) * plane + c] = 4.0f * (t1 - t2) - t3 + t4;
+      v[(i * 6 + 3) * plane + c] = 2.0f * (t3 - t1) - t2 + t4;
+      v[(i * 6 + 4) * plane + c] = 2.0f * (t1 - t3) - t2 + t4;
+      v[(i * 6 + 5) * plane + c] = 4.0f * t1 - 5.0f * t3 + t5;
+    }
+  }
+}
+
+// out[q][k] = clamp((A^T m A)[q] + bias[k] + sum[q][k]) for the 4x4 outputs q of one tile, m[e] at
+// m[e * plane + k]. Outputs outside the image point at a scratch row (written, never read).
+template <bool kSum, bool kClamp>
+BLADE_ISA_CLONES void output_transform_4(const float* m, int64_t plane, int64_t channels, const float* bias,
+                                         const float* const* sum, Clamp clamp, float* const* out) {
+  constexpr int kPoints = 36;
+#pragma omp simd
+  for (int64_t k = 0; k < channels; ++k) {
+    float s[kPoints], t[24];
+    #pragma GCC unroll 36
+    for (int e = 0; e < kPoints; ++e) s[e] = m[e * plane + k];
+    // A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1]
+    #pragma GCC unroll 6
+    for (int j = 0; j < 6; ++j) {  // A^T s, column j
+      const float s0 = s[0 * 6 + j], s1 = s[1 * 6 + j], s2 = s[2 * 6 + j], s3 = s[3 * 6 + j], s4 = s[4 * 6 + j],
+                  s5 = s[5 * 6 + j];
+      const float plus12 = s1 + s2, minus12 = s1 - s2, plus34 = s3 + s4, minus34 = s3 - s4;
+      t[0 * 6 + j] = s0 + plus12 + plus34;
+      t[1 * 6 + j] = minus12 + 2.0f * minus34;
+      t[2 * 6 + j] = plus12 + 4.0f * plus34;
+      t[3 * 6 + j] = minus12 + 8.0f * minus34 + s5;
+    }
+    float y[16];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // (A^T s) A, row i
+      const float t0 = t[i * 6 + 0], t1 = t[i * 6 + 1], t2 = t[i * 6 + 2], t3 = t[i * 6 + 3], t4 = t[i * 6 + 4],
+                  t5 = t[i * 6 + 5];
+      const float plus12 = t1 + t2, minus12 = t1 - t2, plus34 = t3 + t4, minus34 = t3 - t4;
+      y[i * 4 + 0] = t0 + plus12 + plus34;
+      y[i * 4 + 1] = minus12 + 2.0f * minus34;
+      y[i * 4 + 2] = plus12 + 4.0f * plus34;
+      y[i * 4 + 3] = minus12 + 8.0f * minus34 + t5;
+    }
+    #pragma GCC unroll 16
+    for (int q = 0; q < 16; ++q) {
+      float value = y[q] + bias[k];
+      if (kSum) value += sum[q][k];
+      if (kClamp) value = clamp_value(value, clamp.lo, clamp.hi);
+      out[q][k] = value;
+    }
+  }
+}
+
+using InputTransform = void (*)(const float* const*, int64_t, float*, int64_t);
 using OutputTransform = void (*)(const float*, int64_t, int64_t, const float*, const float* const*, Clamp,
                                  float* const*);
-const OutputTransform kOutputTransforms[2][2] = {{output_transform<false, false>, output_transform<false, true>},
-                                                 {output_transform<true, false>, output_transform<true, true>}};
+
+// Each tile size's transforms.
+template <int Tile>
+struct Transforms;
+template <>
+struct Transforms<2> {
+  static constexpr InputTransform input = input_transform_2;
+  static constexpr OutputTransform output[2][2] = {{output_transform_2<false, false>, output_transform_2<false, true>},
+                                                   {output_transform_2<true, false>, output_transform_2<true, true>}};
+};
+template <>
+struct Transforms<4> {
+  static constexpr InputTransform input = input_transform_4;
+  static constexpr OutputTransform output[2][2] = {{output_transform_4<false, false>, output_transform_4<false, true>},
+                                                   {output_transform_4<true, false>, output_transform_4<true, true>}};
+};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -89,32 +186,53 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // AVX-512, in the model; ONNX Runtime's direct convolution ~0.7). A larger weight is streamed once
 // per block: ResNet's 128-channel one (1 MiB transformed, 196 tiles) was 3-20% slower in blocks of
 // 16-128 tiles, so from there on the passes stay.
-constexpr int64_t kBlockedWeightFloats = kPoints * 64 * 64;
+constexpr int64_t kBlockedWeightFloats = 16 * 64 * 64;
 constexpr int64_t kBlockFloats = int64_t{1} << 17;
 
 // How many blocks of tiles to run (0: run in three passes): as few as hold at most kBlockFloats
 // each, at least one a thread, and a multiple of the threads where there are more (784 tiles on 2
 // threads: 14 blocks of 56, not 13 of up to 64, one of them left for one thread at the end).
-int64_t tile_blocks(int64_t c_in, int64_t c_out, int64_t tiles, int64_t threads) {
-  if (kPoints * c_in * c_out > kBlockedWeightFloats) return 0;
-  const int64_t most_tiles = std::max<int64_t>(1, kBlockFloats / (kPoints * (c_in + c_out)));
+int64_t tile_blocks(int64_t points, int64_t c_in, int64_t c_out, int64_t tiles, int64_t threads) {
+  if (16 * c_in * c_out > kBlockedWeightFloats) return 0;
+  const int64_t most_tiles = std::max<int64_t>(1, kBlockFloats / (points * (c_in + c_out)));
   int64_t blocks = std::max(ceil_div(tiles, most_tiles), std::min(threads, tiles));
   if (blocks > threads && blocks % threads != 0) blocks = ceil_div(blocks, threads) * threads;
   return std::min(blocks, tiles);
 }
 
-}  // namespace
-
-int64_t winograd_tiles(const Conv3x3Shape& shape) {
-  return shape.batch * ceil_div(shape.out_h, 2) * ceil_div(shape.out_w, 2);
+// G g G^T of F(4x4, 3x3): G = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6;
+// 1/24 -1/12 1/6; 0 0 1], in double (the transformed weight rounded once).
+void weight_transform_4(const float* g, float* dest, int64_t stride) {
+  constexpr double kG[6][3] = {{1.0 / 4, 0, 0},           {-1.0 / 6, -1.0 / 6, -1.0 / 6}, {-1.0 / 6, 1.0 / 6, -1.0 / 6},
+                               {1.0 / 24, 1.0 / 12, 1.0 / 6}, {1.0 / 24, -1.0 / 12, 1.0 / 6}, {0, 0, 1}};
+  double gg[6][3];  // G g
+  for (int i = 0; i < 6; ++i) {
+    for (int j = 0; j < 3; ++j) gg[i][j] = kG[i][0] * g[0 * 3 + j] + kG[i][1] * g[1 * 3 + j] + kG[i][2] * g[2 * 3 + j];
+  }
+  for (int i = 0; i < 6; ++i) {  // (G g) G^T
+    for (int j = 0; j < 6; ++j) {
+      dest[(i * 6 + j) * stride] = static_cast<float>(gg[i][0] * kG[j][0] + gg[i][1] * kG[j][1] + gg[i][2] * kG[j][2]);
+    }
+  }
 }
 
-at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in_channels) {
-  at::Tensor u = at::empty({kPoints, in_channels, out_channels}, at::kFloat);
+}  // namespace
+
+int64_t winograd_tiles(const Conv3x3Shape& shape, int64_t tile) {
+  return shape.batch * ceil_div(shape.out_h, tile) * ceil_div(shape.out_w, tile);
+}
+
+at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in_channels, int64_t tile) {
+  const int64_t points = (tile + 2) * (tile + 2);
+  at::Tensor u = at::empty({points, in_channels, out_channels}, at::kFloat);
   float* dest = u.mutable_data_ptr<float>();
   for (int64_t k = 0; k < out_channels; ++k) {
     for (int64_t c = 0; c < in_channels; ++c) {
       const float* g = weight + (k * in_channels + c) * 9;
+      if (tile == 4) {
+        weight_transform_4(g, dest + c * out_channels + k, in_channels * out_channels);
+        continue;
+      }
       float gg[4][3];  // G g, G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1]
       for (int j = 0; j < 3; ++j) {
         gg[0][j] = g[0 * 3 + j];
@@ -132,17 +250,22 @@ at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in
   return u;
 }
 
-void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float* transformed_weight,
-                      const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights) {
+namespace {
+
+template <int Tile>
+void winograd_conv3x3_tiles(const Conv3x3Shape& shape, const float* input, const float* transformed_weight,
+                            const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights) {
+  // (Tile + 2)^2 transformed points per tile of Tile x Tile outputs
+  constexpr int64_t kSide = Tile + 2, kPoints = kSide * kSide, kOutputs = Tile * Tile;
   const Conv3x3Shape& s = shape;
   const int64_t c_in = s.in_channels, c_out = s.out_channels;
-  const int64_t tiles_h = ceil_div(s.out_h, 2), tiles_w = ceil_div(s.out_w, 2), tiles = winograd_tiles(s);
+  const int64_t tiles_h = ceil_div(s.out_h, Tile), tiles_w = ceil_div(s.out_w, Tile), tiles = winograd_tiles(s, Tile);
   if (tiles == 0 || c_out == 0) return;
   // (image, top row, left column) of a tile's output
   auto origin = [&](int64_t tile, int64_t& n, int64_t& row, int64_t& col) {
     n = tile / (tiles_h * tiles_w);
-    row = 2 * (tile % (tiles_h * tiles_w) / tiles_w);
-    col = 2 * (tile % tiles_w);
+    row = Tile * (tile % (tiles_h * tiles_w) / tiles_w);
+    col = Tile * (tile % tiles_w);
   };
   // Pixels outside the image, a missing bias or sum: read, never written (the calling thread's, which
   // waits while the tasks read it).
@@ -159,22 +282,22 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
       origin(t, n, row, col);
       const float* pixel[kPoints];
       for (int e = 0; e < kPoints; ++e) {
-        const int64_t ih = row - s.pad_top + e / 4, iw = col - s.pad_left + e % 4;
+        const int64_t ih = row - s.pad_top + e / kSide, iw = col - s.pad_left + e % kSide;
         const bool inside = ih >= 0 && ih < s.in_h && iw >= 0 && iw < s.in_w;
         pixel[e] = inside ? input + ((n * s.in_h + ih) * s.in_w + iw) * c_in : zeros;
       }
-      input_transform(pixel, c_in, v + (t - begin) * c_in, plane);
+      Transforms<Tile>::input(pixel, c_in, v + (t - begin) * c_in, plane);
     }
   };
-  const OutputTransform transform = kOutputTransforms[sum != nullptr][clamp.on];
+  const OutputTransform transform = Transforms<Tile>::output[sum != nullptr][clamp.on];
   const auto transform_outputs = [&](int64_t begin, int64_t end, const float* m, int64_t plane, float* discard) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t n, row, col;
       origin(t, n, row, col);
-      float* out[4];
-      const float* addend[4];
-      for (int q = 0; q < 4; ++q) {
-        const int64_t oh = row + q / 2, ow = col + q % 2;
+      float* out[kOutputs];
+      const float* addend[kOutputs];
+      for (int q = 0; q < kOutputs; ++q) {
+        const int64_t oh = row + q / Tile, ow = col + q % Tile;
         const bool inside = oh < s.out_h && ow < s.out_w;
         const int64_t offset = ((n * s.out_h + oh) * s.out_w + ow) * c_out;
         out[q] = inside ? output + offset : discard;
@@ -187,8 +310,8 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
     runtime()->sgemm(1, rows, c_out, c_in, 1.0f, v + e * rows * c_in, c_in, 0, 0,
                      transformed_weight + e * c_in * c_out, c_out, 0, 0, 0.0f, m + e * rows * c_out, c_out, 0);
   };
-  if (const int64_t blocks = tile_blocks(c_in, c_out, tiles, threads); blocks > 0) {
-    // Each task transforms a block of tiles, runs its 16 GEMMs and transforms their outputs while
+  if (const int64_t blocks = tile_blocks(kPoints, c_in, c_out, tiles, threads); blocks > 0) {
+    // Each task transforms a block of tiles, runs its GEMMs (one a point) and transforms their outputs while
     // the block's transformed values are still in the thread's L2 (the weight, at most
     // kBlockedWeightFloats, stays there across the thread's blocks).
     const int64_t block_tiles = ceil_div(tiles, blocks);
@@ -196,8 +319,8 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
       const PackingScope scope(weights);  // per thread: the scope is thread-local
       thread_local std::vector<float> own;
       own.resize(std::max<size_t>(own.size(), kPoints * block_tiles * (c_in + c_out) + c_out));
-      float* v = own.data();                            // [16, block tiles, c_in]
-      float* m = v + kPoints * block_tiles * c_in;      // [16, block tiles, c_out]
+      float* v = own.data();                            // [points, block tiles, c_in]
+      float* m = v + kPoints * block_tiles * c_in;      // [points, block tiles, c_out]
       float* discard = m + kPoints * block_tiles * c_out;
       for (int64_t b = first; b < last; ++b) {
         const int64_t begin = tiles * b / blocks, end = tiles * (b + 1) / blocks, rows = end - begin;
@@ -208,15 +331,15 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
     });
     return;
   }
-  // Else in three passes over all tiles, each split across the threads, through [16, tiles, c]
+  // Else in three passes over all tiles, each split across the threads, through [points, tiles, c]
   // buffers.
   // Scratch kept per calling thread (engine calls on several threads each get their own): a fresh
   // multi-megabyte buffer per call comes from mmap, and its page faults cost more than the
   // convolution (measured: +1.3 ms per call on a 64-channel 56x56 convolution).
   thread_local std::vector<float> scratch;
   scratch.resize(std::max<size_t>(scratch.size(), kPoints * tiles * (c_in + c_out)));
-  float* v = scratch.data();                     // [16, tiles, c_in]
-  float* m = v + kPoints * tiles * c_in;         // [16, tiles, c_out]
+  float* v = scratch.data();                     // [points, tiles, c_in]
+  float* m = v + kPoints * tiles * c_in;         // [points, tiles, c_out]
   // Tiles per task: about 16K channel values, but no more than an equal share per thread (the 14x14
   // stage's 49 tiles x 256 channels were one task: both transforms ran on one thread while the
   // other waited).
@@ -226,7 +349,7 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
   });
   // One GEMM per point, each on its own slice of the transformed weight, which the runtime packs
   // once (the slices lie in the engine's constants). The points are split across the threads, each
-  // GEMM serial in its task: one fork-join for all 16 instead of one per GEMM, and equal shares
+  // GEMM serial in its task: one fork-join for all of them instead of one per GEMM, and equal shares
   // on 2 or 4 threads (each threaded GEMM split [tiles x c_out] in blocks of its own and waited
   // for the slowest: ResNet-18's 14x14 stage has 49 tiles).
   timed_parallel_for(0, kPoints, 1, [&](int64_t begin, int64_t end) {
@@ -237,6 +360,17 @@ void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float
     std::vector<float> discard(c_out);  // outputs of edge tiles that fall outside the image
     transform_outputs(begin, end, m + begin * c_out, tiles * c_out, discard.data());
   });
+}
+
+}  // namespace
+
+void winograd_conv3x3(const Conv3x3Shape& shape, int64_t tile, const float* input, const float* transformed_weight,
+                      const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights) {
+  if (tile == 4) {
+    winograd_conv3x3_tiles<4>(shape, input, transformed_weight, bias, sum, clamp, output, weights);
+  } else {
+    winograd_conv3x3_tiles<2>(shape, input, transformed_weight, bias, sum, clamp, output, weights);
+  }
 }
 
 }  // namespace blade

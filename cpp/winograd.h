@@ -22,16 +22,16 @@ struct Conv3x3Shape {
   int64_t out_h, out_w;
 };
 
-// The number of 2x2 output tiles (the M of its GEMMs).
-int64_t winograd_tiles(const Conv3x3Shape& shape);
+// The number of tile x tile output tiles (the M of its GEMMs); tile is 2 (F(2x2, 3x3)) or 4 (F(4x4, 3x3)).
+int64_t winograd_tiles(const Conv3x3Shape& shape, int64_t tile);
 
-// weight [out_channels, in_channels, 3, 3] -> G w G^T as [16, in_channels, out_channels].
-at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in_channels);
+// weight [out_channels, in_channels, 3, 3] -> G w G^T as [(tile + 2)^2, in_channels, out_channels].
+at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in_channels, int64_t tile);
 
-// output = clamp(conv3x3(input) + bias + sum); input, sum and output are dense NHWC,
-// `transformed_weight` comes from winograd_weight and lies in `weights`' constants (its GEMMs pack
-// it there once); bias and sum may be null.
-void winograd_conv3x3(const Conv3x3Shape& shape, const float* input, const float* transformed_weight,
+// output = clamp(conv3x3(input) + bias + sum) in output tiles of tile x tile pixels; input, sum and
+// output are dense NHWC, `transformed_weight` comes from winograd_weight (the same tile) and lies in
+// `weights`' constants (its GEMMs pack it there once); bias and sum may be null.
+void winograd_conv3x3(const Conv3x3Shape& shape, int64_t tile, const float* input, const float* transformed_weight,
                       const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights);
 
 }  // namespace blade

@@ -139,10 +139,12 @@ def test_conv_epilogue(layout, pack, with_sum, activation):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
-def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, residual=None, activation=0):
-    """The runtime's stride-1 channels-last conv, run once letting it take Winograd and once not."""
+def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, residual=None, activation=0, tile4=True):
+    """The runtime's stride-1 channels-last conv, run once letting it take Winograd (in 4x4 output
+    tiles where it picks them, unless not `tile4`) and once not."""
     outputs = []
     try:
+        _testing.set_conv_kernel_enabled("winograd4", tile4)
         for winograd in (True, False):
             _testing.set_conv_kernel_enabled("winograd", winograd)
             out = torch.full(out_shape, float("nan")).contiguous(memory_format=torch.channels_last)
@@ -151,11 +153,26 @@ def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, resid
             outputs.append(out)
     finally:
         _testing.set_conv_kernel_enabled("winograd", True)
+        _testing.set_conv_kernel_enabled("winograd4", True)
     return outputs
 
 
+def winograd4_taken(n, c_in, c_out, out_h, out_w):
+    """Whether the runtime runs the shape as F(4x4, 3x3) (cpp/runtime.cpp, winograd_tile): 32 or more
+    4x4 output tiles and at most 128 x 128 channels."""
+    return n * -(-out_h // 4) * -(-out_w // 4) >= 32 and c_in * c_out <= 128 * 128
+
+
+def assert_winograd_close(out, expected, tile4):
+    """F(2x2, 3x3) within 1e-5 of float64 per element; F(4x4, 3x3) rounds ~15x more (its transforms'
+    constants up to 8 and 1/24): within 2e-5 of the largest output (max errors seen 3-7e-6 of it)."""
+    atol = 2e-5 * expected.abs().max().item() if tile4 else 1e-5
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=atol)
+
+
 # Winograd F(2x2, 3x3): the runtime's conv takes it for 3x3 stride-1 ungrouped convolutions with a
-# constant weight, channels-last in and out, >= 64 channels each way and >= 32 output tiles.
+# constant weight, channels-last in and out, >= 64 channels each way and >= 32 output tiles; F(4x4,
+# 3x3) from 32 4x4 tiles up to 128 x 128 channels (winograd4_taken), here both ways where it does.
 # Checked against a float64 convolution on edge cases of its tiling (odd and 1x1 images, asymmetric
 # pads, batches) and its epilogue; it must also actually differ from oneDNN's direct convolution
 # (in rounding only), or the dispatch never took it. Up to 64 x 64 channels (a 256 KiB transformed
@@ -163,10 +180,12 @@ def conv_with_and_without_winograd(x, weight, bias, pads, out_shape, pack, resid
 @pytest.mark.parametrize("n, c_in, c_out, h, w, pads", [(1, 64, 64, 12, 12, [1, 1, 1, 1]), (2, 64, 96, 9, 7, [1, 1, 1, 1]),
                                                          (1, 80, 64, 13, 11, [0, 1, 2, 0]), (32, 64, 64, 1, 1, [1, 1, 1, 1]),
                                                          (40, 128, 64, 3, 3, [0, 0, 0, 0]), (1, 96, 128, 11, 13, [1, 0, 0, 2]),
-                                                         (2, 64, 64, 29, 31, [1, 1, 1, 1])])
+                                                         (2, 64, 64, 29, 31, [1, 1, 1, 1]),
+                                                         (1, 128, 96, 30, 29, [1, 1, 1, 1])])
 @pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 1),
                                                              (True, True, 3)])
-def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activation):
+@pytest.mark.parametrize("tile4", [True, False], ids=["tile4", "tile2"])
+def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activation, tile4):
     torch.manual_seed(2)
     x, weight = torch.randn(n, c_in, h, w), torch.randn(c_out, c_in, 3, 3) / (9 * c_in) ** 0.5
     bias = torch.randn(c_out) if with_bias else None
@@ -175,16 +194,23 @@ def test_conv_winograd(n, c_in, c_out, h, w, pads, with_bias, with_sum, activati
     residual = torch.randn(expected.shape).contiguous(memory_format=torch.channels_last) if with_sum else None
     expected = expected + residual.double() if with_sum else expected
     expected = ACTIVATIONS[activation](expected)
+    taken4 = tile4 and winograd4_taken(n, c_in, c_out, *expected.shape[2:])
+    if tile4 and not taken4:
+        pytest.skip("F(2x2) only: the tile2 case covers it")
+    calls4 = _testing.conv_kernel_calls("winograd4")
     with_winograd, without = conv_with_and_without_winograd(x, weight, bias, pads, expected.shape, True, residual,
-                                                            activation)
-    for out in (with_winograd, without):
-        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+                                                            activation, tile4)
+    assert _testing.conv_kernel_calls("winograd4") == calls4 + int(taken4)
+    assert_winograd_close(with_winograd, expected, taken4)
+    torch.testing.assert_close(without.double(), expected, rtol=1e-5, atol=1e-5)
     assert not torch.equal(with_winograd, without)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("n, c_in, c_out, h, w", [(1, 256, 128, 14, 14), (3, 64, 80, 9, 11), (2, 64, 64, 29, 31)])
-def test_conv_winograd_threads(threads, n, c_in, c_out, h, w):
+@pytest.mark.parametrize("n, c_in, c_out, h, w", [(1, 256, 128, 14, 14), (3, 64, 80, 9, 11), (2, 64, 64, 29, 31),
+                                                  (1, 96, 128, 28, 28)])
+@pytest.mark.parametrize("tile4", [True, False], ids=["tile4", "tile2"])
+def test_conv_winograd_threads(threads, n, c_in, c_out, h, w, tile4):
     """In three passes (256 -> 128, 64 -> 80): the 16 point GEMMs split across the threads (3
     threads: 6, 6 and 4 points) and transforms in equal shares of few tiles (49 for 14x14). In
     blocks of tiles (64 -> 64): 480 tiles at 29x31 in 8 blocks, 9 on 3 threads, their last tiles
@@ -196,11 +222,15 @@ def test_conv_winograd_threads(threads, n, c_in, c_out, h, w):
     try:
         torch.set_num_threads(threads)
         calls = _testing.conv_kernel_calls("winograd")
-        with_winograd, _ = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True)
+        calls4 = _testing.conv_kernel_calls("winograd4")
+        with_winograd, _ = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True,
+                                                          tile4=tile4)
         assert _testing.conv_kernel_calls("winograd") == calls + 1
+        taken4 = tile4 and winograd4_taken(n, c_in, c_out, h, w)
+        assert _testing.conv_kernel_calls("winograd4") == calls4 + int(taken4)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(with_winograd.double(), expected, rtol=1e-5, atol=1e-5)
+    assert_winograd_close(with_winograd, expected, taken4)
 
 
 @pytest.mark.parametrize("threads, n, c_in, h, w, pack", [(1, 1, 64, 7, 7, True), (2, 1, 64, 7, 5, True),
