@@ -271,10 +271,10 @@ at::Tensor relaid_weight(const float* weight, int64_t kind, const int64_t* weigh
 // The output tile Winograd runs a shape in: 4x4 (F(4x4, 3x3), winograd.h) where its GEMMs have
 // kWinograd4MinTiles rows or more and its transformed weight (36 x c_in x c_out floats) is at most
 // 128 x 128 channels' (2.4 MB), else 2x2. In ResNet-18 b1 (AVX-512 Xeon, 2 threads, in the model,
-// alternating): the 64-channel 3x3 at 56x56 (196 tiles) 0.64-0.72 -> 0.51-0.64 ms, the 128-channel
-// one at 28x28 (49 tiles) 0.58-0.62 -> 0.51; the 256-channel one at 14x14 (16 tiles, a 9.4 MB
-// weight) 0.63-0.68 -> 0.99 (its GEMMs stream the weight for few rows), and alone at batch 2-8
-// slower too.
+// alternating): the 64-channel 3x3 at 56x56 (196 tiles) 0.58-0.66 -> 0.48-0.55 ms, the 128-channel
+// one at 28x28 (49 tiles) 0.52-0.57 -> 0.46-0.49, the model 12.77 -> 12.05 ms; the 256-channel one
+// at 14x14 (16 tiles, a 9.4 MB weight) 0.63-0.68 -> 0.99 (its GEMMs stream the weight for few
+// rows), and alone at batch 2-8 slower too.
 constexpr int64_t kWinograd4MinTiles = 32;
 constexpr int64_t kWinograd4MaxChannelProduct = 128 * 128;
 int64_t winograd_tile(const Conv3x3Shape& shape) {

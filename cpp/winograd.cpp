@@ -41,6 +41,19 @@ BLADE_ISA_CLONES void input_transform_2(const float* const* pixel, int64_t chann
   }
 }
 
+// out[q][k] = clamp(y[q] + bias[k] + sum[q][k]) for the Outputs values y of channel k of a tile.
+template <int Outputs, bool kSum, bool kClamp>
+__attribute__((always_inline)) inline void store_outputs(const float (&y)[Outputs], int64_t k, const float* bias,
+                                                         const float* const* sum, Clamp clamp, float* const* out) {
+  #pragma GCC unroll 16
+  for (int q = 0; q < Outputs; ++q) {
+    float value = y[q] + bias[k];
+    if (kSum) value += sum[q][k];
+    if (kClamp) value = clamp_value(value, clamp.lo, clamp.hi);
+    out[q][k] = value;
+  }
+}
+
 // out[q][k] = clamp((A^T m A)[q] + bias[k] + sum[q][k]) for the 2x2 outputs q of one tile, m[e] at
 // m[e * plane + k]. Outputs outside the image point at a scratch row (written, never read).
 template <bool kSum, bool kClamp>
@@ -63,13 +76,7 @@ BLADE_ISA_CLONES void output_transform_2(const float* m, int64_t plane, int64_t 
       y[i * 2 + 0] = t[i * 4 + 0] + t[i * 4 + 1] + t[i * 4 + 2];
       y[i * 2 + 1] = t[i * 4 + 1] - t[i * 4 + 2] - t[i * 4 + 3];
     }
-    #pragma GCC unroll 16
-    for (int q = 0; q < 4; ++q) {
-      float value = y[q] + bias[k];
-      if (kSum) value += sum[q][k];
-      if (kClamp) value = clamp_value(value, clamp.lo, clamp.hi);
-      out[q][k] = value;
-    }
+    store_outputs<4, kSum, kClamp>(y, k, bias, sum, clamp, out);
   }
 }
 
@@ -78,36 +85,48 @@ BLADE_ISA_CLONES void output_transform_2(const float* m, int64_t plane, int64_t 
 // at ~15x F(2x2)'s rounding (max error ~3e-6 of the largest output on random 64-256-channel
 // layers against float64, where F(2x2) and a direct convolution are at ~2e-7).
 
+// r = B^T x for 6 values x (one column or row of a 6x6 tile),
+// B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1].
+__attribute__((always_inline)) inline void input_points_4(const float (&x)[6], float (&r)[6]) {
+  r[0] = 4.0f * x[0] - 5.0f * x[2] + x[4];
+  r[1] = -4.0f * (x[1] + x[2]) + x[3] + x[4];
+  r[2] = 4.0f * (x[1] - x[2]) - x[3] + x[4];
+  r[3] = 2.0f * (x[3] - x[1]) - x[2] + x[4];
+  r[4] = 2.0f * (x[1] - x[3]) - x[2] + x[4];
+  r[5] = 4.0f * x[1] - 5.0f * x[3] + x[5];
+}
+
+// r = A^T x for 6 values x, A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1].
+__attribute__((always_inline)) inline void output_points_4(const float (&x)[6], float (&r)[4]) {
+  const float plus12 = x[1] + x[2], minus12 = x[1] - x[2], plus34 = x[3] + x[4], minus34 = x[3] - x[4];
+  r[0] = x[0] + plus12 + plus34;
+  r[1] = minus12 + 2.0f * minus34;
+  r[2] = plus12 + 4.0f * plus34;
+  r[3] = minus12 + 8.0f * minus34 + x[5];
+}
+
 // v[e * plane + c] = (B^T d B)[e] for the 6x6 patch d whose pixel e (row-major) starts at pixel[e].
 BLADE_ISA_CLONES void input_transform_4(const float* const* pixel, int64_t channels, float* v, int64_t plane) {
-  constexpr int kPoints = 36;
 #pragma omp simd
   for (int64_t c = 0; c < channels; ++c) {
-    float d[kPoints], t[kPoints];
-    #pragma GCC unroll 36
-    for (int e = 0; e < kPoints; ++e) d[e] = pixel[e][c];
-    // B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]
+    float t[36];
     #pragma GCC unroll 6
     for (int j = 0; j < 6; ++j) {  // B^T d, column j
-      const float d0 = d[0 * 6 + j], d1 = d[1 * 6 + j], d2 = d[2 * 6 + j], d3 = d[3 * 6 + j], d4 = d[4 * 6 + j],
-                  d5 = d[5 * 6 + j];
-      t[0 * 6 + j] = 4.0f * d0 - 5.0f * d2 + d4;
-      t[1 * 6 + j] = -4.0f * (d1 + d2) + d3 + d4;
-      t[2 * 6 + j] = 4.0f * (d1 - d2) - d3 + d4;
-      t[3 * 6 + j] = 2.0f * (d3 - d1) - d2 + d4;
-      t[4 * 6 + j] = 2.0f * (d1 - d3) - d2 + d4;
-      t[5 * 6 + j] = 4.0f * d1 - 5.0f * d3 + d5;
+      float x[6], r[6];
+      #pragma GCC unroll 6
+      for (int i = 0; i < 6; ++i) x[i] = pixel[i * 6 + j][c];
+      input_points_4(x, r);
+      #pragma GCC unroll 6
+      for (int i = 0; i < 6; ++i) t[i * 6 + j] = r[i];
     }
     #pragma GCC unroll 6
     for (int i = 0; i < 6; ++i) {  // (B^T d) B, row i
-      const float t0 = t[i * 6 + 0], t1 = t[i * 6 + 1], t2 = t[i * 6 + 2], t3 = t[i * 6 + 3], t4 = t[i * 6 + 4],
-                  t5 = t[i * 6 + 5];
-      v[(i * 6 + 0) * plane + c] = 4.0f * t0 - 5.0f * t2 + t4;
-      v[(i * 6 + 1) * plane + c] = -4.0f * (t1 + t2) + t3 + t4;
-      v[(i * 6 + 2) * plane + c] = 4.0f * (t1 - t2) - t3 + t4;
-      v[(i * 6 + 3) * plane + c] = 2.0f * (t3 - t1) - t2 + t4;
-      v[(i * 6 + 4) * plane + c] = 2.0f * (t1 - t3) - t2 + t4;
-      v[(i * 6 + 5) * plane + c] = 4.0f * t1 - 5.0f * t3 + t5;
+      float x[6], r[6];
+      #pragma GCC unroll 6
+      for (int j = 0; j < 6; ++j) x[j] = t[i * 6 + j];
+      input_points_4(x, r);
+      #pragma GCC unroll 6
+      for (int j = 0; j < 6; ++j) v[(i * 6 + j) * plane + c] = r[j];
     }
   }
 }
@@ -117,41 +136,29 @@ BLADE_ISA_CLONES void input_transform_4(const float* const* pixel, int64_t chann
 template <bool kSum, bool kClamp>
 BLADE_ISA_CLONES void output_transform_4(const float* m, int64_t plane, int64_t channels, const float* bias,
                                          const float* const* sum, Clamp clamp, float* const* out) {
-  constexpr int kPoints = 36;
 #pragma omp simd
   for (int64_t k = 0; k < channels; ++k) {
-    float s[kPoints], t[24];
-    #pragma GCC unroll 36
-    for (int e = 0; e < kPoints; ++e) s[e] = m[e * plane + k];
-    // A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1]
+    float t[24];
     #pragma GCC unroll 6
-    for (int j = 0; j < 6; ++j) {  // A^T s, column j
-      const float s0 = s[0 * 6 + j], s1 = s[1 * 6 + j], s2 = s[2 * 6 + j], s3 = s[3 * 6 + j], s4 = s[4 * 6 + j],
-                  s5 = s[5 * 6 + j];
-      const float plus12 = s1 + s2, minus12 = s1 - s2, plus34 = s3 + s4, minus34 = s3 - s4;
-      t[0 * 6 + j] = s0 + plus12 + plus34;
-      t[1 * 6 + j] = minus12 + 2.0f * minus34;
-      t[2 * 6 + j] = plus12 + 4.0f * plus34;
-      t[3 * 6 + j] = minus12 + 8.0f * minus34 + s5;
+    for (int j = 0; j < 6; ++j) {  // A^T m, column j
+      float x[6], r[4];
+      #pragma GCC unroll 6
+      for (int i = 0; i < 6; ++i) x[i] = m[(i * 6 + j) * plane + k];
+      output_points_4(x, r);
+      #pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) t[i * 6 + j] = r[i];
     }
     float y[16];
     #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {  // (A^T s) A, row i
-      const float t0 = t[i * 6 + 0], t1 = t[i * 6 + 1], t2 = t[i * 6 + 2], t3 = t[i * 6 + 3], t4 = t[i * 6 + 4],
-                  t5 = t[i * 6 + 5];
-      const float plus12 = t1 + t2, minus12 = t1 - t2, plus34 = t3 + t4, minus34 = t3 - t4;
-      y[i * 4 + 0] = t0 + plus12 + plus34;
-      y[i * 4 + 1] = minus12 + 2.0f * minus34;
-      y[i * 4 + 2] = plus12 + 4.0f * plus34;
-      y[i * 4 + 3] = minus12 + 8.0f * minus34 + t5;
+    for (int i = 0; i < 4; ++i) {  // (A^T m) A, row i
+      float x[6], r[4];
+      #pragma GCC unroll 6
+      for (int j = 0; j < 6; ++j) x[j] = t[i * 6 + j];
+      output_points_4(x, r);
+      #pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) y[i * 4 + j] = r[j];
     }
-    #pragma GCC unroll 16
-    for (int q = 0; q < 16; ++q) {
-      float value = y[q] + bias[k];
-      if (kSum) value += sum[q][k];
-      if (kClamp) value = clamp_value(value, clamp.lo, clamp.hi);
-      out[q][k] = value;
-    }
+    store_outputs<16, kSum, kClamp>(y, k, bias, sum, clamp, out);
   }
 }
 
@@ -177,7 +184,7 @@ struct Transforms<4> {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// A weight of at most kBlockedWeightFloats transformed floats (64 x 64 channels: 256 KiB) is run
+// F(2x2): a weight of at most kBlockedWeightFloats transformed floats (64 x 64 channels: 256 KiB) is run
 // block of tiles by block of tiles (tile_blocks), each block's transformed inputs and outputs at
 // most kBlockFloats (512 KiB; 768 with the weight: within the L2 of every x86 core we ran on, 1 MiB
 // and up). In three passes over every tile, ResNet-18's 64-channel 3x3 at 56x56 (784 tiles) wrote and
@@ -186,15 +193,16 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // AVX-512, in the model; ONNX Runtime's direct convolution ~0.7). A larger weight is streamed once
 // per block: ResNet's 128-channel one (1 MiB transformed, 196 tiles) was 3-20% slower in blocks of
 // 16-128 tiles, so from there on the passes stay.
-constexpr int64_t kBlockedWeightFloats = 16 * 64 * 64;
+constexpr int64_t kBlockedWeightFloats = 16 * 64 * 64;  // F(2x2)'s transformed weight
 constexpr int64_t kBlockFloats = int64_t{1} << 17;
 
 // How many blocks of tiles to run (0: run in three passes): as few as hold at most kBlockFloats
 // each, at least one a thread, and a multiple of the threads where there are more (784 tiles on 2
 // threads: 14 blocks of 56, not 13 of up to 64, one of them left for one thread at the end).
-int64_t tile_blocks(int64_t points, int64_t c_in, int64_t c_out, int64_t tiles, int64_t threads) {
-  if (16 * c_in * c_out > kBlockedWeightFloats) return 0;
-  const int64_t most_tiles = std::max<int64_t>(1, kBlockFloats / (points * (c_in + c_out)));
+int64_t tile_blocks(int64_t c_in, int64_t c_out, int64_t tiles, int64_t threads) {
+  constexpr int64_t kPoints = 16;  // F(2x2)'s
+  if (kPoints * c_in * c_out > kBlockedWeightFloats) return 0;
+  const int64_t most_tiles = std::max<int64_t>(1, kBlockFloats / (kPoints * (c_in + c_out)));
   int64_t blocks = std::max(ceil_div(tiles, most_tiles), std::min(threads, tiles));
   if (blocks > threads && blocks % threads != 0) blocks = ceil_div(blocks, threads) * threads;
   return std::min(blocks, tiles);
@@ -310,7 +318,9 @@ void winograd_conv3x3_tiles(const Conv3x3Shape& shape, const float* input, const
     runtime()->sgemm(1, rows, c_out, c_in, 1.0f, v + e * rows * c_in, c_in, 0, 0,
                      transformed_weight + e * c_in * c_out, c_out, 0, 0, 0.0f, m + e * rows * c_out, c_out, 0);
   };
-  if (const int64_t blocks = tile_blocks(kPoints, c_in, c_out, tiles, threads); blocks > 0) {
+  // F(4x4) in three passes: on ResNet-18's 64-channel 56x56 ones blocks of tiles took 0.53-0.58 ms,
+  // three passes 0.48-0.55 (in the model, alternating; its transformed weight is 576 KB).
+  if (const int64_t blocks = Tile == 2 ? tile_blocks(c_in, c_out, tiles, threads) : 0; blocks > 0) {
     // Each task transforms a block of tiles, runs its GEMMs (one a point) and transforms their outputs while
     // the block's transformed values are still in the thread's L2 (the weight, at most
     // kBlockedWeightFloats, stays there across the thread's blocks).
