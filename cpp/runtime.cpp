@@ -287,14 +287,20 @@ int64_t winograd_tile(const Conv3x3Shape& shape) {
 void conv_winograd(const Conv3x3Shape& shape, const float* input, const int64_t* weight_shape, const float* weight,
                    const float* bias, const float* sum, Activation act, float* output) {
   PackedWeights* weights = current_weights;
-  const int64_t tile = winograd_tile(shape);
-  const at::Tensor u = weights->get(conv_pack_key(weight, tile == 4 ? -5 /* winograd 4x4 */ : -1 /* winograd */, weight_shape), [&] {
-    return winograd_weight(weight, shape.out_channels, shape.in_channels, tile);
-  });
-  // so its GEMMs pack it (also when another engine of the same weight transformed it)
-  if (!weights->is_constant(u.const_data_ptr())) weights->add_constant(u.const_data_ptr(), u.nbytes());
-  winograd_conv3x3(shape, tile, input, u.const_data_ptr<float>(), bias, sum, act.clamp, output, weights);
-  if (tile == 4) winograd4_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+  const auto run = [&](int64_t tile) {
+    const at::Tensor u = weights->get(conv_pack_key(weight, tile == 4 ? -5 /* winograd 4x4 */ : -1 /* winograd */,
+                                                    weight_shape),
+                                      [&] { return winograd_weight(weight, shape.out_channels, shape.in_channels, tile); });
+    // so its GEMMs pack it (also when another engine of the same weight transformed it)
+    if (!weights->is_constant(u.const_data_ptr())) weights->add_constant(u.const_data_ptr(), u.nbytes());
+    return winograd_conv3x3(shape, tile, input, u.const_data_ptr<float>(), bias, sum, act.clamp, output, weights);
+  };
+  // F(4x4) declines an input that is not all finite (winograd.h): F(2x2) then
+  if (winograd_tile(shape) == 4 && run(4)) {
+    winograd4_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    run(2);
+  }
   silu_output(output, shape.batch * shape.out_h * shape.out_w * shape.out_channels, act);
   winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
 }

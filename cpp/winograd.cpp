@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 namespace blade {
@@ -184,6 +185,14 @@ struct Transforms<4> {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Whether x[0, n) holds no infinity or NaN (x - x is 0 for every finite x, NaN otherwise).
+BLADE_ISA_CLONES bool all_finite(const float* x, int64_t n) {
+  float check = 0.0f;
+#pragma omp simd reduction(+ : check)
+  for (int64_t i = 0; i < n; ++i) check += x[i] - x[i];
+  return check == 0.0f;
+}
+
 // F(2x2): a weight of at most kBlockedWeightFloats transformed floats (64 x 64 channels: 256 KiB) is run
 // block of tiles by block of tiles (tile_blocks), each block's transformed inputs and outputs at
 // most kBlockFloats (512 KiB; 768 with the weight: within the L2 of every x86 core we ran on, 1 MiB
@@ -261,14 +270,26 @@ at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in
 namespace {
 
 template <int Tile>
-void winograd_conv3x3_tiles(const Conv3x3Shape& shape, const float* input, const float* transformed_weight,
+bool winograd_conv3x3_tiles(const Conv3x3Shape& shape, const float* input, const float* transformed_weight,
                             const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights) {
   // (Tile + 2)^2 transformed points per tile of Tile x Tile outputs
   constexpr int64_t kSide = Tile + 2, kPoints = kSide * kSide, kOutputs = Tile * Tile;
   const Conv3x3Shape& s = shape;
   const int64_t c_in = s.in_channels, c_out = s.out_channels;
   const int64_t tiles_h = ceil_div(s.out_h, Tile), tiles_w = ceil_div(s.out_w, Tile), tiles = winograd_tiles(s, Tile);
-  if (tiles == 0 || c_out == 0) return;
+  if (tiles == 0 || c_out == 0) return true;
+  if constexpr (Tile == 4) {
+    // An infinity or NaN in a 6x6 input tile reaches all 16 outputs of F(4x4)'s tile through its
+    // transforms (inf - inf), also those whose 3x3 window does not hold it and which a direct
+    // convolution computes finite; F(2x2)'s transforms keep such values within the outputs whose
+    // window holds them. So an input that is not all finite goes to F(2x2) (the caller).
+    std::atomic<bool> finite{true};
+    const int64_t count = s.batch * s.in_h * s.in_w * c_in;
+    timed_parallel_for(0, count, 1 << 16, [&](int64_t begin, int64_t end) {
+      if (!all_finite(input + begin, end - begin)) finite.store(false, std::memory_order_relaxed);
+    });
+    if (!finite.load(std::memory_order_relaxed)) return false;
+  }
   // (image, top row, left column) of a tile's output
   auto origin = [&](int64_t tile, int64_t& n, int64_t& row, int64_t& col) {
     n = tile / (tiles_h * tiles_w);
@@ -339,7 +360,7 @@ void winograd_conv3x3_tiles(const Conv3x3Shape& shape, const float* input, const
         transform_outputs(begin, end, m, rows * c_out, discard);
       }
     });
-    return;
+    return true;
   }
   // Else in three passes over all tiles, each split across the threads, through [points, tiles, c]
   // buffers.
@@ -370,17 +391,15 @@ void winograd_conv3x3_tiles(const Conv3x3Shape& shape, const float* input, const
     std::vector<float> discard(c_out);  // outputs of edge tiles that fall outside the image
     transform_outputs(begin, end, m + begin * c_out, tiles * c_out, discard.data());
   });
+  return true;
 }
 
 }  // namespace
 
-void winograd_conv3x3(const Conv3x3Shape& shape, int64_t tile, const float* input, const float* transformed_weight,
+bool winograd_conv3x3(const Conv3x3Shape& shape, int64_t tile, const float* input, const float* transformed_weight,
                       const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights) {
-  if (tile == 4) {
-    winograd_conv3x3_tiles<4>(shape, input, transformed_weight, bias, sum, clamp, output, weights);
-  } else {
-    winograd_conv3x3_tiles<2>(shape, input, transformed_weight, bias, sum, clamp, output, weights);
-  }
+  return tile == 4 ? winograd_conv3x3_tiles<4>(shape, input, transformed_weight, bias, sum, clamp, output, weights)
+                   : winograd_conv3x3_tiles<2>(shape, input, transformed_weight, bias, sum, clamp, output, weights);
 }
 
 }  // namespace blade

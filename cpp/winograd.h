@@ -32,8 +32,10 @@ at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in
 
 // output = clamp(conv3x3(input) + bias + sum) in output tiles of tile x tile pixels; input, sum and
 // output are dense NHWC, `transformed_weight` comes from winograd_weight (the same tile) and lies in
-// `weights`' constants (its GEMMs pack it there once); bias and sum may be null.
-void winograd_conv3x3(const Conv3x3Shape& shape, int64_t tile, const float* input, const float* transformed_weight,
+// `weights`' constants (its GEMMs pack it there once); bias and sum may be null. False (output
+// untouched) when tile is 4 and the input holds an infinity or NaN: F(4x4)'s transforms would spread
+// it to outputs whose window does not hold it, so the caller runs F(2x2) instead.
+bool winograd_conv3x3(const Conv3x3Shape& shape, int64_t tile, const float* input, const float* transformed_weight,
                       const float* bias, const float* sum, Clamp clamp, float* output, PackedWeights* weights);
 
 }  // namespace blade

@@ -41,11 +41,12 @@ ACTIVATIONS = {
 }
 
 
+@pytest.mark.parametrize("size", [(12, 10), (24, 20)], ids=["12x10", "24x20"])  # 24x20: Winograd's 4x4 tiles would take it
 @pytest.mark.parametrize("name", ACTIVATIONS)
-def test_activation_epilogues_match_eager_with_nan_and_inf(name):
+def test_activation_epilogues_match_eager_with_nan_and_inf(name, size):
     torch.manual_seed(0)
     model = InvertedResidual(ACTIVATIONS[name]).eval()
-    x = torch.randn(2, 16, 12, 10) * 3
+    x = torch.randn(2, 16, *size) * 3
     x[0, 3, 4, 5], x[1, 7, 0, 0], x[1, 2, 9, 9] = float("nan"), float("inf"), -float("inf")
     calls = {k: _testing.conv_kernel_calls(k) for k in KERNELS}
     with torch.no_grad():

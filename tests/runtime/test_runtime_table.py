@@ -233,6 +233,26 @@ def test_conv_winograd_threads(threads, n, c_in, c_out, h, w, tile4):
     assert_winograd_close(with_winograd, expected, taken4)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+@pytest.mark.parametrize("where", [(0, 0), (13, 17), (27, 30)])
+def test_conv_winograd4_declines_non_finite_input(bad, where):
+    """An infinity or NaN anywhere in the input: F(4x4)'s transforms would spread it over its whole
+    4x4 output tile, so the shape runs as F(2x2) for that call (bitwise F(2x2)'s result), whose
+    outputs are non-finite where a float64 direct convolution's are."""
+    torch.manual_seed(6)
+    x, weight, bias = torch.randn(1, 64, 28, 31), torch.randn(64, 64, 3, 3) / 24, torch.randn(64)
+    x[0, 5, where[0], where[1]] = bad
+    expected = torch.conv2d(x.double(), weight.double(), bias.double(), padding=1)
+    calls4, calls = _testing.conv_kernel_calls("winograd4"), _testing.conv_kernel_calls("winograd")
+    with_tile4, _ = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True)
+    assert _testing.conv_kernel_calls("winograd4") == calls4
+    assert _testing.conv_kernel_calls("winograd") == calls + 1
+    with_tile2, _ = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True, tile4=False)
+    assert torch.equal(with_tile4.isfinite(), with_tile2.isfinite())
+    torch.testing.assert_close(with_tile4, with_tile2, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(with_tile4.isfinite(), expected.isfinite())
+
+
 @pytest.mark.parametrize("threads, n, c_in, h, w, pack", [(1, 1, 64, 7, 7, True), (2, 1, 64, 7, 5, True),
                                                             (2, 1, 32, 12, 12, True), (2, 1, 64, 12, 12, False)])
 def test_conv_winograd_not_taken(threads, n, c_in, h, w, pack):
