@@ -570,7 +570,7 @@ __attribute__((always_inline)) inline void patch_block_for(BLADE_BLOCK_PARAMS) {
     const float* next = last ? after : prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
     // (Not when the residual is the output itself: the chunks' running sums would overwrite it.)
     if (depth > 2 * kDepthChunk && t.width == kPanel && !(p == panel_begin && ahead != nullptr) &&
-        (t.sum == nullptr || t.sum != t.out)) {
+        t.sum != t.out) {
       panel_in_chunks<V>(a, depth, t, end - begin, next, last ? after_depth : depth);
     } else {
       panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next,

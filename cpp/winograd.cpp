@@ -217,6 +217,22 @@ int64_t tile_blocks(int64_t c_in, int64_t c_out, int64_t tiles, int64_t threads)
   return std::min(blocks, tiles);
 }
 
+// G g G^T of F(2x2, 3x3) for the 3x3 filter g, point e at dest[e * stride].
+void weight_transform_2(const float* g, float* dest, int64_t stride) {
+  float gg[4][3];  // G g, G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1]
+  for (int j = 0; j < 3; ++j) {
+    gg[0][j] = g[0 * 3 + j];
+    gg[1][j] = 0.5f * (g[0 * 3 + j] + g[1 * 3 + j] + g[2 * 3 + j]);
+    gg[2][j] = 0.5f * (g[0 * 3 + j] - g[1 * 3 + j] + g[2 * 3 + j]);
+    gg[3][j] = g[2 * 3 + j];
+  }
+  for (int i = 0; i < 4; ++i) {  // (G g) G^T
+    const float row[4] = {gg[i][0], 0.5f * (gg[i][0] + gg[i][1] + gg[i][2]), 0.5f * (gg[i][0] - gg[i][1] + gg[i][2]),
+                          gg[i][2]};
+    for (int j = 0; j < 4; ++j) dest[(i * 4 + j) * stride] = row[j];
+  }
+}
+
 // G g G^T of F(4x4, 3x3): G = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6;
 // 1/24 -1/12 1/6; 0 0 1], in double (the transformed weight rounded once).
 void weight_transform_4(const float* g, float* dest, int64_t stride) {
@@ -243,25 +259,10 @@ at::Tensor winograd_weight(const float* weight, int64_t out_channels, int64_t in
   const int64_t points = (tile + 2) * (tile + 2);
   at::Tensor u = at::empty({points, in_channels, out_channels}, at::kFloat);
   float* dest = u.mutable_data_ptr<float>();
+  const auto transform = tile == 4 ? weight_transform_4 : weight_transform_2;
   for (int64_t k = 0; k < out_channels; ++k) {
     for (int64_t c = 0; c < in_channels; ++c) {
-      const float* g = weight + (k * in_channels + c) * 9;
-      if (tile == 4) {
-        weight_transform_4(g, dest + c * out_channels + k, in_channels * out_channels);
-        continue;
-      }
-      float gg[4][3];  // G g, G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1]
-      for (int j = 0; j < 3; ++j) {
-        gg[0][j] = g[0 * 3 + j];
-        gg[1][j] = 0.5f * (g[0 * 3 + j] + g[1 * 3 + j] + g[2 * 3 + j]);
-        gg[2][j] = 0.5f * (g[0 * 3 + j] - g[1 * 3 + j] + g[2 * 3 + j]);
-        gg[3][j] = g[2 * 3 + j];
-      }
-      for (int i = 0; i < 4; ++i) {  // (G g) G^T
-        const float row[4] = {gg[i][0], 0.5f * (gg[i][0] + gg[i][1] + gg[i][2]),
-                              0.5f * (gg[i][0] - gg[i][1] + gg[i][2]), gg[i][2]};
-        for (int j = 0; j < 4; ++j) dest[((i * 4 + j) * in_channels + c) * out_channels + k] = row[j];
-      }
+      transform(weight + (k * in_channels + c) * 9, dest + c * out_channels + k, in_channels * out_channels);
     }
   }
   return u;
