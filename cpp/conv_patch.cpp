@@ -170,6 +170,16 @@ bool few_gathered_pixels(const PatchConvShape& s, int64_t threads) {
 
 std::atomic<int64_t> l2_cache_bytes_set{-1};  // set_l2_cache_bytes's value; -1: sysconf's
 
+// Pair tiles where the block functions have them (set_patch_pair_tiles; on by default), and the
+// panels they summed so (patch_pair_tile_panels).
+std::atomic<bool> pair_tiles_on{true};
+std::atomic<int64_t> pair_tile_panels{0};
+
+// Adds a thread's count of paired panels (one atomic add per thread and convolution, not per block).
+void count_pair_tiles(int64_t panels) {
+  if (panels != 0) pair_tile_panels.fetch_add(panels, std::memory_order_relaxed);
+}
+
 }  // namespace
 
 bool set_patch_isa(const std::string& isa) {
@@ -181,6 +191,10 @@ bool set_patch_isa(const std::string& isa) {
   chosen_block_kernels.store(&level_block_kernels(isa), std::memory_order_relaxed);
   return true;
 }
+
+void set_patch_pair_tiles(bool on) { pair_tiles_on.store(on, std::memory_order_relaxed); }
+
+int64_t patch_pair_tile_panels() { return pair_tile_panels.load(std::memory_order_relaxed); }
 
 void set_l2_cache_bytes(int64_t bytes) { l2_cache_bytes_set.store(bytes, std::memory_order_relaxed); }
 
@@ -274,6 +288,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   const bool large_weight = panel_count * s.depth() * kPanel * int64_t{sizeof(float)} > (int64_t{1} << 19);
   const bool few_pixels = blocks < 2 * threads && (s.direct() || few_gathered_pixels(s, threads));
   const Successor successor = successors().follow(panels, s.depth(), panel_count, !few_pixels);
+  const bool pair_tiles = pair_tiles_on.load(std::memory_order_relaxed);
   if (few_pixels) {
     // Few pixels (MobileNetV2's 5x5 stage: 25 pixels, 5 to 40 panels): units of one panel x one
     // pixel block, panel by panel, cut into one equal run of units a thread, so each thread
@@ -292,6 +307,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
     timed_parallel_for(0, runs, 1, [&](int64_t run_begin, int64_t run_end) {
       thread_local std::vector<float> gathered;
       if (!s.direct()) gathered.resize(rows * s.depth() + kGatherSlack);
+      int64_t paired = 0;
       for (int64_t run = run_begin; run < run_end; ++run) {
         const int64_t unit_begin = units * run / runs, unit_end = units * (run + 1) / runs;
         // The panel this run's thread is likely to start the next convolution with (its run of the
@@ -305,12 +321,14 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
           const int64_t panel_end = row_blocks == 1 ? unit_end : panel + 1;
           const int64_t unit_next = row_blocks == 1 ? unit_end : unit + 1;
           const int64_t begin = rows * block / row_blocks, end = rows * (block + 1) / row_blocks;
-          block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, begin, end, panel, panel_end,
-                                      gathered.data(), staged_block(), true, unit_next == unit_end ? after : nullptr, successor.depth);
+          paired += block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, begin, end, panel,
+                                                panel_end, gathered.data(), staged_block(), true,
+                                                unit_next == unit_end ? after : nullptr, successor.depth, pair_tiles);
           if (act.silu) silu_block(s, output, begin, end, panel, panel_end);
           unit = unit_next;
         }
       }
+      count_pair_tiles(paired);
     });
     return;
   }
@@ -324,14 +342,16 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
   timed_parallel_for(0, blocks * splits, grain, [&](int64_t item_begin, int64_t item_end) {
     thread_local std::vector<float> gathered;
     if (!s.direct()) gathered.resize(block_rows * s.depth() + kGatherSlack);
+    int64_t paired = 0;
     for (int64_t item = item_begin; item < item_end; ++item) {
       const int64_t block = item / splits, split = item % splits;
       const int64_t begin = rows * block / blocks, end = rows * (block + 1) / blocks;
       const int64_t panel_begin = split * panel_count / splits, panel_end = (split + 1) * panel_count / splits;
-      block_kernel(s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end, gathered.data(),
-                   staged_block(), item == item_begin || large_weight, nullptr, 0);
+      paired += block_kernel(s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end,
+                             gathered.data(), staged_block(), item == item_begin || large_weight, nullptr, 0, pair_tiles);
       if (act.silu) silu_block(s, output, begin, end, panel_begin, panel_end);
     }
+    count_pair_tiles(paired);
   });
 }
 
@@ -340,8 +360,9 @@ void patch_conv_pixels(const PatchConvShape& s, const float* input, const float*
   TORCH_CHECK(s.direct() && s.output_channels_last, "patch_conv_pixels: a direct convolution with a channels-last output");
   if (begin >= end) return;
   const int64_t panel_count = (s.out_channels + kPanel - 1) / kPanel;
+  // (Its paired panels not counted: called for a few rows at a time, each count an atomic add.)
   block_kernels().patch_block(s, input, panels, bias, nullptr, act.clamp, output, begin, end, 0, panel_count, nullptr,
-                              nullptr, false, nullptr, 0);
+                              nullptr, false, nullptr, 0, pair_tiles_on.load(std::memory_order_relaxed));
   if (act.silu) silu_block(s, output, begin, end, 0, panel_count);
 }
 

@@ -71,6 +71,12 @@ void set_l2_cache_bytes(int64_t bytes);
 // CPU lacks the level.
 bool set_patch_isa(const std::string& isa);
 
+// Tests and A/B measurements: the AVX-512 block functions' pair tiles (two weight panels summed
+// together, conv_patch_kernels.h kPairTiles) on (default) or off, and how many panels patch_conv
+// has summed so in this process. Bitwise the same sums either way.
+void set_patch_pair_tiles(bool on);
+int64_t patch_pair_tile_panels();
+
 // weight [out, in, kh, kw] -> panels [ceil(out / 32)][kh * kw * in][32], zero-padded.
 at::Tensor patch_conv_weight(const float* weight, const PatchConvShape& shape);
 

@@ -41,12 +41,13 @@ constexpr int64_t kGatherSlack = 16;
 #define BLADE_BLOCK_PARAMS                                                                                        \
   const PatchConvShape &s, const float *input, const float *panels, const float *bias, const float *sum,          \
       Clamp clamp, float *output, int64_t begin, int64_t end, int64_t panel_begin, int64_t panel_end,             \
-      float *gathered, float *staged, bool prefetch, const float *after, int64_t after_depth
+      float *gathered, float *staged, bool prefetch, const float *after, int64_t after_depth, bool pair_tiles
 #define BLADE_BLOCK_ARGS                                                                                     \
   s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end, gathered, staged, prefetch, \
-      after, after_depth
+      after, after_depth, pair_tiles
 
-using BlockKernel = void (*)(BLADE_BLOCK_PARAMS);
+// Returns the panels it summed two at a time (pair tiles, where the ISA and pair_tiles allow).
+using BlockKernel = int64_t (*)(BLADE_BLOCK_PARAMS);
 
 struct BlockKernels {
   BlockKernel patch_block;  // output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered

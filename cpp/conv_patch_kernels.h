@@ -37,6 +37,18 @@ using conv_patch_blocks::kTileRows;
 template <typename V>
 constexpr int64_t kTileChannels = 2 * kLanes<V>;
 
+// Pair tiles, AVX-512 only: 6 pixels x 64 channels, two adjacent whole panels summed together
+// (24 accumulators of 32 registers; panel_pair_step). A step over the depth then takes 4 weight
+// loads and 6 broadcasts for 24 multiply-adds, where two 6 x 2 tiles take 4 and 12 (and twice the
+// loop's own instructions): the broadcasts and loop overhead left the 6 x 2 loop at ~75% of the
+// multiply-add ports' peak on an AVX-512 Xeon. The second panel's row is lda * kPanel floats after
+// the first's: lda is the depth wherever patch_block_for runs pair tiles. (AVX2's 16 registers
+// hold no 24 accumulators.)
+template <typename V>
+constexpr bool kPairTiles = kLanes<V> == 16;
+template <typename V, int Vectors>
+constexpr bool kPairTile = kPairTiles<V> && Vectors == 4;
+
 // The last panel's channels past the output's are not read or written: its last vector (past a
 // half vector, finish_tile) goes through the short array y (an array, not a vector argument: this function is not cloned per
 // ISA, and vector arguments pass differently with and without AVX-512).
@@ -78,7 +90,20 @@ __attribute__((always_inline)) inline void multiply_add(V (&acc)[Rows][Vectors],
   // memory (5x slower), and `unroll 4` on the 2-vector loops made the 6x2 tiles 1.4-2x slower
   // at batch 8 (same trip count: g++'s code differs anyway), so each count has its own pragma.
   V weight[Vectors];
-  if constexpr (Vectors > 2) {
+  if constexpr (kPairTile<V, Vectors>) {
+    // Vectors 2 and 3 from the next panel's row (kPairTiles).
+    const float* partner = w + lda * kPanel;
+    weight[0] = load<V>(w);
+    weight[1] = load<V>(w + kLanes<V>);
+    weight[2] = load<V>(partner);
+    weight[3] = load<V>(partner + kLanes<V>);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const V x = a[r * lda] - V{};  // broadcast (x - 0 is x, -0 included)
+#pragma GCC unroll 4
+      for (int v = 0; v < Vectors; ++v) acc[r][v] += x * weight[v];
+    }
+  } else if constexpr (Vectors > 2) {
 #pragma GCC unroll 4
     for (int v = 0; v < Vectors; ++v) weight[v] = load<V>(w + kLanes<V> * v);
 #pragma GCC unroll 8
@@ -158,13 +183,15 @@ __attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], 
 // A tile of Rows pixels x `width` (<= kLanes<V> * Vectors) output channels: the sums over the depth in
 // registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
 // lda (ldc) floats apart. With Prefetch, the first of every `every` steps over the depth also
-// prefetches a row of kPanel floats, consecutive rows from `next` on (see panel_rows). With
+// prefetches a row of kPanel floats, consecutive rows from `next` on (see panel_rows), and a pair
+// tile the row `partner` floats after each of them too (the next pair's second panel; 0: none). With
 // Continue the sums start from what `out` holds (an earlier chunk's, panel_in_chunks: whole vectors,
 // width is kLanes<V> * Vectors), else from zero.
 template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue = false>
 __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                 const float* bias, const float* sum, Clamp clamp, float* out,
-                                                int64_t ldc, int64_t width, const float* next, int64_t every) {
+                                                int64_t ldc, int64_t width, const float* next, int64_t every,
+                                                int64_t partner) {
   V acc[Rows][Vectors];
   if constexpr (Continue) {
 #pragma GCC unroll 8
@@ -180,6 +207,12 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
     for (int64_t k0 = 0; k0 < depth; k0 += every, next += kPanel) {
       __builtin_prefetch(next);
       __builtin_prefetch(next + 16);
+      if constexpr (kPairTile<V, Vectors>) {
+        if (partner != 0) {
+          __builtin_prefetch(next + partner);
+          __builtin_prefetch(next + partner + 16);
+        }
+      }
       const int64_t k_end = std::min(depth, k0 + every);
       for (int64_t k = k0; k < k_end; ++k) multiply_add(acc, a + k, lda, panel + k * kPanel);
     }
@@ -194,24 +227,30 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
 // g++ kept one accumulator of the 6 x 1 tile on the stack, a store and a reload per step on its
 // accumulation chain (and the loop bound too); out of line its few registers are its own: that
 // 1x1 convolution at 80x80 took 85 -> 50 us (one core), 373 -> 254 us at batch 8 on 2 threads.
-// The two-vector tiles' loops stayed clean inlined. (BLADE_PATCH_TARGET: an out-of-line function
-// does not take its caller's target, so it names the unit's.)
+// The two-vector tiles' loops stayed clean inlined. Pair tiles too run out of line: inlined, g++
+// kept an accumulator and the rows' offsets on the stack (a store and reloads every step), and the
+// 512 -> 128 1x1 at 28x28 ran at 91 GFLOP/s instead of 138 (one core). (BLADE_PATCH_TARGET: an
+// out-of-line function does not take its caller's target, so it names the unit's.)
 template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue>
 BLADE_PATCH_TARGET __attribute__((noinline)) void tile_out_of_line(const float* a, int64_t lda, const float* panel,
                                                                    int64_t depth, const float* bias, const float* sum,
                                                                    Clamp clamp, float* out, int64_t ldc, int64_t width,
-                                                                   const float* next, int64_t every) {
-  tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+                                                                   const float* next, int64_t every, int64_t partner) {
+  tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every,
+                                             partner);
 }
 
 template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue>
 __attribute__((always_inline)) inline void placed_tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                        const float* bias, const float* sum, Clamp clamp, float* out,
-                                                       int64_t ldc, int64_t width, const float* next, int64_t every) {
-  if constexpr (Vectors == 1) {
-    tile_out_of_line<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+                                                       int64_t ldc, int64_t width, const float* next, int64_t every,
+                                                       int64_t partner) {
+  if constexpr (Vectors == 1 || kPairTile<V, Vectors>) {
+    tile_out_of_line<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next,
+                                                           every, partner);
   } else {
-    tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+    tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every,
+                                               partner);
   }
 }
 
@@ -219,11 +258,12 @@ template <typename V, int Rows, int Vectors, bool Continue>
 __attribute__((always_inline)) inline void tile_prefetching(const float* a, int64_t lda, const float* panel,
                                                             int64_t depth, const float* bias, const float* sum,
                                                             Clamp clamp, float* out, int64_t ldc, int64_t width,
-                                                            const float* next, int64_t every) {
+                                                            const float* next, int64_t every, int64_t partner) {
   if (next != nullptr) {
-    placed_tile<V, Rows, Vectors, true, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+    placed_tile<V, Rows, Vectors, true, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every,
+                                                  partner);
   } else {
-    placed_tile<V, Rows, Vectors, false, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr, 1);
+    placed_tile<V, Rows, Vectors, false, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr, 1, 0);
   }
 }
 
@@ -232,15 +272,16 @@ template <typename V, int Vectors, int MaxRows, bool Continue>
 __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const float* a, int64_t lda, const float* panel,
                                                         int64_t depth, const float* bias, const float* sum, Clamp clamp,
                                                         float* out, int64_t ldc, int64_t width, const float* next,
-                                                        int64_t every) {
+                                                        int64_t every, int64_t partner) {
   if constexpr (MaxRows > 1) {
     if (rows < MaxRows) {
       tile_of_rows<V, Vectors, MaxRows - 1, Continue>(rows, a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next,
-                                            every);
+                                                      every, partner);
       return;
     }
   }
-  tile_prefetching<V, MaxRows, Vectors, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
+  tile_prefetching<V, MaxRows, Vectors, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every,
+                                                  partner);
 }
 
 // `rows` pixels of one panel in as few tiles of at most MaxRows as it takes, of even sizes (25
@@ -254,13 +295,14 @@ __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const floa
 // that tile waited on its own loads behind the prefetches. With `ahead` (a 1x1's next block of
 // input rows, input_ahead), tile 0 prefetches the whole next panel and tiles 1 and 2 the ahead
 // block's first 2 * depth * kPanel floats, the rows of 64 pixels, a row a step (a block has at
-// most kBlockRows = 48).
+// most kBlockRows = 48). Pair tiles prefetch the rows `partner` floats after those of the next
+// panel too (not after the ahead block's).
 template <typename V, int Vectors, int MaxRows = kTileRows, bool Continue = false>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,
                                                       int64_t ldc, int64_t width, int64_t rows, const float* next,
-                                                      int64_t next_depth, const float* ahead, int64_t slice,
-                                                      int64_t slices) {
+                                                      int64_t next_depth, int64_t partner, const float* ahead,
+                                                      int64_t slice, int64_t slices) {
   const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
   // Rows of the next panel (next_depth of them) a tile prefetches, one at the first of every
   // `every` steps.
@@ -276,8 +318,9 @@ __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t ld
                                                                         : nullptr)
                              : next != nullptr && first_row < next_depth ? next + first_row * kPanel
                                                                     : nullptr;
-    tile_of_rows<V, Vectors, MaxRows, Continue>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp, out + r * ldc,
-                                      ldc, width, tile_next, every);
+    const int64_t tile_partner = ahead != nullptr && t > 0 ? 0 : partner;
+    tile_of_rows<V, Vectors, MaxRows, Continue>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp,
+                                                out + r * ldc, ldc, width, tile_next, every, tile_partner);
     r = end;
   }
 }
@@ -338,12 +381,14 @@ __attribute__((always_inline)) inline void image_panel_rows(const ImageRows& src
 __attribute__((always_inline)) inline const float* shifted(const float* p, int64_t by) { return p != nullptr ? p + by : nullptr; }
 
 // `rows` pixels of one panel's `width` channels, as tiles of kTileChannels<V> channels (a whole
-// panel with AVX-512, its two halves with AVX2), all of them sharing the prefetch of `next`.
+// panel with AVX-512, its two halves with AVX2), all of them sharing the prefetch of `next`; or of
+// a pair of whole panels (width 2 * kPanel, kPairTiles), as pair tiles.
 template <typename V, bool Continue = false>
 __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                         const float* bias, const float* sum, Clamp clamp, float* out,
                                                         int64_t ldc, int64_t width, int64_t rows, const float* next,
-                                                        int64_t next_depth, const float* ahead = nullptr) {
+                                                        int64_t next_depth, int64_t partner,
+                                                        const float* ahead = nullptr) {
   if constexpr (kLanes<V> == 8) {
     // 17-24 channels with AVX2 (MobileNetV2's projections to 24) as one tile of three vectors x 4
     // pixels (12 accumulators, 3 weights, 1 broadcast: 7 loads for 12 FMAs, each pixel's input read
@@ -352,7 +397,15 @@ __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t 
     // and 3083 -> 2464 us at batch 8. (32 as four vectors x 3 pixels was 15-25% slower than two
     // 16-wide tiles.)
     if (width > 2 * kLanes<V> && width <= 3 * kLanes<V>) {
-      panel_rows<V, 3, 4, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, next_depth, ahead, 0, 1);
+      panel_rows<V, 3, 4, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, next_depth, 0,
+                                    ahead, 0, 1);
+      return;
+    }
+  }
+  if constexpr (kPairTiles<V>) {
+    if (width == 2 * kPanel) {
+      panel_rows<V, 4, kTileRows, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next,
+                                            next_depth, partner, ahead, 0, 1);
       return;
     }
   }
@@ -361,10 +414,10 @@ __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t 
     const int64_t w = std::min(kTileChannels<V>, width - j);
     if (w > kLanes<V>) {
       panel_rows<V, 2, kTileRows, Continue>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
-                       next, next_depth, ahead, slice, slices);
+                       next, next_depth, 0, ahead, slice, slices);
     } else {
       panel_rows<V, 1, kTileRows, Continue>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
-                       next, next_depth, ahead, slice, slices);
+                       next, next_depth, 0, ahead, slice, slices);
     }
   }
 }
@@ -522,38 +575,43 @@ __attribute__((always_inline)) inline bool input_ahead(const PatchConvShape& s) 
   return s.batch * s.in_h * s.in_w * s.in_channels * int64_t{sizeof(float)} > kAheadInputBytes;
 }
 
-// A whole panel (kPanel channels) of `rows` pixels summed over the depth in chunks of kDepthChunk
-// rows: each tile sums one chunk, its running sums kept in the output (or the NCHW staging block)
+// A whole panel (kPanel channels), or a pair of them, of `rows` pixels summed over the depth in
+// chunks of kDepthChunk rows (a pair's: 24 KB of weight, which a 48 KB L1 holds with the rows; on
+// an AVX-512 Xeon chunks of 48 rows were 2-8% slower): each
+// tile sums one chunk, its running sums kept in the output (or the NCHW staging block)
 // between chunks and reloaded for the next (bitwise the sums of one pass); bias, residual and clamp
 // come with the last chunk. A chunk of the panel and of the rows stays in L1 across all of the
 // block's tiles, where in one pass every tile streamed the whole panel from L2 and the first tile
 // of a weight that comes from memory waited on it. Each chunk prefetches the next one (the last
-// chunk `next`, next_depth rows: what panel_slices would prefetch over the panel).
+// chunk `next`, next_depth rows, and `partner`: what panel_slices would prefetch over the panel).
 template <typename V>
 __attribute__((always_inline)) inline void panel_in_chunks(const float* a, int64_t depth, const PanelTarget& t,
-                                                           int64_t rows, const float* next, int64_t next_depth) {
+                                                           int64_t rows, const float* next, int64_t next_depth,
+                                                           int64_t partner) {
   for (int64_t k0 = 0; k0 < depth; k0 += kDepthChunk) {
     const int64_t chunk = std::min(kDepthChunk, depth - k0), rest = depth - k0 - chunk;
     const bool last = rest == 0;
     const float* chunk_next = last ? next : t.panel + (k0 + chunk) * kPanel;
     const int64_t chunk_next_depth = std::min(kDepthChunk, last ? next_depth : rest);
+    const int64_t chunk_partner = last ? partner : depth * kPanel;
     const float* bias = last ? t.bias : nullptr;
     const float* sum = last ? t.sum : nullptr;
     const Clamp clamp = last ? t.clamp : Clamp{};
     if (k0 == 0) {
       panel_slices<V, false>(a, depth, t.panel, chunk, bias, sum, clamp, t.out, t.ldc, t.width, rows, chunk_next,
-                             chunk_next_depth);
+                             chunk_next_depth, chunk_partner);
     } else {
       panel_slices<V, true>(a + k0, depth, t.panel + k0 * kPanel, chunk, bias, sum, clamp, t.out, t.ldc, t.width,
-                            rows, chunk_next, chunk_next_depth);
+                            rows, chunk_next, chunk_next_depth, chunk_partner);
     }
   }
 }
 
 // Output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered (or a 1x1's input
-// read in place).
+// read in place); with pair_tiles (and kPairTiles) two whole panels at a time into a channels-last
+// output. Returns the panels summed in pairs.
 template <typename V>
-__attribute__((always_inline)) inline void patch_block_for(BLADE_BLOCK_PARAMS) {
+__attribute__((always_inline)) inline int64_t patch_block_for(BLADE_BLOCK_PARAMS) {
   const int64_t depth = s.depth(), channels = s.out_channels;
   const float* a = input + begin * depth;
   if (!s.direct()) {
@@ -562,22 +620,32 @@ __attribute__((always_inline)) inline void patch_block_for(BLADE_BLOCK_PARAMS) {
   }
   const float* ahead = nullptr;
   if (s.direct() && input_ahead(s) && end < s.batch * s.out_h * s.out_w) ahead = input + end * depth;
-  for (int64_t p = panel_begin; p < panel_end; ++p) {
-    const PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
+  int64_t paired = 0;
+  for (int64_t p = panel_begin, step = 1; p < panel_end; p += step) {
+    PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
+    // (A channels-last output only: an NCHW one is staged a panel at a time.)
+    const bool pair = kPairTiles<V> && pair_tiles && s.output_channels_last && p + 1 < panel_end &&
+                      (p + 2) * kPanel <= channels;
+    step = pair ? 2 : 1;
+    if (pair) t.width = 2 * kPanel;
+    paired += pair ? 2 : 0;
     // The next panel even past this item's (its neighbour's, or this thread's next item's), or
-    // after the last one `after` (after_depth rows) when the caller knows what this thread does next.
-    const bool last = p + 1 == panel_end && after != nullptr;
-    const float* next = last ? after : prefetch && (p + 1) * kPanel < channels ? t.panel + depth * kPanel : nullptr;
+    // after the last one `after` (after_depth rows) when the caller knows what this thread does next;
+    // a pair tile prefetches the panel after that one too, `partner` floats on.
+    const bool last = p + step == panel_end && after != nullptr;
+    const float* next = last ? after : prefetch && (p + step) * kPanel < channels ? t.panel + step * depth * kPanel : nullptr;
+    const int64_t next_depth = last ? after_depth : depth, partner = next_depth * kPanel;
     // (Not when the residual is the output itself: the chunks' running sums would overwrite it.)
-    if (depth > 2 * kDepthChunk && t.width == kPanel && !(p == panel_begin && ahead != nullptr) &&
+    if (depth > 2 * kDepthChunk && (t.width == kPanel || pair) && !(p == panel_begin && ahead != nullptr) &&
         t.sum != t.out) {
-      panel_in_chunks<V>(a, depth, t, end - begin, next, last ? after_depth : depth);
+      panel_in_chunks<V>(a, depth, t, end - begin, next, next_depth, partner);
     } else {
       panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next,
-                      last ? after_depth : depth, p == panel_begin ? ahead : nullptr);
+                      next_depth, partner, p == panel_begin ? ahead : nullptr);
     }
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
+  return paired;
 }
 
 // A run of a block's pixels [begin, end) whose rows are read one way: from the image or gathered.
@@ -645,7 +713,7 @@ inline ImageRows image_rows(const PatchConvShape& s, const float* input, int64_t
 // pixel cost MobileNetV2's stem (3 channels, runs of 9 floats) as much as its multiply-adds.
 // (No prefetch: a first convolution's weight is a few KB.)
 template <typename V>
-__attribute__((always_inline)) inline void image_block_for(BLADE_BLOCK_PARAMS) {
+__attribute__((always_inline)) inline int64_t image_block_for(BLADE_BLOCK_PARAMS) {
   const int64_t depth = s.depth();
   Segment segments[kBlockRows];
   const int count = image_segments(s, begin, end, segments);
@@ -669,11 +737,12 @@ __attribute__((always_inline)) inline void image_block_for(BLADE_BLOCK_PARAMS) {
         image_panel_slices<V>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
       } else {
         const float* a = gathered + offset * depth;
-        panel_slices<V>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr, 0);
+        panel_slices<V>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr, 0, 0);
       }
     }
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
+  return 0;  // (no pair tiles: a first convolution's output has few channels)
 }
 
 }  // namespace

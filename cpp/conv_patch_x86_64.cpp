@@ -5,8 +5,8 @@
 namespace blade::conv_patch_blocks {
 namespace {
 
-void patch_block(BLADE_BLOCK_PARAMS) { patch_block_for<float_vectors::Floats8>(BLADE_BLOCK_ARGS); }
-void image_block(BLADE_BLOCK_PARAMS) { image_block_for<float_vectors::Floats8>(BLADE_BLOCK_ARGS); }
+int64_t patch_block(BLADE_BLOCK_PARAMS) { return patch_block_for<float_vectors::Floats8>(BLADE_BLOCK_ARGS); }
+int64_t image_block(BLADE_BLOCK_PARAMS) { return image_block_for<float_vectors::Floats8>(BLADE_BLOCK_ARGS); }
 
 }  // namespace
 

@@ -6,11 +6,11 @@ namespace blade::conv_patch_blocks {
 #if BLADE_CONV_PATCH_ISA_VERSIONS
 namespace {
 
-BLADE_PATCH_TARGET void patch_block(BLADE_BLOCK_PARAMS) {
-  patch_block_for<float_vectors::Floats8>(BLADE_BLOCK_ARGS);
+BLADE_PATCH_TARGET int64_t patch_block(BLADE_BLOCK_PARAMS) {
+  return patch_block_for<float_vectors::Floats8>(BLADE_BLOCK_ARGS);
 }
-BLADE_PATCH_TARGET void image_block(BLADE_BLOCK_PARAMS) {
-  image_block_for<float_vectors::Floats8>(BLADE_BLOCK_ARGS);
+BLADE_PATCH_TARGET int64_t image_block(BLADE_BLOCK_PARAMS) {
+  return image_block_for<float_vectors::Floats8>(BLADE_BLOCK_ARGS);
 }
 
 }  // namespace

@@ -228,6 +228,11 @@ void bind_testing(pybind11::module_& m) {
         "Runs the patch kernel's block functions of ISA level isa ('x86-64', 'x86-64-v3', 'x86-64-v4'; '': this CPU's "
         "best); False when this CPU lacks it.",
         py::arg("isa"));
+  m.def("set_patch_pair_tiles", &set_patch_pair_tiles,
+        "Lets the patch kernel's AVX-512 block functions sum two weight panels at a time (default) or not.",
+        py::arg("on"));
+  m.def("patch_pair_tile_panels", &patch_pair_tile_panels,
+        "How many weight panels the patch kernel has summed two at a time in this process.");
   m.def("set_gemm_column_split_rows", &set_gemm_column_split_rows,
         "GEMMs with at most max_rows rows run in column blocks across threads (0: never, -1: the default).",
         py::arg("max_rows"));
