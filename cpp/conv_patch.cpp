@@ -188,6 +188,9 @@ bool set_patch_isa(const std::string& isa) {
     return true;
   }
   if (isa != "x86-64" && !isa_supported(isa)) return false;
+#if !BLADE_CONV_PATCH_ISA_VERSIONS
+  if (isa != "x86-64") return false;  // (one version only, the baseline's)
+#endif
   chosen_block_kernels.store(&level_block_kernels(isa), std::memory_order_relaxed);
   return true;
 }

@@ -6,8 +6,9 @@
 // values, channels innermost); a 1x1 stride-1 unpadded convolution on a channels-last input reads
 // its rows straight from the input, any other gathers a block of rows (padding as zeros) into a
 // small per-thread buffer first. The weight is packed once per engine into panels of 32 output
-// channels ([K][32], zero-padded), each tile of 6 pixels x 32 channels summed in registers over K
-// and then finished in registers: + bias, + residual, then the clamp (the unfused engine's
+// channels ([K][32], zero-padded), each tile of 6 pixels x 32 channels (16 with AVX2; with
+// AVX-512 into a channels-last output 64, two adjacent panels) summed in registers over K and then
+// finished in registers: + bias, + residual, then the clamp (the unfused engine's
 // order), and stored once. Against an MKL/oneDNN GEMM followed by an epilogue pass (conv_gemm.h)
 // this saves the second pass over the output, which on MobileNet-sized 1x1 convolutions
 // (few channels, many pixels) cost as much as the GEMM; against oneDNN's convolution for the
@@ -68,7 +69,7 @@ void set_l2_cache_bytes(int64_t bytes);
 
 // Tests: run the block functions of ISA level `isa` ("x86-64", "x86-64-v3", "x86-64-v4"; "" this
 // CPU's best again) so each version is checked on one machine. False (nothing changed) when this
-// CPU lacks the level.
+// CPU lacks the level, or the build has only the baseline's (not g++ on x86-64).
 bool set_patch_isa(const std::string& isa);
 
 // Tests and A/B measurements: the AVX-512 block functions' pair tiles (two weight panels summed

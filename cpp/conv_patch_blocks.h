@@ -24,10 +24,12 @@ namespace blade::conv_patch_blocks {
 
 constexpr int64_t kPanel = 32;      // output channels per weight panel: two vectors
 constexpr int64_t kTileRows = 6;    // pixels per register tile: 12 accumulators, 2 weights, 1 broadcast
+                                    // (a pair tile, conv_patch_kernels.h kPairTiles: 24 and 4)
 constexpr int64_t kBlockRows = 48;  // pixels per work item (gathered together), a multiple of kTileRows
 // Rows of a panel summed per pass over a block's tiles where the depth is more than two of them
 // (conv_patch_kernels.h, panel_in_chunks): a chunk of the panel (12 KB) and of a block's rows (up
-// to 18 KB) stay in a 32 KB L1 across the block's tiles. Against one pass over the whole depth, in
+// to 18 KB) stay in a 32 KB L1 across the block's tiles (a pair tile's chunk, 24 KB, with the rows in
+// a 48 KB one: not measured where L1 is 32 KB). Against one pass over the whole depth, in
 // ResNet-18 (AVX-512 Xeon, 2 threads, in the model, alternating): the 512-channel 3x3 at 7x7 (depth
 // 4608, the weight from memory) 1.41-1.46 -> 1.09-1.14 ms, the 3x3 stride-2 ones 0.51-0.60 ->
 // 0.48-0.53 (chunks of 128; 128 and 192 did about as well as 96 on the deep ones); the model 15.37

@@ -38,12 +38,11 @@ template <typename V>
 constexpr int64_t kTileChannels = 2 * kLanes<V>;
 
 // Pair tiles, AVX-512 only: 6 pixels x 64 channels, two adjacent whole panels summed together
-// (24 accumulators of 32 registers; panel_pair_step). A step over the depth then takes 4 weight
-// loads and 6 broadcasts for 24 multiply-adds, where two 6 x 2 tiles take 4 and 12 (and twice the
-// loop's own instructions): the broadcasts and loop overhead left the 6 x 2 loop at ~75% of the
-// multiply-add ports' peak on an AVX-512 Xeon. The second panel's row is lda * kPanel floats after
-// the first's: lda is the depth wherever patch_block_for runs pair tiles. (AVX2's 16 registers
-// hold no 24 accumulators.)
+// (24 accumulators of 32 registers; patch_block_for pairs them, into a channels-last output). A
+// step over the depth then takes 4 weight loads and 6 broadcasts for 24 multiply-adds, where two
+// 6 x 2 tiles take 4 and 12 (and twice the loop's own instructions): the broadcasts and loop
+// overhead left the 6 x 2 loop at ~75% of the multiply-add ports' peak on an AVX-512 Xeon. The second panel's row is depth * kPanel floats
+// after the first's (multiply_add's next_panel). (AVX2's 16 registers hold no 24 accumulators.)
 template <typename V>
 constexpr bool kPairTiles = kLanes<V> == 16;
 template <typename V, int Vectors>
@@ -82,17 +81,18 @@ __attribute__((always_inline)) inline void zero_tile(V (&acc)[Rows][Vectors]) {
   }
 }
 
-// One step over the depth: acc[r] += a[r * lda] * the panel row `w` (kPanel floats).
+// One step over the depth: acc[r] += a[r * lda] * the panel row `w` (kPanel floats; a pair tile's
+// vectors 2 and 3 from the next panel's row, next_panel floats on: kPairTiles).
 template <typename V, int Rows, int Vectors>
 __attribute__((always_inline)) inline void multiply_add(V (&acc)[Rows][Vectors], const float* a, int64_t lda,
-                                                        const float* w) {
+                                                        const float* w, int64_t next_panel) {
   // The vector loops unrolled fully: a 3-vector loop under `unroll 2` kept the accumulators in
   // memory (5x slower), and `unroll 4` on the 2-vector loops made the 6x2 tiles 1.4-2x slower
   // at batch 8 (same trip count: g++'s code differs anyway), so each count has its own pragma.
   V weight[Vectors];
   if constexpr (kPairTile<V, Vectors>) {
     // Vectors 2 and 3 from the next panel's row (kPairTiles).
-    const float* partner = w + lda * kPanel;
+    const float* partner = w + next_panel;
     weight[0] = load<V>(w);
     weight[1] = load<V>(w + kLanes<V>);
     weight[2] = load<V>(partner);
@@ -182,9 +182,10 @@ __attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], 
 
 // A tile of Rows pixels x `width` (<= kLanes<V> * Vectors) output channels: the sums over the depth in
 // registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
-// lda (ldc) floats apart. With Prefetch, the first of every `every` steps over the depth also
-// prefetches a row of kPanel floats, consecutive rows from `next` on (see panel_rows), and a pair
-// tile the row `partner` floats after each of them too (the next pair's second panel; 0: none). With
+// lda (ldc) floats apart; lda is the depth (a pair tile's second panel lda * kPanel floats on).
+// With Prefetch, the first of every `every` steps over the depth also prefetches a row of kPanel
+// floats, consecutive rows from `next` on (see panel_rows), and a pair tile the row `partner`
+// floats after each of them too (the next pair's second panel; 0: none). With
 // Continue the sums start from what `out` holds (an earlier chunk's, panel_in_chunks: whole vectors,
 // width is kLanes<V> * Vectors), else from zero.
 template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue = false>
@@ -196,6 +197,8 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
   if constexpr (Continue) {
 #pragma GCC unroll 8
     for (int r = 0; r < Rows; ++r) {
+      // (`unroll 2` for pair tiles too: with `unroll 4` their chunked 1x1 convolutions ran 5-9%
+      // slower, one core.)
 #pragma GCC unroll 2
       for (int v = 0; v < Vectors; ++v) acc[r][v] = load<V>(out + r * ldc + kLanes<V> * v);
     }
@@ -214,10 +217,10 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
         }
       }
       const int64_t k_end = std::min(depth, k0 + every);
-      for (int64_t k = k0; k < k_end; ++k) multiply_add(acc, a + k, lda, panel + k * kPanel);
+      for (int64_t k = k0; k < k_end; ++k) multiply_add(acc, a + k, lda, panel + k * kPanel, lda * kPanel);
     }
   } else {
-    for (int64_t k = 0; k < depth; ++k) multiply_add(acc, a + k, lda, panel + k * kPanel);
+    for (int64_t k = 0; k < depth; ++k) multiply_add(acc, a + k, lda, panel + k * kPanel, lda * kPanel);
   }
   finish_tile<V, Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
 }
@@ -284,8 +287,9 @@ __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const floa
                                                   partner);
 }
 
-// `rows` pixels of one panel in as few tiles of at most MaxRows as it takes, of even sizes (25
-// pixels: five of 5, not four of 6 and one of 1 that streams the whole panel again for one pixel).
+// `rows` pixels of one panel (or a pair's two) in as few tiles of at most MaxRows as it takes, of
+// even sizes (25 pixels: five of 5, not four of 6 and one of 1 that streams the whole panel again
+// for one pixel).
 // The tiles prefetch the next panel (null: none) while they reuse this one from the cache: a
 // panel of a large weight (MobileNetV2's 320 -> 1280 at 5x5: 1.6 MB, cold in the model) otherwise
 // arrives at the memory's pace during its first tile, and that conv took twice its cache-hot time.
@@ -349,7 +353,7 @@ __attribute__((always_inline)) inline void image_tile(const ImageRows& src, cons
   for (int64_t i = 0; i < src.kernel_rows; ++i) {
     const float* a = src.a + i * src.row_step;
     const float* p = panel + i * run * kPanel;
-    for (int64_t k = 0; k < run; ++k) multiply_add(acc, a + k, lda, p + k * kPanel);
+    for (int64_t k = 0; k < run; ++k) multiply_add(acc, a + k, lda, p + k * kPanel, 0);  // (no pair tiles)
   }
   finish_tile<V, Rows, Vectors>(acc, bias, sum, clamp, out, ldc, width);
 }
@@ -607,6 +611,20 @@ __attribute__((always_inline)) inline void panel_in_chunks(const float* a, int64
   }
 }
 
+// How many panels from p on a block function sums in one pass, 2 (pair tiles; t widened to both)
+// where kPairTiles and pair_tiles allow and panels p and p + 1 are whole and in the block's range,
+// into a channels-last output (an NCHW one is staged a panel at a time); else 1.
+template <typename V>
+__attribute__((always_inline)) inline int64_t panel_step(const PatchConvShape& s, int64_t p, int64_t panel_end,
+                                                         bool pair_tiles, PanelTarget& t) {
+  if (!(kPairTiles<V> && pair_tiles && s.output_channels_last && p + 1 < panel_end &&
+        (p + 2) * kPanel <= s.out_channels)) {
+    return 1;
+  }
+  t.width = 2 * kPanel;
+  return 2;
+}
+
 // Output pixels [begin, end) x panels [panel_begin, panel_end), rows gathered (or a 1x1's input
 // read in place); with pair_tiles (and kPairTiles) two whole panels at a time into a channels-last
 // output. Returns the panels summed in pairs.
@@ -623,12 +641,9 @@ __attribute__((always_inline)) inline int64_t patch_block_for(BLADE_BLOCK_PARAMS
   int64_t paired = 0;
   for (int64_t p = panel_begin, step = 1; p < panel_end; p += step) {
     PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
-    // (A channels-last output only: an NCHW one is staged a panel at a time.)
-    const bool pair = kPairTiles<V> && pair_tiles && s.output_channels_last && p + 1 < panel_end &&
-                      (p + 2) * kPanel <= channels;
-    step = pair ? 2 : 1;
-    if (pair) t.width = 2 * kPanel;
-    paired += pair ? 2 : 0;
+    step = panel_step<V>(s, p, panel_end, pair_tiles, t);
+    const bool pair = step > 1;
+    paired += pair ? step : 0;
     // The next panel even past this item's (its neighbour's, or this thread's next item's), or
     // after the last one `after` (after_depth rows) when the caller knows what this thread does next;
     // a pair tile prefetches the panel after that one too, `partner` floats on.
@@ -742,7 +757,9 @@ __attribute__((always_inline)) inline int64_t image_block_for(BLADE_BLOCK_PARAMS
     }
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
-  return 0;  // (no pair tiles: a first convolution's output has few channels)
+  // No pair tiles: on image rows they were slower (ResNet's 7x7 stride-2 stem, 3 -> 64 channels at
+  // 224x224, one core: 130 -> 118 GFLOP/s; its short runs of 21 floats a kernel row).
+  return 0;
 }
 
 }  // namespace

@@ -630,7 +630,7 @@ def test_conv_patch_each_isa(isa, case, output_channels_last):
 # same with pair tiles on and off, and against float64. Cases where a block's panels pair and where
 # a single panel is left over (odd or partial panels), one pass and chunks over the depth, direct
 # and gathered rows, the few-pixels runs (a run starting at an odd panel), the rows-ahead first
-# panel, and an NCHW output (no pairs).
+# panel; image rows and an NCHW output (no pairs).
 PAIR_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-last
     ((1, 64, 14, 14), 128, 1, 1, [0, 0, 0, 0], True),       # 2 pairs a block, one pass
     ((1, 48, 12, 12), 96, 1, 1, [0, 0, 0, 0], True),        # a pair and a single panel
@@ -640,35 +640,38 @@ PAIR_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-la
     ((1, 40, 10, 10), 96, 3, 1, [1, 1, 1, 1], True),        # gathered 3x3: depth 360 in chunks (not Winograd: 40 in)
     ((1, 320, 5, 5), 1280, 1, 1, [0, 0, 0, 0], True),       # 25 pixels, 40 panels, a 1.6 MB weight
     ((4, 400, 28, 28), 128, 1, 1, [0, 0, 0, 0], True),      # a 5 MB input: the first pair in one pass, rows ahead
-    ((1, 3, 20, 20), 64, 3, 2, [1, 1, 1, 1], False),        # an NCHW image gathered (no pairs on image rows)
+    ((1, 3, 20, 20), 64, 3, 2, [1, 1, 1, 1], False),        # an NCHW image read as image rows: no pairs
 ]
 
 
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
-def test_conv_patch_pair_tiles(case, threads, output_channels_last):
+@pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
+def test_conv_patch_pair_tiles(case, threads, output_channels_last, activation):
     x_shape, c_out, k, stride, pads, input_channels_last = case
+    if not _testing.set_patch_isa("x86-64-v4"):  # (the AVX-512 version is the one with pair tiles)
+        pytest.skip("this CPU (or this build) has no AVX-512 version of the patch kernel")
 
     def run(pairs):
         torch.manual_seed(11)
         _testing.set_patch_pair_tiles(pairs)
         try:
             return check_patch_conv(x_shape, c_out, (k, k), (stride, stride), pads, (1, 1), input_channels_last,
-                                    output_channels_last, threads, activation=3)
+                                    output_channels_last, threads, activation)
         finally:
             _testing.set_patch_pair_tiles(True)
 
-    before = _testing.patch_pair_tile_panels()
-    with_pairs = run(True)
-    paired = _testing.patch_pair_tile_panels() - before
-    assert torch.equal(with_pairs, run(False))
-    assert _testing.patch_pair_tile_panels() == before + paired  # off: none
-    image = not input_channels_last and k > 1
-    if "avx512f" in open("/proc/cpuinfo").read() and output_channels_last and not image:
-        assert paired > 0
-    else:
-        assert paired == 0
+    try:
+        before = _testing.patch_pair_tile_panels()
+        with_pairs = run(True)
+        paired = _testing.patch_pair_tile_panels() - before
+        assert torch.equal(with_pairs, run(False))
+        assert _testing.patch_pair_tile_panels() == before + paired  # off: none
+    finally:
+        _testing.set_patch_isa("")
+    image_rows = x_shape[1] <= 4 and k > 1  # PatchConvShape::image_rows: a first convolution's image
+    assert (paired > 0) == (output_channels_last and not image_rows)
 
 
 def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last,
