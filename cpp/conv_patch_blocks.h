@@ -24,7 +24,7 @@ namespace blade::conv_patch_blocks {
 
 constexpr int64_t kPanel = 32;      // output channels per weight panel: two vectors
 constexpr int64_t kTileRows = 6;    // pixels per register tile: 12 accumulators, 2 weights, 1 broadcast
-                                    // (a pair tile, conv_patch_kernels.h kPairTiles: 24 and 4)
+                                    // (a pair tile, conv_patch_kernels.h kPairTiles: 5 pixels, 20 and 4)
 constexpr int64_t kBlockRows = 48;  // pixels per work item (gathered together), a multiple of kTileRows
 // Rows of a panel summed per pass over a block's tiles where the depth is more than two of them
 // (conv_patch_kernels.h, panel_in_chunks): a chunk of the panel (12 KB) and of a block's rows (up

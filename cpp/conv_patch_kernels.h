@@ -37,16 +37,28 @@ using conv_patch_blocks::kTileRows;
 template <typename V>
 constexpr int64_t kTileChannels = 2 * kLanes<V>;
 
-// Pair tiles, AVX-512 only: 6 pixels x 64 channels, two adjacent whole panels summed together
-// (24 accumulators of 32 registers; patch_block_for pairs them, into a channels-last output). A
-// step over the depth then takes 4 weight loads and 6 broadcasts for 24 multiply-adds, where two
-// 6 x 2 tiles take 4 and 12 (and twice the loop's own instructions): the broadcasts and loop
-// overhead left the 6 x 2 loop at ~75% of the multiply-add ports' peak on an AVX-512 Xeon. The second panel's row is depth * kPanel floats
-// after the first's (multiply_add's next_panel). (AVX2's 16 registers hold no 24 accumulators.)
+// Pair tiles, AVX-512 only: up to kPairTileRows pixels x 64 channels, two adjacent whole panels
+// summed together (patch_block_for pairs them, into a channels-last output). A step over the depth
+// then takes 4 weight loads and 5 broadcasts for 20 multiply-adds, where 6 x 2 tiles take 2 and 6
+// for 12 (and their loop's own instructions): the broadcasts and loop overhead left the 6 x 2 loop
+// at ~75% of the multiply-add ports' peak on an AVX-512 Xeon (1x1 convolutions of ResNet-50's
+// shapes, one core: ~125-140 GFLOP/s, ~135-155 in pair tiles). The second panel's row is
+// depth * kPanel floats after the first's (multiply_add's next_panel). (AVX2's 16 registers hold
+// no 20 accumulators.)
 template <typename V>
 constexpr bool kPairTiles = kLanes<V> == 16;
 template <typename V, int Vectors>
 constexpr bool kPairTile = kPairTiles<V> && Vectors == 4;
+// 5, not kTileRows: 6 x 4 tiles (24 accumulators) left g++ too few registers in the prefetching
+// tile (it parked integers in vector registers and kept a weight vector on the stack) and were
+// 3-7% slower.
+constexpr int kPairTileRows = 5;
+// Pair tiles for blocks of at least this many pixels. Fewer read each weight row for too few pixels:
+// the convolution waits on its weight's stream (MobileNetV2 b1's 1x1s at 5x5, 25 pixels, cold
+// weights: 0.106 -> 0.118 ms with pairs, 320 -> 1280; the 10x10 stage's blocks of 25 no better),
+// and a pair's two streams arrive slower than one (where cache-hot, the same convolutions ran 3-8%
+// faster in pairs).
+constexpr int64_t kPairMinRows = 32;
 
 // The last panel's channels past the output's are not read or written: its last vector (past a
 // half vector, finish_tile) goes through the short array y (an array, not a vector argument: this function is not cloned per
@@ -184,15 +196,16 @@ __attribute__((always_inline)) inline void finish_tile(V (&acc)[Rows][Vectors], 
 // registers, then bias, residual and clamp, stored once. Rows of `a` (and of sum and out) are
 // lda (ldc) floats apart; lda is the depth (a pair tile's second panel lda * kPanel floats on).
 // With Prefetch, the first of every `every` steps over the depth also prefetches a row of kPanel
-// floats, consecutive rows from `next` on (see panel_rows), and a pair tile the row `partner`
-// floats after each of them too (the next pair's second panel; 0: none). With
+// floats, consecutive rows from `next` on (see panel_rows), and a pair tile the row lda * kPanel
+// floats after each of them too: the next pair's second panel where `next` is the next pair's
+// first in this convolution (the next convolution's panels, or input rows ahead, elsewhere: lines
+// of little use, but no register of its own for a distance that holds everywhere). With
 // Continue the sums start from what `out` holds (an earlier chunk's, panel_in_chunks: whole vectors,
 // width is kLanes<V> * Vectors), else from zero.
 template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue = false>
 __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                 const float* bias, const float* sum, Clamp clamp, float* out,
-                                                int64_t ldc, int64_t width, const float* next, int64_t every,
-                                                int64_t partner) {
+                                                int64_t ldc, int64_t width, const float* next, int64_t every) {
   V acc[Rows][Vectors];
   if constexpr (Continue) {
 #pragma GCC unroll 8
@@ -211,10 +224,8 @@ __attribute__((always_inline)) inline void tile(const float* a, int64_t lda, con
       __builtin_prefetch(next);
       __builtin_prefetch(next + 16);
       if constexpr (kPairTile<V, Vectors>) {
-        if (partner != 0) {
-          __builtin_prefetch(next + partner);
-          __builtin_prefetch(next + partner + 16);
-        }
+        __builtin_prefetch(next + lda * kPanel);
+        __builtin_prefetch(next + lda * kPanel + 16);
       }
       const int64_t k_end = std::min(depth, k0 + every);
       for (int64_t k = k0; k < k_end; ++k) multiply_add(acc, a + k, lda, panel + k * kPanel, lda * kPanel);
@@ -238,22 +249,19 @@ template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue>
 BLADE_PATCH_TARGET __attribute__((noinline)) void tile_out_of_line(const float* a, int64_t lda, const float* panel,
                                                                    int64_t depth, const float* bias, const float* sum,
                                                                    Clamp clamp, float* out, int64_t ldc, int64_t width,
-                                                                   const float* next, int64_t every, int64_t partner) {
-  tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every,
-                                             partner);
+                                                                   const float* next, int64_t every) {
+  tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
 }
 
 template <typename V, int Rows, int Vectors, bool Prefetch, bool Continue>
 __attribute__((always_inline)) inline void placed_tile(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                        const float* bias, const float* sum, Clamp clamp, float* out,
-                                                       int64_t ldc, int64_t width, const float* next, int64_t every,
-                                                       int64_t partner) {
+                                                       int64_t ldc, int64_t width, const float* next, int64_t every) {
   if constexpr (Vectors == 1 || kPairTile<V, Vectors>) {
     tile_out_of_line<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next,
-                                                           every, partner);
+                                                           every);
   } else {
-    tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every,
-                                               partner);
+    tile<V, Rows, Vectors, Prefetch, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
   }
 }
 
@@ -261,12 +269,11 @@ template <typename V, int Rows, int Vectors, bool Continue>
 __attribute__((always_inline)) inline void tile_prefetching(const float* a, int64_t lda, const float* panel,
                                                             int64_t depth, const float* bias, const float* sum,
                                                             Clamp clamp, float* out, int64_t ldc, int64_t width,
-                                                            const float* next, int64_t every, int64_t partner) {
+                                                            const float* next, int64_t every) {
   if (next != nullptr) {
-    placed_tile<V, Rows, Vectors, true, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every,
-                                                  partner);
+    placed_tile<V, Rows, Vectors, true, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
   } else {
-    placed_tile<V, Rows, Vectors, false, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr, 1, 0);
+    placed_tile<V, Rows, Vectors, false, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, nullptr, 1);
   }
 }
 
@@ -275,16 +282,15 @@ template <typename V, int Vectors, int MaxRows, bool Continue>
 __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const float* a, int64_t lda, const float* panel,
                                                         int64_t depth, const float* bias, const float* sum, Clamp clamp,
                                                         float* out, int64_t ldc, int64_t width, const float* next,
-                                                        int64_t every, int64_t partner) {
+                                                        int64_t every) {
   if constexpr (MaxRows > 1) {
     if (rows < MaxRows) {
       tile_of_rows<V, Vectors, MaxRows - 1, Continue>(rows, a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next,
-                                                      every, partner);
+                                                      every);
       return;
     }
   }
-  tile_prefetching<V, MaxRows, Vectors, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every,
-                                                  partner);
+  tile_prefetching<V, MaxRows, Vectors, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, next, every);
 }
 
 // `rows` pixels of one panel (or a pair's two) in as few tiles of at most MaxRows as it takes, of
@@ -299,14 +305,13 @@ __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const floa
 // that tile waited on its own loads behind the prefetches. With `ahead` (a 1x1's next block of
 // input rows, input_ahead), tile 0 prefetches the whole next panel and tiles 1 and 2 the ahead
 // block's first 2 * depth * kPanel floats, the rows of 64 pixels, a row a step (a block has at
-// most kBlockRows = 48). Pair tiles prefetch the rows `partner` floats after those of the next
-// panel too (not after the ahead block's).
+// most kBlockRows = 48). Pair tiles prefetch the next pair's second panel with them (tile).
 template <typename V, int Vectors, int MaxRows = kTileRows, bool Continue = false>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,
                                                       int64_t ldc, int64_t width, int64_t rows, const float* next,
-                                                      int64_t next_depth, int64_t partner, const float* ahead,
-                                                      int64_t slice, int64_t slices) {
+                                                      int64_t next_depth, const float* ahead, int64_t slice,
+                                                      int64_t slices) {
   const int64_t tiles = (rows + MaxRows - 1) / MaxRows;
   // Rows of the next panel (next_depth of them) a tile prefetches, one at the first of every
   // `every` steps.
@@ -322,9 +327,8 @@ __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t ld
                                                                         : nullptr)
                              : next != nullptr && first_row < next_depth ? next + first_row * kPanel
                                                                     : nullptr;
-    const int64_t tile_partner = ahead != nullptr && t > 0 ? 0 : partner;
     tile_of_rows<V, Vectors, MaxRows, Continue>(end - r, a + r * lda, lda, panel, depth, bias, tile_sum, clamp,
-                                                out + r * ldc, ldc, width, tile_next, every, tile_partner);
+                                                out + r * ldc, ldc, width, tile_next, every);
     r = end;
   }
 }
@@ -391,8 +395,7 @@ template <typename V, bool Continue = false>
 __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                         const float* bias, const float* sum, Clamp clamp, float* out,
                                                         int64_t ldc, int64_t width, int64_t rows, const float* next,
-                                                        int64_t next_depth, int64_t partner,
-                                                        const float* ahead = nullptr) {
+                                                        int64_t next_depth, const float* ahead = nullptr) {
   if constexpr (kLanes<V> == 8) {
     // 17-24 channels with AVX2 (MobileNetV2's projections to 24) as one tile of three vectors x 4
     // pixels (12 accumulators, 3 weights, 1 broadcast: 7 loads for 12 FMAs, each pixel's input read
@@ -401,15 +404,14 @@ __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t 
     // and 3083 -> 2464 us at batch 8. (32 as four vectors x 3 pixels was 15-25% slower than two
     // 16-wide tiles.)
     if (width > 2 * kLanes<V> && width <= 3 * kLanes<V>) {
-      panel_rows<V, 3, 4, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, next_depth, 0,
-                                    ahead, 0, 1);
+      panel_rows<V, 3, 4, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next, next_depth, ahead, 0, 1);
       return;
     }
   }
   if constexpr (kPairTiles<V>) {
     if (width == 2 * kPanel) {
-      panel_rows<V, 4, kTileRows, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next,
-                                            next_depth, partner, ahead, 0, 1);
+      panel_rows<V, 4, kPairTileRows, Continue>(a, lda, panel, depth, bias, sum, clamp, out, ldc, width, rows, next,
+                                            next_depth, ahead, 0, 1);
       return;
     }
   }
@@ -418,10 +420,10 @@ __attribute__((always_inline)) inline void panel_slices(const float* a, int64_t 
     const int64_t w = std::min(kTileChannels<V>, width - j);
     if (w > kLanes<V>) {
       panel_rows<V, 2, kTileRows, Continue>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
-                       next, next_depth, 0, ahead, slice, slices);
+                       next, next_depth, ahead, slice, slices);
     } else {
       panel_rows<V, 1, kTileRows, Continue>(a, lda, panel + j, depth, shifted(bias, j), shifted(sum, j), clamp, out + j, ldc, w, rows,
-                       next, next_depth, 0, ahead, slice, slices);
+                       next, next_depth, ahead, slice, slices);
     }
   }
 }
@@ -581,43 +583,41 @@ __attribute__((always_inline)) inline bool input_ahead(const PatchConvShape& s) 
 
 // A whole panel (kPanel channels), or a pair of them, of `rows` pixels summed over the depth in
 // chunks of kDepthChunk rows (a pair's: 24 KB of weight, which a 48 KB L1 holds with the rows; on
-// an AVX-512 Xeon chunks of 48 rows were 2-8% slower): each
-// tile sums one chunk, its running sums kept in the output (or the NCHW staging block)
-// between chunks and reloaded for the next (bitwise the sums of one pass); bias, residual and clamp
-// come with the last chunk. A chunk of the panel and of the rows stays in L1 across all of the
+// an AVX-512 Xeon chunks of 48 rows were 2-8% slower): each tile sums one chunk, its running sums
+// kept in the output (or the NCHW staging block) between chunks and reloaded for the next (bitwise
+// the sums of one pass); bias, residual and clamp come with the last chunk. A chunk of the panel and of the rows stays in L1 across all of the
 // block's tiles, where in one pass every tile streamed the whole panel from L2 and the first tile
 // of a weight that comes from memory waited on it. Each chunk prefetches the next one (the last
-// chunk `next`, next_depth rows, and `partner`: what panel_slices would prefetch over the panel).
+// chunk `next`, next_depth rows: what panel_slices would prefetch over the panel).
 template <typename V>
 __attribute__((always_inline)) inline void panel_in_chunks(const float* a, int64_t depth, const PanelTarget& t,
-                                                           int64_t rows, const float* next, int64_t next_depth,
-                                                           int64_t partner) {
+                                                           int64_t rows, const float* next, int64_t next_depth) {
   for (int64_t k0 = 0; k0 < depth; k0 += kDepthChunk) {
     const int64_t chunk = std::min(kDepthChunk, depth - k0), rest = depth - k0 - chunk;
     const bool last = rest == 0;
     const float* chunk_next = last ? next : t.panel + (k0 + chunk) * kPanel;
     const int64_t chunk_next_depth = std::min(kDepthChunk, last ? next_depth : rest);
-    const int64_t chunk_partner = last ? partner : depth * kPanel;
     const float* bias = last ? t.bias : nullptr;
     const float* sum = last ? t.sum : nullptr;
     const Clamp clamp = last ? t.clamp : Clamp{};
     if (k0 == 0) {
       panel_slices<V, false>(a, depth, t.panel, chunk, bias, sum, clamp, t.out, t.ldc, t.width, rows, chunk_next,
-                             chunk_next_depth, chunk_partner);
+                             chunk_next_depth);
     } else {
       panel_slices<V, true>(a + k0, depth, t.panel + k0 * kPanel, chunk, bias, sum, clamp, t.out, t.ldc, t.width,
-                            rows, chunk_next, chunk_next_depth, chunk_partner);
+                            rows, chunk_next, chunk_next_depth);
     }
   }
 }
 
 // How many panels from p on a block function sums in one pass, 2 (pair tiles; t widened to both)
-// where kPairTiles and pair_tiles allow and panels p and p + 1 are whole and in the block's range,
-// into a channels-last output (an NCHW one is staged a panel at a time); else 1.
+// where kPairTiles and pair_tiles allow, the block has kPairMinRows pixels and panels p and p + 1
+// are whole and in its range, into a channels-last output (an NCHW one is staged a panel at a
+// time); else 1.
 template <typename V>
-__attribute__((always_inline)) inline int64_t panel_step(const PatchConvShape& s, int64_t p, int64_t panel_end,
-                                                         bool pair_tiles, PanelTarget& t) {
-  if (!(kPairTiles<V> && pair_tiles && s.output_channels_last && p + 1 < panel_end &&
+__attribute__((always_inline)) inline int64_t panel_step(const PatchConvShape& s, int64_t rows, int64_t p,
+                                                         int64_t panel_end, bool pair_tiles, PanelTarget& t) {
+  if (!(kPairTiles<V> && pair_tiles && s.output_channels_last && rows >= kPairMinRows && p + 1 < panel_end &&
         (p + 2) * kPanel <= s.out_channels)) {
     return 1;
   }
@@ -641,22 +641,22 @@ __attribute__((always_inline)) inline int64_t patch_block_for(BLADE_BLOCK_PARAMS
   int64_t paired = 0;
   for (int64_t p = panel_begin, step = 1; p < panel_end; p += step) {
     PanelTarget t = panel_target(s, panels, bias, sum, clamp, output, staged, begin, p);
-    step = panel_step<V>(s, p, panel_end, pair_tiles, t);
+    step = panel_step<V>(s, end - begin, p, panel_end, pair_tiles, t);
     const bool pair = step > 1;
     paired += pair ? step : 0;
     // The next panel even past this item's (its neighbour's, or this thread's next item's), or
     // after the last one `after` (after_depth rows) when the caller knows what this thread does next;
-    // a pair tile prefetches the panel after that one too, `partner` floats on.
+    // a pair tile prefetches the panel after that one too (tile).
     const bool last = p + step == panel_end && after != nullptr;
     const float* next = last ? after : prefetch && (p + step) * kPanel < channels ? t.panel + step * depth * kPanel : nullptr;
-    const int64_t next_depth = last ? after_depth : depth, partner = next_depth * kPanel;
+    const int64_t next_depth = last ? after_depth : depth;
     // (Not when the residual is the output itself: the chunks' running sums would overwrite it.)
     if (depth > 2 * kDepthChunk && (t.width == kPanel || pair) && !(p == panel_begin && ahead != nullptr) &&
         t.sum != t.out) {
-      panel_in_chunks<V>(a, depth, t, end - begin, next, next_depth, partner);
+      panel_in_chunks<V>(a, depth, t, end - begin, next, next_depth);
     } else {
       panel_slices<V>(a, depth, t.panel, depth, t.bias, t.sum, t.clamp, t.out, t.ldc, t.width, end - begin, next,
-                      next_depth, partner, p == panel_begin ? ahead : nullptr);
+                      next_depth, p == panel_begin ? ahead : nullptr);
     }
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);
   }
@@ -752,7 +752,7 @@ __attribute__((always_inline)) inline int64_t image_block_for(BLADE_BLOCK_PARAMS
         image_panel_slices<V>(src, panel, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows);
       } else {
         const float* a = gathered + offset * depth;
-        panel_slices<V>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr, 0, 0);
+        panel_slices<V>(a, depth, t.panel, depth, t.bias, segment_sum, t.clamp, out, t.ldc, t.width, rows, nullptr, 0);
       }
     }
     if (!s.output_channels_last) scatter_panel(s, staged, sum, clamp, output, begin, end, p, t.width);

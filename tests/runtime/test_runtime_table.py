@@ -625,22 +625,24 @@ def test_conv_patch_each_isa(isa, case, output_channels_last):
         assert not torch.equal(out, run())
 
 
-# Pair tiles (AVX-512 only: two adjacent whole panels, 64 channels, summed in one tile): each output
-# sums the same products in the same order as two single tiles do, so the result is bitwise the
-# same with pair tiles on and off, and against float64. Cases where a block's panels pair and where
-# a single panel is left over (odd or partial panels), one pass and chunks over the depth, direct
-# and gathered rows, the few-pixels runs (a run starting at an odd panel), the rows-ahead first
-# panel; image rows and an NCHW output (no pairs).
-PAIR_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-last
-    ((1, 64, 14, 14), 128, 1, 1, [0, 0, 0, 0], True),       # 2 pairs a block, one pass
-    ((1, 48, 12, 12), 96, 1, 1, [0, 0, 0, 0], True),        # a pair and a single panel
-    ((1, 40, 12, 12), 70, 1, 1, [0, 0, 0, 0], True),        # a pair and a 6-wide last panel
-    ((1, 256, 10, 10), 160, 1, 1, [0, 0, 0, 0], True),      # chunks of 96 over depth 256, 5 panels
-    ((1, 512, 7, 7), 192, 1, 2, [0, 0, 0, 0], True),        # gathered, stride 2, few pixels: runs of 3 panels
-    ((1, 40, 10, 10), 96, 3, 1, [1, 1, 1, 1], True),        # gathered 3x3: depth 360 in chunks (not Winograd: 40 in)
-    ((1, 320, 5, 5), 1280, 1, 1, [0, 0, 0, 0], True),       # 25 pixels, 40 panels, a 1.6 MB weight
-    ((4, 400, 28, 28), 128, 1, 1, [0, 0, 0, 0], True),      # a 5 MB input: the first pair in one pass, rows ahead
-    ((1, 3, 20, 20), 64, 3, 2, [1, 1, 1, 1], False),        # an NCHW image read as image rows: no pairs
+# Pair tiles (AVX-512 only: two adjacent whole panels, 64 channels, summed in one tile, for blocks
+# of at least 32 pixels): each output sums the same products in the same order as two single
+# tiles do, so the result is bitwise the same with pair tiles on and off, and against float64.
+# Cases where a block's panels pair and where a single panel is left over (odd or partial panels),
+# one pass and chunks over the depth, direct and gathered rows, the few-pixels runs, the
+# rows-ahead first panel; blocks too small, image rows and an NCHW output (no pairs).
+PAIR_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-last, pairs on (1, 2 threads)
+    ((1, 64, 14, 14), 128, 1, 1, [0, 0, 0, 0], True, (True, True)),      # 2 pairs a block, one pass
+    ((1, 48, 12, 12), 96, 1, 1, [0, 0, 0, 0], True, (True, True)),       # a pair and a single panel
+    ((1, 40, 12, 12), 70, 1, 1, [0, 0, 0, 0], True, (True, True)),       # a pair and a 6-wide last panel
+    ((1, 256, 14, 14), 160, 1, 1, [0, 0, 0, 0], True, (True, True)),     # chunks of 96 over depth 256, 5 panels
+    ((1, 40, 14, 14), 96, 3, 1, [1, 1, 1, 1], True, (True, True)),       # gathered 3x3: depth 360 in chunks (not Winograd: 40 in)
+    ((4, 400, 28, 28), 128, 1, 1, [0, 0, 0, 0], True, (True, True)),     # a 5 MB input: the first pair in one pass, rows ahead
+    ((1, 512, 14, 14), 192, 1, 2, [0, 0, 0, 0], True, (False, True)),    # 49 gathered pixels: 2 threads' runs of 3 panels
+                                                                          # over one block; 1 thread: blocks of 25
+    ((1, 256, 10, 10), 160, 1, 1, [0, 0, 0, 0], True, (True, False)),    # 100 pixels: 3 blocks on 1 thread, 4 of 25 on 2
+    ((1, 320, 5, 5), 1280, 1, 1, [0, 0, 0, 0], True, (False, False)),    # 25 pixels: too few
+    ((1, 3, 20, 20), 64, 3, 2, [1, 1, 1, 1], False, (False, False)),     # an NCHW image read as image rows
 ]
 
 
@@ -649,7 +651,7 @@ PAIR_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-la
 @pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
 @pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
 def test_conv_patch_pair_tiles(case, threads, output_channels_last, activation):
-    x_shape, c_out, k, stride, pads, input_channels_last = case
+    x_shape, c_out, k, stride, pads, input_channels_last, pairs_on = case
     if not _testing.set_patch_isa("x86-64-v4"):  # (the AVX-512 version is the one with pair tiles)
         pytest.skip("this CPU (or this build) has no AVX-512 version of the patch kernel")
 
@@ -670,8 +672,7 @@ def test_conv_patch_pair_tiles(case, threads, output_channels_last, activation):
         assert _testing.patch_pair_tile_panels() == before + paired  # off: none
     finally:
         _testing.set_patch_isa("")
-    image_rows = x_shape[1] <= 4 and k > 1  # PatchConvShape::image_rows: a first convolution's image
-    assert (paired > 0) == (output_channels_last and not image_rows)
+    assert (paired > 0) == (output_channels_last and pairs_on[threads - 1])
 
 
 def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_channels_last, output_channels_last,
