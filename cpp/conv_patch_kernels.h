@@ -305,7 +305,9 @@ __attribute__((always_inline)) inline void tile_of_rows(int64_t rows, const floa
 // that tile waited on its own loads behind the prefetches. With `ahead` (a 1x1's next block of
 // input rows, input_ahead), tile 0 prefetches the whole next panel and tiles 1 and 2 the ahead
 // block's first 2 * depth * kPanel floats, the rows of 64 pixels, a row a step (a block has at
-// most kBlockRows = 48). Pair tiles prefetch the next pair's second panel with them (tile).
+// most kBlockRows = 48). Pair tiles prefetch the next pair's second panel with them (tile), and
+// where the rows come from `ahead` also the rows 32 pixels on (a pointer of their own would cost
+// the tile a register; those lines are partly the same, partly the block after).
 template <typename V, int Vectors, int MaxRows = kTileRows, bool Continue = false>
 __attribute__((always_inline)) inline void panel_rows(const float* a, int64_t lda, const float* panel, int64_t depth,
                                                       const float* bias, const float* sum, Clamp clamp, float* out,

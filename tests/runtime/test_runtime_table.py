@@ -639,7 +639,7 @@ PAIR_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-la
     ((1, 40, 14, 14), 96, 3, 1, [1, 1, 1, 1], True, (True, True)),       # gathered 3x3: depth 360 in chunks (not Winograd: 40 in)
     ((4, 400, 28, 28), 128, 1, 1, [0, 0, 0, 0], True, (True, True)),     # a 5 MB input: the first pair in one pass, rows ahead
     ((1, 512, 14, 14), 192, 1, 2, [0, 0, 0, 0], True, (False, True)),    # 49 gathered pixels: 2 threads' runs of 3 panels
-                                                                          # over one block; 1 thread: blocks of 25
+                                                                          # over one block; 1 thread: blocks of 24, 25
     ((1, 256, 10, 10), 160, 1, 1, [0, 0, 0, 0], True, (True, False)),    # 100 pixels: 3 blocks on 1 thread, 4 of 25 on 2
     ((1, 320, 5, 5), 1280, 1, 1, [0, 0, 0, 0], True, (False, False)),    # 25 pixels: too few
     ((1, 3, 20, 20), 64, 3, 2, [1, 1, 1, 1], False, (False, False)),     # an NCHW image read as image rows
