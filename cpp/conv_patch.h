@@ -8,8 +8,8 @@
 // small per-thread buffer first. The weight is packed once per engine into panels of 32 output
 // channels ([K][32], zero-padded), each tile of 6 pixels x 32 channels (16 with AVX2; with
 // AVX-512, into a channels-last output and in blocks of 32 pixels or more, 5 pixels x 64: two
-// adjacent panels) summed in registers over K and then finished in registers: + bias, + residual, then the clamp (the unfused engine's
-// order), and stored once. Against an MKL/oneDNN GEMM followed by an epilogue pass (conv_gemm.h)
+// adjacent panels) summed in registers over K and then finished in registers: + bias,
+// + residual, then the clamp (the unfused engine's order), and stored once. Against an MKL/oneDNN GEMM followed by an epilogue pass (conv_gemm.h)
 // this saves the second pass over the output, which on MobileNet-sized 1x1 convolutions
 // (few channels, many pixels) cost as much as the GEMM; against oneDNN's convolution for the
 // stem (3 input channels, TF padding) it saves oneDNN's padded copy, fresh output and copy back.
