@@ -149,6 +149,7 @@ class Values:
             axes = [first]
         else:
             view, shape = None, src.shape
+            axes = self._in_memory_order(src, axes)
         loop_vars = {a: Var.loop(self.names.fresh("r"), shape[a]) for a in axes}
         chain = [scope]                        # chain[j + 1] is the body of the loop over axes[j]
         for a in axes:
@@ -179,6 +180,21 @@ class Values:
                                                      body, pragma)
         scope.lines[:] = body + after
         return acc
+
+    def _in_memory_order(self, src: Node, axes: list) -> list:
+        """The reduced axes as src's memory nests them (largest stride outermost), so the innermost
+        loop reads along memory: in logical order a group norm over a channels-last convolution's
+        [C / G, H, W] read W innermost, one float every C (PoolFormer-S12). Unchanged when src's
+        strides are unknown or not all static."""
+        strides = views.read_strides(src, self._stored_strides)
+        if strides is None or len(axes) < 2 or not all(isinstance(strides[a], int) for a in axes):
+            return axes
+        return sorted(axes, key=lambda a: -strides[a])
+
+    def _stored_strides(self, node: Node):
+        """The strides node is stored with; None when it is computed where it is read."""
+        stored = self.memory.strided_of(node)
+        return stored.layout.strides if stored is not None else None
 
     def _in_chunks(self, node: Node, axes, rule, ctype) -> bool:
         """Whether a float sum, max or min over one long static axis runs as CHUNKS interleaved

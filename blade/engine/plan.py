@@ -209,6 +209,8 @@ def make_plan(graph: Graph) -> Plan:
             order = _permuted_matmul_output(node, users.get(node, []))
             if order is None and node in channels_last:
                 order = channels_last_order(node.rank)
+            if order is None:
+                order = result.orders.get(node)   # _channels_last's read order of a reshape's source
             if order is not None:
                 result.orders[node] = order
     # the stored projections whose heads a fused attention reads in place (_matmul_epilogue)
@@ -284,7 +286,7 @@ def _materialized(graph: Graph, live: list, read_in_place: set) -> dict:
                     copied.add(arg)
                 if node.attrs["view"] == "reshape" and not views.only_unit_dims_change(arg.shape, node.shape) \
                         and not (node in copied and views.splits_dims(arg.shape, node.shape)):
-                    must_store.setdefault(arg, "feeds a reshape strides cannot express")
+                    must_store.setdefault(arg, RESHAPE_SOURCE)
             else:
                 reads[arg] += reads_per_element(node)
             if node.op in DENSE_OPERANDS:
@@ -313,6 +315,10 @@ def _materialized(graph: Graph, live: list, read_in_place: set) -> dict:
         if node.op in COMPUTED and node not in chosen:
             chosen[node] = why if node is viewed else f"viewed by {viewed!r}, which is {why}"
     return chosen
+
+
+# Why a node that a reshape (of non-unit dims) reads is stored: _read_order lays such a node out.
+RESHAPE_SOURCE = "feeds a reshape strides cannot express"
 
 
 def _copied_gemm_operand(node: Node, arg: Node) -> bool:
@@ -349,21 +355,26 @@ def _channels_last(p: Plan) -> set:
     between them (activations, residual sums, padded inputs and window reductions of pooling).
     oneDNN then reads and writes without reordering (measured 7-30% faster per ResNet-18
     convolution than NCHW with a copy), and the loops between convolutions run over channels
-    innermost instead of transposing. Graph outputs stay dense NCHW."""
+    innermost instead of transposing. Graph outputs stay dense NCHW. On the way it sets the order
+    of each stored source of a reshape (_read_order), which the nodes after it read through."""
     chosen = set()
     for node in p.live:
         if node in p.outputs or node not in p.materialized or node.rank < 4:
             continue
         if node.rank == 4 and node.op == "conv" and (_feeds_conv(node, p.users) or
                                                     _computed_from(p, node, chosen, ("ew", "view")) or
-                                                    _reads_channels_innermost(node, node.args[:1], chosen)):
+                                                    _reads_channels_innermost(p, node, node.args[:1], chosen)):
             chosen.add(node)
         elif node.rank == 4 and node.op in ("ew", "pad") and (_computed_from(p, node, chosen, ("ew",)) or
-                                                             _reads_channels_innermost(node, node.args, chosen)):
+                                                             _reads_channels_innermost(p, node, node.args, chosen)):
             chosen.add(node)
         elif (node.op == "reduce" and 1 not in node.attrs["axes"] and node in p.window_form
               and _computed_from(p, node, chosen, ("ew", "view"))):
             chosen.add(node)
+        elif p.materialized[node] == RESHAPE_SOURCE:
+            order = _read_order(p, node, chosen)   # decided here: the nodes after read it so
+            if order is not None:
+                p.orders[node] = order
     return chosen
 
 
@@ -390,7 +401,7 @@ def _inline_pooling_pads(p: Plan, channels_last: set) -> None:
             del p.materialized[node]
 
 
-def _reads_channels_innermost(node: Node, args, chosen: set) -> bool:
+def _reads_channels_innermost(p: Plan, node: Node, args, chosen: set) -> bool:
     """Whether node's full-size arguments reach memory with channels (dim 1) innermost, through
     views of channels-last or row-major NHWC values (ConvNeXt's blocks: x.permute(0, 3, 1, 2)
     after Linear layers on [n, h, w, c], then a depthwise convolution and a residual sum in NCHW
@@ -399,25 +410,65 @@ def _reads_channels_innermost(node: Node, args, chosen: set) -> bool:
     loop transposes and the convolution took oneDNN (ConvNeXt's first stage, one core: its
     depthwise 7x7 0.149 -> 0.108 ms; its residual sum, 0.08 ms, and the LayerNorm reading it
     transposed, 0.04 ms, became one 0.022 ms kernel)."""
-    votes = {_channels_innermost(arg, chosen) for arg in args if tuple(arg.shape) == tuple(node.shape)}
+    votes = {_channels_innermost(p, arg, chosen) for arg in args if tuple(arg.shape) == tuple(node.shape)}
     return True in votes and False not in votes
 
 
-def _channels_innermost(value: Node, chosen: set):
-    """For a 4-D value read through views: True when its dim 1 is innermost in memory, False when
-    another dim is, None when unknown (no view, a broadcast)."""
-    chain, value = views.view_chain(value)
-    if not chain:
+def _channels_innermost(p: Plan, value: Node, chosen: set):
+    """For a 4-D value read through views and inline elementwise ops: True when its dim 1 is
+    innermost in memory, False when another dim is, None when unknown (a stored node read
+    directly, a broadcast). Through inline ops: PoolFormer's group norms reshape a channels-last
+    convolution to [N, G, C / G, H, W], normalize it inline and reshape it back, and their
+    affine output (stored NCHW, read by a pooling and a convolution) was a transposing loop."""
+    chain, source = views.view_chain(value)
+    if not chain and source in p.materialized:
         return None  # the node's own source: _computed_from decides on those
-    stored = strides_in_order(value.shape, CHANNELS_LAST) if value in chosen else contiguous_strides(value.shape)
-    layout = views.layout_through(chain, views.Layout(0, tuple(stored)))
-    if layout is None:
+    strides, shape = views.read_strides(value, lambda n: _planned_strides(p, n, chosen)), value.shape
+    if strides is None:
         return None
-    strides, shape = layout.strides, chain[0].shape
     dims = [d for d in range(len(strides)) if not (isinstance(shape[d], int) and shape[d] == 1)]
     if len(strides) != 4 or 1 not in dims or any(not isinstance(strides[d], int) or strides[d] == 0 for d in dims):
         return None
     return min(dims, key=lambda d: strides[d]) == 1
+
+
+def _planned_strides(p: Plan, node: Node, chosen: set = frozenset(), inline: Node = None):
+    """The strides node is stored with as planned (channels-last when in chosen, else its order,
+    else row-major); None when it is computed where it is read (or is `inline`)."""
+    if node is inline or (node.op in COMPUTED and node not in p.materialized):
+        return None
+    order = CHANNELS_LAST if node in chosen else p.orders.get(node)
+    return strides_in_order(node.shape, order) if order is not None else contiguous_strides(node.shape)
+
+
+def _read_order(p: Plan, node: Node, chosen: set):
+    """The dims of a stored elementwise node nested as its computation reads its arguments
+    (largest stride outermost), when that is not row-major: its loop then reads and writes along
+    memory. A group norm with several groups over a channels-last convolution stores its
+    normalized [N, G, C / G, H, W] value for the reshape back to [N, C, H, W]; row-major, that
+    store transposed, and so did every read of it after the reshape."""
+    if node.op != "ew":
+        return None
+    strides = views.read_strides(node, lambda n: _planned_strides(p, n, chosen, inline=node))
+    if strides is None or not all(isinstance(st, int) for st in strides):
+        return None
+    order = tuple(sorted(range(node.rank), key=lambda d: -strides[d]))
+    if order == tuple(range(node.rank)):
+        return None
+    # Only where every view of it stays strided: a source read through a permute (attention's
+    # heads) then merged by the reshape would need its readers to gather (or a GEMM a copy).
+    return order if _views_strided(p, node, views.Layout(0, strides_in_order(node.shape, order))) else None
+
+
+def _views_strided(p: Plan, node: Node, layout) -> bool:
+    """Whether every view reading node (and views of those) has a strided layout when node's is
+    `layout`."""
+    for user in p.users.get(node, []):
+        if user.op == "view":
+            viewed = views.view_layout(user, layout)
+            if viewed is None or not _views_strided(p, user, viewed):
+                return False
+    return True
 
 
 def _feeds_conv(node: Node, users: dict) -> bool:

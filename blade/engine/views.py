@@ -228,3 +228,24 @@ def layout_through(chain: list, layout: Layout) -> Layout | None:
         if layout is None:
             return None
     return layout
+
+
+def read_strides(value, stored) -> tuple | None:
+    """The strides value's elements are read from memory with, through its views and the
+    elementwise ops computed inline on the way: stored(node) gives the strides a node is stored
+    with, None for one computed where it is read. An inline elementwise node reads with the
+    strides its arguments read in full agree on (an argument broadcast along a dim, stride 0
+    there, or of unknown strides has no say). None when unknown or they disagree."""
+    chain, source = view_chain(value)
+    strides = stored(source)
+    if strides is None:
+        if source.op != "ew":
+            return None
+        found = {s for s in (read_strides(arg, stored) for arg in source.args)
+                 if s is not None and len(s) == len(source.shape)
+                 and not any(isinstance(st, int) and st == 0 for st, n in zip(s, source.shape) if n != 1)}
+        if len(found) != 1:
+            return None
+        strides = found.pop()
+    layout = layout_through(chain, Layout(0, tuple(strides)))
+    return tuple(layout.strides) if layout is not None else None

@@ -247,6 +247,39 @@ def test_values_read_through_channels_innermost_views_are_stored_channels_last()
     assert "BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST" in source_of(case).source
 
 
+def test_a_group_norm_between_convolutions_stays_channels_last():
+    """PoolFormer's group norm over a channels-last convolution: its affine output, computed from
+    the conv through the [N, G, C / G, H, W] reshapes and the inline normalization, is stored
+    channels-last (it had been stored NCHW, a transposing loop, and the next conv read it
+    through a gather), and each of its reductions loops over the channels innermost, stride 1
+    (in logical order W was innermost, a float every C)."""
+    for groups in (1, 2):
+        (case,) = [c for c in CASES if c.name == f"conv-groupnorm-conv-{groups}"]
+        planned = plan.make_plan(ir.lower_onnx(case.model))
+        (affine,) = [n for n in planned.materialized if n.op == "ew" and n.rank == 4]
+        assert planned.orders.get(affine) == plan.CHANNELS_LAST
+        source = source_of(case).source
+        reductions = re.findall(r"#pragma omp simd reduction\(\+:\w+\)\n\s*for \(int64_t \w+ = 0; \w+ < (\d+);",
+                                source)
+        assert reductions == [str(8 // groups)] * 2, reductions
+        assert source.count("BLADE_CONV_INPUT_CHANNELS_LAST") == 1, "the second conv reads channels-last"
+
+
+def test_a_reshape_source_keeps_row_major_where_its_read_order_breaks_the_reshape():
+    """A value computed from heads read through a permute, then merged by a reshape into a GEMM
+    operand: stored in its read order, the merge would have no strides (a gather, a copy for
+    the GEMM), so it stays row-major and its loop transposes instead."""
+    case = graph_case("permuted-scaled-merged", [
+        node("Transpose", ["x"], ["t"], perm=[0, 2, 1, 3]), node("Mul", ["t", "two"], ["m"]),
+        node("Reshape", ["m", "merged"], ["r"]), node("MatMul", ["r", "w"], ["y"])],
+        {"x": ((2, 4, 6, 8), "float32")}, ["y"],
+        {"two": np.array(2.0, np.float32), "merged": np.array([2, 6, 32], np.int64),
+         "w": np.random.default_rng(35).standard_normal((32, 16)).astype(np.float32)})
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    (scaled,) = [n for n in planned.materialized if n.op == "ew"]
+    assert planned.materialized[scaled] == plan.RESHAPE_SOURCE and scaled not in planned.orders
+
+
 def test_a_conv_epilogue_never_reads_an_addend_written_later():
     (case,) = [c for c in CASES if c.name == "conv-epilogue-addend-computed-later"]
     planned = plan.make_plan(ir.lower_onnx(case.model))

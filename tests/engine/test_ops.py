@@ -200,6 +200,28 @@ CASES = [
          "w2": (np.random.default_rng(24).standard_normal((32, 16)) / 6).astype(f32),
          "g": np.random.default_rng(25).standard_normal((16, 1, 1)).astype(f32),
          "gb": np.random.default_rng(26).standard_normal((16, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-5),
+    # PoolFormer's group norm (one group here, two groups of 4 channels in the case after it)
+    # between convolutions, as reductions.py lowers it: the conv output's channel dim split
+    # [N, G, C / G, H, W], normalized over the last three, reshaped back, the affine, a conv. The
+    # affine output is stored channels-last and the reductions read along the channels
+    # (test_codegen checks the plan and the loops).
+    *[graph_case(f"conv-groupnorm-conv-{groups}", [
+        node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        node("Reshape", ["c1", "grouped"], ["g"]), node("ReduceMean", ["g", "axes"], ["mean"]),
+        node("Sub", ["g", "mean"], ["centered"]), node("Mul", ["centered", "centered"], ["square"]),
+        node("ReduceMean", ["square", "axes"], ["var"]), node("Add", ["var", "eps"], ["vare"]),
+        node("Sqrt", ["vare"], ["std"]), node("Div", ["centered", "std"], ["n"]),
+        node("Reshape", ["n", "ungrouped"], ["nb"]), node("Mul", ["nb", "gamma"], ["scaled"]),
+        node("Add", ["scaled", "beta"], ["affine"]), node("Conv", ["affine", "w2"], ["y"])],
+        {"x": ((2, 8, 6, 7), "float32")}, ["y"],
+        {"w1": np.random.default_rng(31).standard_normal((8, 8, 3, 3)).astype(f32),
+         "grouped": np.array([2, groups, 8 // groups, 6, 7], np.int64),
+         "axes": np.array([2, 3, 4], np.int64), "eps": np.array(1e-5, f32),
+         "ungrouped": np.array([2, 8, 6, 7], np.int64),
+         "gamma": np.random.default_rng(32).standard_normal((8, 1, 1)).astype(f32),
+         "beta": np.random.default_rng(33).standard_normal((8, 1, 1)).astype(f32),
+         "w2": np.random.default_rng(34).standard_normal((8, 8, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4)
+      for groups in (1, 2)],
     # A residual block: convolutions and the activations between them are stored channels-last
     # (an NCHW input with >= 8 channels is copied NHWC first; the outputs come back dense NCHW).
     graph_case("conv-residual-block-channels-last", [

@@ -126,8 +126,19 @@ def _group_norm(ctx: LowerCtx, node):
     # a run-time batch is ONNX's 0 ("copy the input's dim"), run-time spatial dims the -1; back
     # to the input's shape as the engine reads it (Shape)
     batch = 0 if 0 in varying else shape[0]
-    grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([batch, ctx.const(groups), -1])])
-    y = _normalize(ctx, grouped, [2], float(ctx.const(eps)), dtype)
+    groups = ctx.const(groups)
+    if any(d != 0 for d in varying):   # run-time spatial dims: each group's values as one flattened row
+        grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([batch, groups, -1])])
+        axes = [2]
+    else:
+        # Only the channel dim split, [N, G, C/G, *spatial], each group reduced over its last
+        # dims: the view strides express in any layout x has. Flattened to [N, G, C/G * H * W],
+        # a channels-last x (a convolution's output) was read across its layout, element by
+        # element, and the result written back the same way (PoolFormer-S12's group norms, one
+        # group: 9.2 ms of loops in a 24 ms call).
+        grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([batch, groups, shape[1] // groups, *shape[2:]])])
+        axes = list(range(2, len(shape) + 1))
+    y = _normalize(ctx, grouped, axes, float(ctx.const(eps)), dtype)
     y = ctx.b.op("Reshape", [y, ctx.b.op("Shape", [ctx.tensor(x)])], allowzero=1) if varying else \
         reshape_exact(ctx, y, shape)
     return [_affine(ctx, y, weight, bias, len(shape), dtype)]
