@@ -13,7 +13,7 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 8
+#define BLADE_ABI_VERSION 9
 
 extern "C" {
 
@@ -171,6 +171,9 @@ int32_t blade_engine_derived_sizes(int64_t* sizes);
 // v * sigmoid(v) (SiLU, swish), with sigmoid as engine_prelude.h's blade_sigmoidf: what the engine's
 // unfused Mul(v, Sigmoid(v)) computes (EfficientNet, MobileNetV3, YOLO).
 #define BLADE_ACTIVATION_SILU 3
+// The exact GELU v * Phi(v) as engine_prelude.h's blade_geluf: what the engine's unfused Gelu
+// computes (PoolFormer's and SegFormer's convolution MLPs).
+#define BLADE_ACTIVATION_GELU 4
 
 #define BLADE_ATTENTION_MAX_STEPS 4
 #define BLADE_SCORE_MUL 1   // s * value

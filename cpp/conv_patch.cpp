@@ -51,20 +51,20 @@ const BlockKernels& block_kernels() {
   return kernels;
 }
 
-// SiLU over what a block call just stored (in L1/L2 still): output pixels [begin, end) x the
-// channels of panels [panel_begin, panel_end).
-void silu_block(const PatchConvShape& s, float* output, int64_t begin, int64_t end, int64_t panel_begin,
-                int64_t panel_end) {
+// The activation's unary function (SiLU, GELU) over what a block call just stored (in L1/L2
+// still): output pixels [begin, end) x the channels of panels [panel_begin, panel_end).
+void unary_block(Unary f, const PatchConvShape& s, float* output, int64_t begin, int64_t end, int64_t panel_begin,
+                 int64_t panel_end) {
   const int64_t c0 = panel_begin * kPanel, c1 = std::min(panel_end * kPanel, s.out_channels);
   if (s.output_channels_last) {
-    if (c0 == 0 && c1 == s.out_channels) return silu_in_place(output + begin * c1, (end - begin) * c1);
-    for (int64_t row = begin; row < end; ++row) silu_in_place(output + row * s.out_channels + c0, c1 - c0);
+    if (c0 == 0 && c1 == s.out_channels) return unary_in_place(f, output + begin * c1, (end - begin) * c1);
+    for (int64_t row = begin; row < end; ++row) unary_in_place(f, output + row * s.out_channels + c0, c1 - c0);
     return;
   }
   const int64_t plane = s.out_h * s.out_w;
   for (int64_t row = begin; row < end;) {
     const int64_t n = row / plane, p0 = row % plane, run = std::min(end - row, plane - p0);
-    for (int64_t c = c0; c < c1; ++c) silu_in_place(output + (n * s.out_channels + c) * plane + p0, run);
+    for (int64_t c = c0; c < c1; ++c) unary_in_place(f, output + (n * s.out_channels + c) * plane + p0, run);
     row += run;
   }
 }
@@ -327,7 +327,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
           paired += block_kernels().patch_block(s, input, panels, bias, sum, clamp, output, begin, end, panel,
                                                 panel_end, gathered.data(), staged_block(), true,
                                                 unit_next == unit_end ? after : nullptr, successor.depth, pair_tiles);
-          if (act.silu) silu_block(s, output, begin, end, panel, panel_end);
+          if (act.unary != Unary::none) unary_block(act.unary, s, output, begin, end, panel, panel_end);
           unit = unit_next;
         }
       }
@@ -352,7 +352,7 @@ void patch_conv(const PatchConvShape& s, const float* input, const float* panels
       const int64_t panel_begin = split * panel_count / splits, panel_end = (split + 1) * panel_count / splits;
       paired += block_kernel(s, input, panels, bias, sum, clamp, output, begin, end, panel_begin, panel_end,
                              gathered.data(), staged_block(), item == item_begin || large_weight, nullptr, 0, pair_tiles);
-      if (act.silu) silu_block(s, output, begin, end, panel_begin, panel_end);
+      if (act.unary != Unary::none) unary_block(act.unary, s, output, begin, end, panel_begin, panel_end);
     }
     count_pair_tiles(paired);
   });
@@ -366,7 +366,7 @@ void patch_conv_pixels(const PatchConvShape& s, const float* input, const float*
   // (Its paired panels not counted: called for a few rows at a time, each count an atomic add.)
   block_kernels().patch_block(s, input, panels, bias, nullptr, act.clamp, output, begin, end, 0, panel_count, nullptr,
                               nullptr, false, nullptr, 0, pair_tiles_on.load(std::memory_order_relaxed));
-  if (act.silu) silu_block(s, output, begin, end, 0, panel_count);
+  if (act.unary != Unary::none) unary_block(act.unary, s, output, begin, end, 0, panel_count);
 }
 
 }  // namespace blade

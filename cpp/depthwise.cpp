@@ -304,18 +304,18 @@ __attribute__((target("default"))) void depthwise_rows(BLADE_DEPTHWISE_PARAMS) {
 void depthwise_rows(BLADE_DEPTHWISE_PARAMS) { depthwise_rows_for<Floats8>(BLADE_DEPTHWISE_ARGS); }
 #endif
 
-// depthwise_rows, then SiLU when act.silu: a few rows at a time (about kSiluBytes of output),
-// each while it is still in L1/L2.
-constexpr int64_t kSiluBytes = int64_t{64} << 10;
+// depthwise_rows, then the activation's unary function (SiLU, GELU) if any: a few rows at a time
+// (about kUnaryBytes of output), each while it is still in L1/L2.
+constexpr int64_t kUnaryBytes = int64_t{64} << 10;
 void activated_rows(const DepthwiseShape& s, const float* input, const float* taps, const float* bias, const float* sum,
                     Activation act, float* output, int64_t begin, int64_t end, WeightPrefetch& weights) {
-  if (!act.silu) return depthwise_rows(s, input, taps, bias, sum, act.clamp, output, begin, end, weights);
+  if (act.unary == Unary::none) return depthwise_rows(s, input, taps, bias, sum, act.clamp, output, begin, end, weights);
   const int64_t row_floats = s.out_w * s.channels;
-  const int64_t step = std::max<int64_t>(1, kSiluBytes / std::max<int64_t>(1, row_floats * int64_t{sizeof(float)}));
+  const int64_t step = std::max<int64_t>(1, kUnaryBytes / std::max<int64_t>(1, row_floats * int64_t{sizeof(float)}));
   for (int64_t first = begin; first < end; first += step) {
     const int64_t last = std::min(end, first + step);
     depthwise_rows(s, input, taps, bias, sum, act.clamp, output, first, last, weights);
-    silu_in_place(output + first * row_floats, (last - first) * row_floats);
+    unary_in_place(act.unary, output + first * row_floats, (last - first) * row_floats);
   }
 }
 

@@ -79,10 +79,10 @@ BLADE_ISA_CLONES void copy_range(const float* from, float* to, int64_t begin, in
   for (int64_t i = begin; i < end; ++i) to[i] = kClamp ? clamp_value(from[i], clamp.lo, clamp.hi) : from[i];
 }
 
-// to[i] = the activation (clamp or SiLU) of from[i] for `count` dense floats (from == to: in place), in
-// parallel.
+// to[i] = the activation (clamp, SiLU or GELU) of from[i] for `count` dense floats (from == to: in
+// place), in parallel.
 void copy_activated(const float* from, float* to, int64_t count, Activation act) {
-  if (act.silu) return silu_parallel(from, to, count);
+  if (act.unary != Unary::none) return unary_parallel(act.unary, from, to, count);
   const auto copy = act.clamp.on ? copy_range<true> : copy_range<false>;
   timed_parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) { copy(from, to, begin, end, act.clamp); });
 }
@@ -301,7 +301,7 @@ void conv_winograd(const Conv3x3Shape& shape, const float* input, const int64_t*
   } else {
     run(2);
   }
-  silu_output(output, shape.batch * shape.out_h * shape.out_w * shape.out_channels, act);
+  unary_output(output, shape.batch * shape.out_h * shape.out_w * shape.out_channels, act);
   winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -323,7 +323,7 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
     const at::Tensor packed = relaid_weight(weight, -4 /* grouped */, weight_shape,
                                             [&] { return grouped_conv_weight(weight, *shape); });
     grouped_conv2d(*shape, input, packed.const_data_ptr<float>(), bias, sum, act.clamp, output);
-    silu_output(output, shape->batch * shape->out_h * shape->out_w * shape->out_channels, act);
+    unary_output(output, shape->batch * shape->out_h * shape->out_w * shape->out_channels, act);
     grouped_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -339,7 +339,7 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
   if (pointwise_kernel.enabled.load(std::memory_order_relaxed)) {
     if (const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
       pointwise_conv(*shape, input, weight, bias, sum, act.clamp, output);
-      silu_output(output, shape->batch * shape->pixels * shape->out_channels, act);
+      unary_output(output, shape->batch * shape->pixels * shape->out_channels, act);
       pointwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
       return;
     }
@@ -384,7 +384,7 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
     copy_activated(y.const_data_ptr<float>(), output, y.numel(), act);
   } else {
     engine_tensor(output, y.sizes(), out_channels_last).copy_(y);
-    if (act.clamp.on || act.silu) copy_activated(output, output, y.numel(), act);
+    if (act.clamp.on || act.unary != Unary::none) copy_activated(output, output, y.numel(), act);
   }
 }
 

@@ -5,6 +5,7 @@ For tests and debugging only (the real runtime is the ATen-backed Engine in cpp/
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ CONV_FN = ctypes.CFUNCTYPE(None, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                            ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p)
 CONV_INPUT_CHANNELS_LAST, CONV_OUTPUT_CHANNELS_LAST = 1, 2   # blade_abi.h BLADE_CONV_* layout bits
-ACTIVATION_RELU, ACTIVATION_CLAMP, ACTIVATION_SILU = 1, 2, 3  # blade_abi.h BLADE_ACTIVATION_*
+ACTIVATION_RELU, ACTIVATION_CLAMP, ACTIVATION_SILU, ACTIVATION_GELU = 1, 2, 3, 4  # blade_abi.h BLADE_ACTIVATION_*
 
 
 class BladeActivation(ctypes.Structure):
@@ -193,6 +194,8 @@ def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, grou
             # exp(-v) = inf below -88: v / inf is -0 (-inf / inf: NaN), as the engine's v * 0
             with np.errstate(over="ignore", invalid="ignore"):
                 result = result / (1.0 + np.exp(-result))
+        elif act.kind == ACTIVATION_GELU:   # v * Phi(v), in float64
+            result = result * 0.5 * (1.0 + np.vectorize(math.erf)(result / math.sqrt(2.0)))
         else:
             raise ValueError(f"unknown activation kind {act.kind}")
     if result.size:

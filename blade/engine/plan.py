@@ -60,8 +60,8 @@ def reads_per_element(node: Node) -> int:
 class Activation:
     """An activation a convolution applies itself (blade_abi.h BladeActivation): "relu", "clamp"
     to [lo, hi], computed as the engine's Max(v, lo) then Min(v, hi) (a one-sided clamp has lo =
-    -inf or hi = inf, which leave every value, NaN included, as it is), or "silu", the engine's
-    Mul(v, Sigmoid(v))."""
+    -inf or hi = inf, which leave every value, NaN included, as it is), "silu", the engine's
+    Mul(v, Sigmoid(v)), or "gelu", the engine's exact Gelu(v)."""
     kind: str
     lo: float = -math.inf
     hi: float = math.inf
@@ -655,13 +655,15 @@ def _activation(p: Plan, value: Node, readers, only_user, is_ew) -> tuple:
     (Relu; Max with a scalar constant bound, then possibly Min with one: a clamp, as ONNX Clip and
     torch's clamp/relu6/hardtanh lower), or (None, value). Only the first operand of Max/Min may be
     the value: Max(v, lo) keeps v on a NaN or a tie, Max(lo, v) keeps lo on a tie. A stored Max
-    ends the clamp there (its value is read elsewhere). Or SiLU (_silu)."""
+    ends the clamp there (its value is read elsewhere). Or SiLU (_silu), or the exact GELU."""
     silu = _silu(p, value, readers, is_ew)
     if silu is not None:
         return Activation("silu"), silu
     user = only_user(value)
     if is_ew(user, "Relu"):
         return Activation("relu"), user
+    if is_ew(user, "Gelu") and value.dtype == "float32":
+        return Activation("gelu"), user
     bounds, node = {}, value
     for fn, side in (("Max", "lo"), ("Min", "hi")):
         user = only_user(node) if node is value or node not in p.materialized else None

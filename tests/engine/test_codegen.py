@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from onnx_cases import graph_case, op_case, run_case
+from onnx_cases import check_case, compile_cases, graph_case, op_case, run_case
 from test_ops import CASES
 from blade.engine import buffers, codegen, compiler, ir, optable, plan
 from blade.engine.compiler import compile_onnx
@@ -381,6 +381,28 @@ def test_clamps_after_convolutions_are_their_epilogues():
     lo, hi = float(np.float32(-0.5)), float(np.float32(0.8))
     assert activations == {0: plan.Activation("clamp", lo=lo), 1: plan.Activation("clamp", hi=hi),
                            3: plan.Activation("clamp", lo, hi)}   # y3 = Max(lo, conv) stays a loop
+
+
+def test_gelu_after_a_convolution_is_its_epilogue(tmp_path):
+    """PoolFormer's MLP: the exact GELU after a 1x1 convolution is the convolution's epilogue
+    (BLADE_ACTIVATION_GELU), no loop of its own; not when the convolution's value is read
+    elsewhere too. Computed, the result matches the reference's."""
+    def conv_gelu(shared):
+        return graph_case("conv-gelu" + ("-shared" if shared else ""), [
+            node("Conv", ["x", "w1", "b1"], ["c"]), node("Gelu", ["c"], ["g"]), node("Conv", ["g", "w2"], ["y"])]
+            + ([node("Sigmoid", ["c"], ["y2"])] if shared else []),
+            {"x": ((1, 8, 5, 6), "float32")}, ["y"] + (["y2"] if shared else []),
+            {"w1": np.random.default_rng(41).standard_normal((16, 8, 1, 1)).astype(np.float32),
+             "b1": np.random.default_rng(42).standard_normal((16,)).astype(np.float32),
+             "w2": np.random.default_rng(43).standard_normal((8, 16, 1, 1)).astype(np.float32)}, rtol=1e-4, atol=1e-4)
+    case = conv_gelu(False)
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    assert [e.activation for e in planned.epilogues.values()] == [plan.Activation("gelu")]
+    source = codegen.generate(planned).source
+    assert "BLADE_ACTIVATION_GELU" in source and "blade_geluf(" not in source.split("blade_engine_run")[1]
+    check_case(case, compile_cases([case], tmp_path)[case.name])
+    shared = plan.make_plan(ir.lower_onnx(conv_gelu(True).model))
+    assert all(e.activation is None for e in shared.epilogues.values())
 
 
 def test_silu_after_convolutions_is_their_epilogue():

@@ -581,18 +581,25 @@ def test_op(case, compiled):
         check_case(case, compiled[case.name])
 
 
+UNARY_EPILOGUES = {  # BLADE_ACTIVATION_* kind: the engine's own loop computing it
+    "silu": (3, [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["y"])]),
+    "gelu": (4, [node("Gelu", ["x"], ["y"])])}
+
+
+@pytest.mark.parametrize("activation", sorted(UNARY_EPILOGUES))
 @pytest.mark.parametrize("kernel", ["patch", "depthwise", "nchw"])
-def test_the_runtime_silu_epilogue_is_the_engines_silu_bitwise(kernel, tmp_path):
-    """A convolution's SiLU epilogue (the runtime's, BLADE_ACTIVATION_SILU) gives the floats of the
-    engine's own Mul(v, Sigmoid(v)) loop over the whole float range (`wide`: flushes, overflows,
-    infinities, NaN): a 1x1 convolution of weight 1 passes v through to the epilogue on the patch
-    kernel (one channel), the depthwise kernel (groups = channels) and an NCHW output's path."""
+def test_the_runtime_unary_epilogues_are_the_engines_bitwise(kernel, activation, tmp_path):
+    """A convolution's SiLU and GELU epilogues (the runtime's, BLADE_ACTIVATION_SILU and _GELU)
+    give the floats of the engine's own Mul(v, Sigmoid(v)) and Gelu(v) loops over the whole float
+    range (`wide`: flushes, overflows, infinities, NaN): a 1x1 convolution of weight 1 passes v
+    through to the epilogue on the patch kernel (one channel), the depthwise kernel (groups =
+    channels) and an NCHW output's path."""
     import torch
     from blade._C import _testing
     shape = (1, 17, 1, wide.size // 17)   # 1411 values
-    (case,) = [graph_case("silu", [node("Sigmoid", ["x"], ["s"]), node("Mul", ["x", "s"], ["y"])],
-                          {"x": (shape, "float32")}, ["y"], values={"x": wide.reshape(shape)})]
-    (engine_silu,) = run_case(case, *compile_cases([case], tmp_path)["silu"])
+    kind, nodes = UNARY_EPILOGUES[activation]
+    (case,) = [graph_case(activation, nodes, {"x": (shape, "float32")}, ["y"], values={"x": wide.reshape(shape)})]
+    (engine_values,) = run_case(case, *compile_cases([case], tmp_path)[activation])
     x = torch.from_numpy(wide.reshape(shape))
     channels_last = torch.channels_last
     if kernel == "patch":
@@ -603,7 +610,7 @@ def test_the_runtime_silu_epilogue_is_the_engines_silu_bitwise(kernel, tmp_path)
         x, weight, groups, layout = x.reshape(1, 1, 1, -1), torch.ones(1, 1, 1, 1), 1, 0
     out = torch.full(x.shape, 7.0).contiguous(memory_format=channels_last if layout else torch.contiguous_format)
     before = _testing.conv_kernel_calls(kernel) if kernel != "nchw" else 0
-    _testing.conv(x, weight, None, [1, 1], [0, 0, 0, 0], [1, 1], groups, out, layout, True, None, 3)
+    _testing.conv(x, weight, None, [1, 1], [0, 0, 0, 0], [1, 1], groups, out, layout, True, None, kind)
     if kernel != "nchw":
         assert _testing.conv_kernel_calls(kernel) == before + 1
-    np.testing.assert_array_equal(out.contiguous().reshape(shape).numpy(), engine_silu)
+    np.testing.assert_array_equal(out.contiguous().reshape(shape).numpy(), engine_values)

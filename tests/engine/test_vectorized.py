@@ -247,14 +247,15 @@ def test_the_patch_kernels_tiles_keep_their_accumulators_in_registers():
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="reads x86-64 object code")
-def test_the_runtime_silu_divides_whole_vectors_in_each_clone():
-    """The runtime's SiLU epilogue (cpp/activation.cpp silu_range) vectorizes in its AVX2 and
-    AVX-512 clones as the engine's own SiLU loop does: a divide of 8 (ymm) or 16 (zmm) floats. With
-    trapping math the AVX2 clone kept blade_sigmoidf's selects as branches, one float a step (1.4 ns a
-    float, 7x slower), and every result check passed."""
+@pytest.mark.parametrize("function", ["silu_range", "gelu_range"])
+def test_the_runtime_unary_epilogues_divide_whole_vectors_in_each_clone(function):
+    """The runtime's SiLU and GELU epilogues (cpp/activation.cpp silu_range, gelu_range) vectorize
+    in their AVX2 and AVX-512 clones as the engine's own loops do: a divide of 8 (ymm) or 16 (zmm)
+    floats. With trapping math the AVX2 clone kept blade_sigmoidf's selects as branches, one float
+    a step (1.4 ns a float, 7x slower), and every result check passed."""
     divides = {}
     for name, instructions, _ in functions_and_loops(Path(blade.runtime_library())):
-        if "silu_range" in name and "[clone .arch_x86_64_v" in name:
+        if function in name and "[clone .arch_x86_64_v" in name:
             level = name.split("[clone .arch_x86_64_")[1].rstrip("]")
             divides[level] = {ops.split(",")[-1].strip()[:4] for _, mnemonic, ops in instructions
                               if mnemonic.startswith("vdivps")}

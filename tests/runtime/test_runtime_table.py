@@ -8,10 +8,10 @@ import torch
 from blade._C import _testing
 from runtime_testing import run_sgemm, torch_threads
 
-# _testing.conv's activation kinds (blade_abi.h BLADE_ACTIVATION_*: none, ReLU, a clamp, SiLU), the
-# clamp's bounds the ones the tests pass (-0.5, 0.75).
+# _testing.conv's activation kinds (blade_abi.h BLADE_ACTIVATION_*: none, ReLU, a clamp, SiLU, the
+# exact GELU), the clamp's bounds the ones the tests pass (-0.5, 0.75).
 ACTIVATIONS = {0: lambda t: t, 1: lambda t: t.clamp(min=0), 2: lambda t: t.clamp(-0.5, 0.75),
-               3: torch.nn.functional.silu}
+               3: torch.nn.functional.silu, 4: torch.nn.functional.gelu}
 
 
 @pytest.mark.parametrize("trans_a, trans_b", list(itertools.product([False, True], repeat=2)))
@@ -586,7 +586,7 @@ PATCH_SPLIT_CASES = [  # x shape, out channels, kernel, stride, pads, input chan
 @pytest.mark.parametrize("case", PATCH_SPLIT_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
-@pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
+@pytest.mark.parametrize("activation", [2, 3, 4], ids=["clamp", "silu", "gelu"])
 def test_conv_patch_threads_and_gather(case, threads, output_channels_last, activation):
     torch.manual_seed(9)
     x_shape, c_out, k, stride, pads, input_channels_last = case
@@ -649,7 +649,7 @@ PAIR_CASES = [  # x shape, out channels, kernel, stride, pads, input channels-la
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("output_channels_last", [True, False], ids=["out_cl", "out_nchw"])
-@pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
+@pytest.mark.parametrize("activation", [2, 3, 4], ids=["clamp", "silu", "gelu"])
 def test_conv_patch_pair_tiles(case, threads, output_channels_last, activation):
     x_shape, c_out, k, stride, pads, input_channels_last, pairs_on = case
     if not _testing.set_patch_isa("x86-64-v4"):  # (the AVX-512 version is the one with pair tiles)
@@ -716,7 +716,7 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
     ((1, 512, 24, 24), 64, (False, False)),   # 144 pixels
 ])
 @pytest.mark.parametrize("l2_bytes", [2 << 20, 512 << 10], ids=["l2_2mb", "l2_512kb"])
-@pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
+@pytest.mark.parametrize("activation", [2, 3, 4], ids=["clamp", "silu", "gelu"])
 def test_conv_patch_deep_few_pixels(threads, x_shape, c_out, few_on, l2_bytes, activation):
     torch.manual_seed(12)
     _testing.set_l2_cache_bytes(l2_bytes)
@@ -872,7 +872,7 @@ EXPAND_DEPTHWISE_CASES = [  # n, c_in, c_exp, h, w, (kh, kw), stride, dilation, 
                          ids=lambda c: f"n{c[0]}-{c[1]}to{c[2]}-{c[3]}x{c[4]}-k{c[5][0]}{c[5][1]}s{c[6]}d{c[7]}")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("with_sum", [False, True])
-@pytest.mark.parametrize("activation", [2, 3], ids=["clamp", "silu"])
+@pytest.mark.parametrize("activation", [2, 3, 4], ids=["clamp", "silu", "gelu"])
 def test_expand_depthwise_together_is_bitwise_apart(case, threads, with_sum, activation):
     n, c_in, c_exp, h, w, (kh, kw), stride, dilation, pads = case
     torch.manual_seed(13)
@@ -893,7 +893,7 @@ def test_expand_depthwise_together_is_bitwise_apart(case, threads, with_sum, act
                                           -1.0, 4.0, together, 1, residual, activation)
             outputs.append(out)
     first, second = ((lambda t: t.clamp(0, 6), lambda t: t.clamp(-1, 4)) if activation == 2
-                     else (torch.nn.functional.silu,) * 2)
+                     else (ACTIVATIONS[activation],) * 2)
     expanded = first(torch.conv2d(x.double(), w1.double(), b1.double()))
     expected = torch.conv2d(torch.nn.functional.pad(expanded, [pads[1], pads[3], pads[0], pads[2]]), w2.double(),
                             b2.double(), stride, 0, dilation, c_exp)
