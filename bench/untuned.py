@@ -120,8 +120,57 @@ def mobilevit():
     return "MobileViT-S (256x256)", transformers.MobileViTModel(cfg), (_image(256),)
 
 
+def deberta():
+    import transformers   # disentangled attention: relative-position gathers beside the scores
+    cfg = transformers.DebertaV2Config(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                       intermediate_size=1024, vocab_size=8000)
+    return "DeBERTa-v2 (4L, 256, seq 128)", transformers.DebertaV2Model(cfg), (_tokens(cfg),)
+
+
+def bloom():
+    import transformers   # ALiBi: a per-head linear bias on the scores instead of positions
+    cfg = transformers.BloomConfig(hidden_size=256, n_layer=4, n_head=4, vocab_size=8000, use_cache=False)
+    return "BLOOM (4L, 256, ALiBi, seq 128)", transformers.BloomModel(cfg), (_tokens(cfg),)
+
+
+def mistral():
+    import transformers   # sliding-window causal attention (64 of 128 tokens), GQA 4/2
+    cfg = transformers.MistralConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=8000, use_cache=False, sliding_window=64)
+    return "Mistral (4L, 256, window 64, seq 128)", transformers.MistralModel(cfg), (_tokens(cfg),)
+
+
+def beit():
+    import transformers   # a learned relative-position bias on every layer's scores
+    cfg = transformers.BeitConfig(hidden_size=192, num_hidden_layers=4, num_attention_heads=3, intermediate_size=768,
+                                  use_relative_position_bias=True)
+    return "BEiT (4L, 192, relative bias, 224x224)", transformers.BeitModel(cfg), (_image(),)
+
+
+def levit():
+    import transformers   # hardswish after convolutions and linears, attention biases
+    return "LeViT-128S (224x224)", transformers.LevitModel(transformers.LevitConfig()), (_image(),)
+
+
+def poolformer():
+    import transformers   # group norm (one group), average pooling as the token mixer, GELU after 1x1s
+    return "PoolFormer-S12 (224x224)", transformers.PoolFormerModel(transformers.PoolFormerConfig()), (_image(),)
+
+
+def convnextv2():
+    import transformers   # global response norm: an L2 norm over H, W per channel
+    cfg = transformers.ConvNextV2Config(depths=[2, 2, 6, 2], hidden_sizes=[64, 128, 256, 512])
+    return "ConvNeXtV2 (2-2-6-2, 64-512, 224x224)", transformers.ConvNextV2Model(cfg), (_image(),)
+
+
+def mobilenet_v1():
+    import transformers   # ReLU6, TF "same" padding, depthwise + 1x1 pairs
+    return "MobileNetV1 (224x224)", transformers.MobileNetV1Model(transformers.MobileNetV1Config()), (_image(),)
+
+
 MODELS = {f.__name__: f for f in (roberta, qwen2, gpt_neox, bart, whisper_encoder, deit, swin, segformer, resnet50,
-                                   regnet, efficientnet, mobilevit)}
+                                   regnet, efficientnet, mobilevit, deberta, bloom, mistral, beit, levit, poolformer,
+                                   convnextv2, mobilenet_v1)}
 
 
 def _first(out):

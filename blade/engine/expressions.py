@@ -186,12 +186,12 @@ class Values:
         loop reads along memory: in logical order a group norm over a channels-last convolution's
         [C / G, H, W] read W innermost, one float every C (PoolFormer-S12). Unchanged when src's
         strides are unknown or not all static."""
-        strides = views.read_strides(src, self._stored_strides)
+        strides = views.read_strides(src, self.stored_strides)
         if strides is None or len(axes) < 2 or not all(isinstance(strides[a], int) for a in axes):
             return axes
         return sorted(axes, key=lambda a: -strides[a])
 
-    def _stored_strides(self, node: Node):
+    def stored_strides(self, node: Node):
         """The strides node is stored with; None when it is computed where it is read."""
         stored = self.memory.strided_of(node)
         return stored.layout.strides if stored is not None else None

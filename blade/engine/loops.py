@@ -22,12 +22,17 @@ from .optable import ARG_REDUCE, REDUCE, CType, literal
 from .plan import WINDOW_REDUCE_MIN_ROW, stored_pad
 from .versioning import versioned
 from .symbolic import Const, Expr, Var, add, as_expr, constant, proves_less, proves_nonnegative
-from .views import Layout
+from .ir import Node
+from .views import Layout, read_strides
 
 # A large window reduced along the output row keeps a row of double partial sums on each thread's
 # stack: at most this many (32 KB); longer rows take the row form.
 LARGE_WINDOW_MAX_ROW = 4096
 ROW_BLOCKS = 8               # ... cut into at most this many blocks, the threads' rows (_row_block)
+# A reduction to at most SPLIT_MAX_OUTPUTS values over at least SPLIT_MIN_WINDOW elements runs as
+# partial reductions along one axis, in parallel, then their combination (_emit_split_reduce).
+SPLIT_MAX_OUTPUTS = 4
+SPLIT_MIN_WINDOW = 1 << 16
 TRANSPOSE_BLOCK = 16         # elements of the dim a transposing kernel reads along, per tile (a cache line)
 
 
@@ -316,6 +321,9 @@ def emit_pad(em, node, dest):
 
 
 def emit_reduce(em, node, dest):
+    split = _split_axis(em, node)
+    if split is not None:
+        return _emit_split_reduce(em, node, dest, split)
     src = node.args[0]
     work = _divmod(src.numel, node.numel)[0] if isinstance(node.numel, Expr) else src.numel // max(node.numel, 1)
     # a run-time window (a softmax over the sequence): its largest size estimates the work
@@ -346,6 +354,41 @@ def emit_reduce(em, node, dest):
         return
     em.kernels.emit_loop(comment, dest, lambda scope, idx: em.values.reduction_value(node, idx, scope), work,
                          rows=loop_dims[-1] + 1 if loop_dims else node.rank)
+
+
+def _split_axis(em, node):
+    """The reduced axis a reduction is split along (_emit_split_reduce): its outermost one in
+    memory when it has at most SPLIT_MAX_OUTPUTS outputs and a static window of at least
+    SPLIT_MIN_WINDOW elements (float sum, max or min); None otherwise, or when its input's strides
+    are unknown."""
+    (src,) = node.args
+    if node.attrs["kind"] not in ("sum", "max", "min") or not CType(node.dtype).is_float:
+        return None
+    axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
+    if (not isinstance(node.numel, int) or node.numel > SPLIT_MAX_OUTPUTS or len(axes) < 2
+            or not all(isinstance(src.shape[a], int) for a in axes) or math.prod(src.shape[a] for a in axes) < SPLIT_MIN_WINDOW):
+        return None
+    strides = read_strides(src, em.values.stored_strides)
+    if strides is None or not all(isinstance(strides[a], int) for a in axes):
+        return None
+    outer = max(axes, key=lambda a: strides[a])
+    return outer if src.shape[outer] >= 8 else None
+
+
+def _emit_split_reduce(em, node, dest, axis):
+    """A reduction to a few outputs over a large window (a group norm's statistics over one group
+    at batch 1: 200704 floats of a PoolFormer stage into one) has no rows to share among the
+    threads, and ran on one: its window is cut along `axis` (_split_axis) into partial reductions,
+    one row each, stored, then those combined into dest. A float sum adds in another order (its
+    vectorized loop reassociates anyway); max and min are exact in any."""
+    (src,) = node.args
+    kind, axes = node.attrs["kind"], node.attrs["axes"]
+    rows = tuple(src.shape[axis] if d == axis else n for d, n in enumerate(node.shape))
+    partial = Node("reduce", rows, node.dtype, (src,), {"kind": kind, "axes": [a for a in axes if a != axis]},
+                   name=f"{node.name}_rows")
+    combined = Node("reduce", node.shape, node.dtype, (partial,), {"kind": kind, "axes": [axis]}, name=node.name)
+    emit_reduce(em, partial, em.memory.destination(partial))
+    emit_reduce(em, combined, dest)
 
 
 def _large_window_along_row(em, node, dest: Strided) -> bool:

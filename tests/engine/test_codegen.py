@@ -265,6 +265,24 @@ def test_a_group_norm_between_convolutions_stays_channels_last():
         assert source.count("BLADE_CONV_INPUT_CHANNELS_LAST") == 1, "the second conv reads channels-last"
 
 
+def test_a_reduction_to_one_value_over_a_large_window_runs_in_parallel_rows(tmp_path):
+    """A group norm's statistics with one group at batch 1 (here a sum and a max over [16, 64, 64],
+    65536 floats, into one value): partial reductions along the outermost axis in memory, one row
+    each (a parallel loop over the 16 channels), then their combination; a smaller window stays
+    one loop."""
+    x = np.random.default_rng(44).standard_normal((1, 16, 64, 64)).astype(np.float32)
+    axes = np.array([1, 2, 3], np.int64)
+    case = graph_case("sum-max-to-one", [node("ReduceSum", ["x", "axes"], ["s"]), node("ReduceMax", ["x", "axes"], ["m"])],
+                      {"x": (x.shape, "float32")}, ["s", "m"], {"axes": axes}, values={"x": x}, rtol=1e-5, atol=1e-3)
+    names = kernels(source_of(case))
+    assert [k.split(" = ")[1] for k in names] == ["reduce sum over axes [2, 3]", "reduce sum over axes [1]",
+                                                  "reduce max over axes [2, 3]", "reduce max over axes [1]"], names
+    assert names[0].startswith("reduce:") and "_rows[1, 16, 1, 1]" in names[0]
+    check_case(case, compile_cases([case], tmp_path)[case.name])
+    small = op_case("ReduceSum", [(1, 16, 32, 32)], axes)
+    assert len(kernels(source_of(small))) == 1
+
+
 def test_a_reshape_source_keeps_row_major_where_its_read_order_breaks_the_reshape():
     """A value computed from heads read through a permute, then merged by a reshape into a GEMM
     operand: stored in its read order, the merge would have no strides (a gather, a copy for
