@@ -144,8 +144,8 @@ void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tens
 }
 
 // A 1x1 convolution (w1, b1, clamped to [lo1, hi1]) then a depthwise one (w2, b2, plus sum,
-// clamped to [lo2, hi2]) on channels-last tensors (with `activation` BLADE_ACTIVATION_SILU: SiLU
-// after each instead of the clamps): together (expand_depthwise.h, whether or not
+// clamped to [lo2, hi2]) on channels-last tensors (with `activation` BLADE_ACTIVATION_SILU or
+// _GELU: that function after each instead of the clamps): together (expand_depthwise.h, whether or not
 // that pays) or as the runtime table's two convs through an expanded tensor, `repeat` times with
 // the weights packed once.
 void expand_depthwise(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, double lo1, double hi1,

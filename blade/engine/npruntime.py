@@ -194,8 +194,9 @@ def _conv(spatial, in_shape, x, w_shape, w, bias, strides, pads, dilations, grou
             # exp(-v) = inf below -88: v / inf is -0 (-inf / inf: NaN), as the engine's v * 0
             with np.errstate(over="ignore", invalid="ignore"):
                 result = result / (1.0 + np.exp(-result))
-        elif act.kind == ACTIVATION_GELU:   # v * Phi(v), in float64
-            result = result * 0.5 * (1.0 + np.vectorize(math.erf)(result / math.sqrt(2.0)))
+        elif act.kind == ACTIVATION_GELU:   # v * Phi(v), in float64 (-inf * 0 is NaN, as eager's)
+            with np.errstate(invalid="ignore"):
+                result = result * 0.5 * (1.0 + np.vectorize(math.erf)(result / math.sqrt(2.0)))
         else:
             raise ValueError(f"unknown activation kind {act.kind}")
     if result.size:

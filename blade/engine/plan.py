@@ -421,8 +421,8 @@ def _channels_innermost(p: Plan, value: Node, chosen: set):
     convolution to [N, G, C / G, H, W], normalize it inline and reshape it back, and their
     affine output (stored NCHW, read by a pooling and a convolution) was a transposing loop."""
     chain, source = views.view_chain(value)
-    if not chain and source in p.materialized:
-        return None  # the node's own source: _computed_from decides on those
+    if not chain and (source in p.materialized or source.op in ("input", "const")):
+        return None  # the node's own stored source: _computed_from decides on those
     strides, shape = views.read_strides(value, lambda n: _planned_strides(p, n, chosen)), value.shape
     if strides is None:
         return None

@@ -162,6 +162,9 @@ CASES = {
     "batch_norm": (lambda x: F.batch_norm(x, *BN, eps=1e-3), [f32(3, 8, 5)]),
     "batch_norm_noaffine": (lambda x: F.batch_norm(x, BN[0], BN[1]), [f32(2, 8, 4, 4)]),
     "group_norm": (lambda x: F.group_norm(x, 4, BN[2], BN[3]), [f32(2, 8, 3, 3)]),
+    # after a convolution (channels-last: the groups reduced in memory order) and over an empty plane
+    "group_norm_of_conv": (lambda x: F.group_norm(F.conv2d(x, K), 1, BN[2], BN[3]), [f32(1, 4, 9, 10)]),
+    "group_norm_empty_plane": (lambda x: F.group_norm(x, 1), [f32(1, 4, 0, 5)]),
     "instance_norm": (lambda x: F.instance_norm(x, weight=BN[2], bias=BN[3]), [f32(2, 8, 5, 5)]),
     "max_pool2d": (lambda x: F.max_pool2d(x, 3, 2, 1), [f32(2, 3, 9, 8)]),
     "max_pool2d_ceil": (lambda x: F.max_pool2d(x, 2, ceil_mode=True), [f32(1, 3, 7, 7)]),

@@ -127,16 +127,23 @@ def _group_norm(ctx: LowerCtx, node):
     # to the input's shape as the engine reads it (Shape)
     batch = 0 if 0 in varying else shape[0]
     groups = ctx.const(groups)
-    if any(d != 0 for d in varying):   # run-time spatial dims: each group's values as one flattened row
+    if groups != 1 or any(d != 0 for d in varying) or (0 in varying and 0 in shape[2:]):
+        # each group's values as one flattened row (also for run-time spatial dims, or a static
+        # empty one beside a run-time batch, which ONNX's 0 would copy)
         grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([batch, groups, -1])])
         axes = [2]
     else:
-        # Only the channel dim split, [N, G, C/G, *spatial], each group reduced over its last
-        # dims: the view strides express in any layout x has. Flattened to [N, G, C/G * H * W],
-        # a channels-last x (a convolution's output) was read across its layout, element by
-        # element, and the result written back the same way (PoolFormer-S12's group norms, one
-        # group: 9.2 ms of loops in a 24 ms call).
-        grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([batch, groups, shape[1] // groups, *shape[2:]])])
+        # One group: the channel dim split, [N, 1, C, *spatial], reduced over its last dims, which
+        # the view strides express in any layout x has. Flattened to [N, 1, C * H * W], a
+        # channels-last x (a convolution's output) was read across its layout, element by element,
+        # and the result written back the same way (PoolFormer-S12's group norms: 9.2 ms of loops
+        # in a 24 ms call). Several groups keep the flattened row: their channels innermost are
+        # too few a group for a vector ([1, 256, 32, 32], 2 threads, 8 and 32 groups: 99 -> 161 us
+        # NCHW and 643 -> 775 us after a convolution with this form; one group 126 -> 123 us and
+        # 739 -> 668 us).
+        dims = [batch, groups, shape[1] // groups, *shape[2:]]
+        grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints(dims)]) if 0 in varying else \
+            reshape_exact(ctx, ctx.tensor(x), dims)   # a static 0 is an empty dim, not "copy"
         axes = list(range(2, len(shape) + 1))
     y = _normalize(ctx, grouped, axes, float(ctx.const(eps)), dtype)
     y = ctx.b.op("Reshape", [y, ctx.b.op("Shape", [ctx.tensor(x)])], allowzero=1) if varying else \
