@@ -115,9 +115,13 @@ class Values:
             remap = {"constant": f"({pos} >= 0 && {pos} < {n} ? {pos} : 0)",
                      "edge": f"({pos} < 0 ? 0 : ({pos} >= {n} ? {n - 1} : {pos}))",
                      "reflect": f"({pos} < 0 ? -{pos} : ({pos} >= {n} ? {2 * n - 2} - {pos} : {pos}))"}[mode]
-            scope.lines += [f"const int64_t {pos} = {shifted};", f"const int64_t {clamped} = {remap};"]
+            # in the loop its own index varies in: a pooling window's tap, read by a loop over the
+            # channels, checks its bounds once per tap, outside that loop (inside it, g++
+            # vectorized that loop in only some of its copies: PoolFormer's average pools)
+            home = scope.home_for([shifted])
+            home.lines += [f"const int64_t {pos} = {shifted};", f"const int64_t {clamped} = {remap};"]
             inside.append(f"{pos} >= 0 && {pos} < {n}")
-            scope.binds.update({pos, clamped})
+            home.binds.update({pos, clamped})
             src_idx.append(clamped)
         value = self.value(src, src_idx, scope)
         if mode != "constant" or not inside:

@@ -320,7 +320,9 @@ def test_a_pooling_pad_between_channels_last_values_is_read_inline():
     no stored copy: the reduction's loop over the channels reads the conv's output (its ReLU
     inline) with each tap's bounds checked once per tap, outside that loop. An NCHW pool (a pad
     along the innermost loop's dim) keeps its stored pad, and so does one over a costly inline
-    source (a Sigmoid, computed again for every window that reads it)."""
+    source (a Sigmoid, computed again for every window that reads it). Each tap's bounds are
+    computed in its own loop, outside the loop over the channels (inside it, g++ vectorized that
+    loop in only some of its copies: PoolFormer's average pools 0.6 -> 0.1 ms)."""
     for name in ("conv-maxpool-conv-channels-last", "conv-maxpool-residual-epilogue"):
         (case,) = [c for c in CASES if c.name == name]
         planned = plan.make_plan(ir.lower_onnx(case.model))
@@ -328,7 +330,12 @@ def test_a_pooling_pad_between_channels_last_values_is_read_inline():
         assert pad not in planned.materialized
         (pool,) = [n for n in planned.live if n.op == "reduce"]
         assert pool in planned.window_form and planned.orders.get(pool) is not None
-        assert not any(k.startswith("pad") for k in kernels(source_of(case)))
+        program = source_of(case)
+        assert not any(k.startswith("pad") for k in kernels(program))
+        window = program.source.split("(window form)\n  BLADE_PROFILE_BEGIN")[1].split("BLADE_PROFILE_END")[0]
+        bounds = re.findall(r"^( *)const int64_t p\d+c? = ", window, re.MULTILINE)
+        (load,) = re.findall(r"^( *)const float t\d+ = s\d+\[[^]]*p\d+c", window, re.MULTILINE)
+        assert bounds and all(len(indent) < len(load) for indent in bounds), window
     for name in ("MaxPool-window-form", "conv-sigmoid-maxpool-conv"):
         (case,) = [c for c in CASES if c.name == name]
         planned = plan.make_plan(ir.lower_onnx(case.model))
