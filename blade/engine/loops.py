@@ -33,6 +33,7 @@ ROW_BLOCKS = 8               # ... cut into at most this many blocks, the thread
 # partial reductions along one axis, in parallel, then their combination (_emit_split_reduce).
 SPLIT_MAX_OUTPUTS = 4
 SPLIT_MIN_WINDOW = 1 << 16
+SPLIT_ROWS = (8, 4096)       # the partial rows: enough for the threads, each a long enough run
 TRANSPOSE_BLOCK = 16         # elements of the dim a transposing kernel reads along, per tile (a cache line)
 
 
@@ -359,8 +360,8 @@ def emit_reduce(em, node, dest):
 def _split_axis(em, node):
     """The reduced axis a reduction is split along (_emit_split_reduce): its outermost one in
     memory when it has at most SPLIT_MAX_OUTPUTS outputs and a static window of at least
-    SPLIT_MIN_WINDOW elements (float sum, max or min); None otherwise, or when its input's strides
-    are unknown."""
+    SPLIT_MIN_WINDOW elements (float sum, max or min) and that axis makes SPLIT_ROWS rows ([1, 65536,
+    2] would be 65536 rows of two); None otherwise, or when its input's strides are unknown."""
     (src,) = node.args
     if node.attrs["kind"] not in ("sum", "max", "min") or not CType(node.dtype).is_float:
         return None
@@ -372,7 +373,7 @@ def _split_axis(em, node):
     if strides is None or not all(isinstance(strides[a], int) for a in axes):
         return None
     outer = max(axes, key=lambda a: strides[a])
-    return outer if src.shape[outer] >= 8 else None
+    return outer if SPLIT_ROWS[0] <= src.shape[outer] <= SPLIT_ROWS[1] else None
 
 
 def _emit_split_reduce(em, node, dest, axis):

@@ -281,6 +281,8 @@ def test_a_reduction_to_one_value_over_a_large_window_runs_in_parallel_rows(tmp_
     check_case(case, compile_cases([case], tmp_path)[case.name])
     small = op_case("ReduceSum", [(1, 16, 32, 32)], axes)
     assert len(kernels(source_of(small))) == 1
+    many_rows = op_case("ReduceSum", [(1, 32768, 2)], np.array([1, 2], np.int64))
+    assert len(kernels(source_of(many_rows))) == 1, "32768 rows of two floats: one loop"
 
 
 def test_a_reshape_source_keeps_row_major_where_its_read_order_breaks_the_reshape():
