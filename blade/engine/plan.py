@@ -644,9 +644,7 @@ def _stored_as(p: Plan, value: Node, written: set, strides) -> bool:
     chain, source = views.view_chain(value)
     if source not in written:
         return False
-    order = p.orders.get(source)
-    stored = contiguous_strides(source.shape) if order is None else strides_in_order(source.shape, order)
-    layout = views.layout_through(chain, views.Layout(0, tuple(stored)))
+    layout = views.layout_through(chain, views.Layout(0, tuple(_planned_strides(p, source))))
     return layout is not None and layout.offset == 0 and same_strides(value.shape, layout.strides, strides)
 
 
