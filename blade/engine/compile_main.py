@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 FAULT_ENV = "BLADE_TEST_COMPILE_FAULT"
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
         args.onnx = _perturbed(args.onnx, out_dir)
     try:
         compile_onnx(args.onnx, out_dir, json.loads(args.options))
-    except Exception as err:  # one line for the driver's error message, full detail after it
+    except Exception as err:  # the traceback, then one line that ends the log the driver's error quotes
+        traceback.print_exc()
         print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 1
     return 0

@@ -349,6 +349,10 @@ def emit_reduce(em, node, dest):
         if lanes is not None:   # the row's blocks become rows: the threads share a global pool's channels
             dest = blocked(dest, rows, lanes)
             rows += 1
+        if em.kernels.group is not None and len(em.kernels.group.rows) > rows:
+            # its row loop runs over this output row too ([1, 49] rows of a layer norm before a
+            # [1, 49, 64] -> [1, 49, 1] mean read 49 floats apart): one scalar window per element
+            em.kernels.close_group()
         em.kernels.emit_loop(comment + " (window form)", dest, None, work, rows=rows,
                              make=lambda c, d, _, w, g: _window_reduce_kernel(em, node, c, d, w, g, order,
                                                                               in_double=not small, lanes=lanes))

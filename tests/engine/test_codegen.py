@@ -364,6 +364,22 @@ def test_a_large_window_reduces_along_the_output_row_in_double(tmp_path):
         assert any("reduce sum over axes [2, 3] (window form)" in k for k in kernels(source_of(se))), se.name
 
 
+def test_a_window_along_the_row_after_a_kernel_over_those_rows_starts_its_own_loop(tmp_path):
+    """PVTv2's and HuBERT's layer norm over a transposed NCHW value ([1, 64, 7, 7] -> [1, 49, 64]):
+    both statistics read their window along the 49-float output row. The variance's followed the
+    mean's division, a kernel over rows (1, 49); joining that row loop left it no row to read along,
+    and the engine failed to compile (the whole cluster stayed in TorchScript)."""
+    case = graph_case("layernorm-over-transposed", [
+        node("Reshape", ["x", "s"], ["r"]), node("Transpose", ["r"], ["t"], perm=[0, 2, 1]),
+        node("LayerNormalization", ["t", "g", "b"], ["y"], axis=-1)], {"x": ((1, 64, 7, 7), "float32")}, ["y"],
+        {"s": np.array([1, 64, 49], np.int64), "g": np.linspace(0.5, 2, 64, dtype=np.float32),
+         "b": np.linspace(-1, 1, 64, dtype=np.float32)})
+    assert [k for k in kernels(source_of(case)) if k.endswith("(window form)")] == [
+        "reduce:v6[1, 49, 1]float32 = reduce sum over axes [2] (window form)",
+        "reduce:v14[1, 49, 1]float32 = reduce sum over axes [2] (window form)"]
+    check_case(case, compile_cases([case], tmp_path)[case.name])
+
+
 def test_a_kernel_reading_along_another_dim_than_it_writes_runs_in_tiles():
     """A channels-last value into an NCHW output (48 channels: blocks of 16), and a transposed
     output copied from another, run as tiled transposes; 12 channels (no block divides them) keep
