@@ -126,6 +126,7 @@ def onnxruntime_cpu(model, inputs):
 
 
 TT_INFER_REPORTS: list = []  # CompileReport of every graph tt_infer compiled (coverage column)
+AOT_REPORTS: dict = {}       # "last": the CompileReport of the last archive tt_infer_aot exported
 
 
 def tt_infer(model, inputs):
@@ -145,7 +146,7 @@ def tt_infer_aot(model, inputs):
     import blade
     with tempfile.TemporaryDirectory(prefix="blade-bench-aot-") as folder:  # loaded whole: not kept
         path = folder + "/model.blade.pt"
-        blade.export(model, inputs, path)
+        AOT_REPORTS["last"] = blade.export(model, inputs, path).report
         return blade.load(path)
 
 

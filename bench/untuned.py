@@ -11,7 +11,8 @@ options, the faster of the two exporters) built once, then `--rounds` rounds alt
 three (the order reversed every other round, 2 warm-up calls and a median of 5-50 calls each, a
 0.15 s pause between them). "archive vs ORT" is the median over rounds of ORT's time / the
 archive's in the same round (above 1: the archive is faster). Rel err = max |archive - eager| /
-max |eager| on the first output. A shorter, rougher look than bench/run.py (no Inductor, no
+max |eager| on the first output. "aten ops in engines": the archive's share of the model's aten ops
+that engines compute (a cluster that fails to compile stays in TorchScript, with a warning). A shorter, rougher look than bench/run.py (no Inductor, no
 frozen TorchScript, no load gating): it asks whether the archive's lead holds off the benchmark's
 own models.
 """
@@ -188,6 +189,8 @@ def measure(key: str, rounds: int) -> dict:
         runs = {"eager": model, "ORT": backends.onnxruntime_cpu(model, inputs),
                 "archive": backends.tt_infer_aot(model, inputs)}
         exporter = backends.ORT_CHOSEN.get("last")
+        report = backends.AOT_REPORTS["last"]   # an engine that failed to compile leaves its ops in TorchScript
+        coverage = report.aten_in_engines / report.aten_total if report.aten_total else 0.0
         expected, actual = _first(model(*inputs)), _first(runs["archive"](*inputs))
         err = ((actual - expected).abs().max() / expected.abs().max()).item()
         calls = max(5, min(50, int(0.08 / backends.median_call_s(model, inputs, 3))))
@@ -204,7 +207,7 @@ def measure(key: str, rounds: int) -> dict:
                 times[k].append(statistics.median(samples))
                 time.sleep(0.15)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    return {"model": name, **ms, "exporter": exporter, "err": err,
+    return {"model": name, **ms, "exporter": exporter, "err": err, "coverage": coverage,
             "vs_ort": statistics.median(o / a for a, o in zip(times["archive"], times["ORT"]))}
 
 
@@ -212,14 +215,16 @@ def render(rows: list, command: str) -> str:
     lines = ["# blade's archive on models bench/run.py does not have", "",
              f"`{command}`; {backends.machine()}, {torch.get_num_threads()} threads. " + __doc__.split("\n\n")[2]
              .replace("\n", " ").strip(), "",
-             "| model | eager ms | ONNX Runtime ms | archive ms | archive x eager | archive vs ORT | ORT exporter | rel err |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | eager ms | ONNX Runtime ms | archive ms | archive x eager | archive vs ORT | ORT exporter | rel err "
+             "| aten ops in engines |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['eager']:.2f} | {r['ORT']:.2f} | {r['archive']:.2f} | "
-                     f"{r['eager'] / r['archive']:.2f} | {r['vs_ort']:.2f} | {r['exporter']} | {r['err']:.1e} |")
+                     f"{r['eager'] / r['archive']:.2f} | {r['vs_ort']:.2f} | {r['exporter']} | {r['err']:.1e} | "
+                     f"{100 * r['coverage']:.0f}% |")
     return "\n".join(lines) + "\n"
 
 

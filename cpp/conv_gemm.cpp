@@ -52,7 +52,11 @@ std::optional<PointwiseShape> pointwise_shape(int32_t spatial, const int64_t* in
                                               const int64_t* strides, const int64_t* pads, const int64_t* dilations,
                                               int64_t groups, int32_t layout) {
   const int32_t channels_last = BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST;
-  if (groups != 1 || (layout != 0 && layout != channels_last)) return std::nullopt;
+  if (groups < 1 || (layout != 0 && layout != channels_last)) return std::nullopt;
+  if (groups > 1 && (input_shape[1] / groups < kPointwiseMinGroupChannels ||
+                     weight_shape[0] / groups < kPointwiseMinGroupChannels)) {
+    return std::nullopt;
+  }
   int64_t pixels = 1;
   for (int32_t d = 0; d < spatial; ++d) {
     if (weight_shape[2 + d] != 1 || strides[d] != 1 || dilations[d] != 1 || pads[d] != 0 || pads[spatial + d] != 0) {
@@ -60,7 +64,7 @@ std::optional<PointwiseShape> pointwise_shape(int32_t spatial, const int64_t* in
     }
     pixels *= input_shape[2 + d];
   }
-  return PointwiseShape{input_shape[0], pixels, input_shape[1], weight_shape[0], layout == channels_last};
+  return PointwiseShape{input_shape[0], pixels, input_shape[1], weight_shape[0], layout == channels_last, groups};
 }
 
 void pointwise_conv(const PointwiseShape& s, const float* input, const float* weight, const float* bias,
@@ -68,12 +72,20 @@ void pointwise_conv(const PointwiseShape& s, const float* input, const float* we
   const int64_t total = s.batch * s.pixels * s.out_channels;
   if (total == 0) return;
   const BladeRuntime* rt = runtime();
-  if (s.channels_last) {  // [P, out] = [P, in] · W^T
-    rt->sgemm(1, s.batch * s.pixels, s.out_channels, s.in_channels, 1.0f, input, s.in_channels, 0, 0, weight,
-              s.in_channels, 0, 1, 0.0f, output, s.out_channels, 0);
-  } else {  // per image [out, P] = W · [in, P]
+  const int64_t g = s.groups, group_in = s.in_channels / g, group_out = s.out_channels / g;
+  if (s.channels_last) {  // per group [P, group out] = [P, group in] · W_g^T, P = all images' pixels
+    const bool one = g == 1;  // strides of a batch of one are 0, as the other single GEMMs'
+    rt->sgemm(g, s.batch * s.pixels, group_out, group_in, 1.0f, input, s.in_channels, one ? 0 : group_in, 0, weight,
+              group_in, one ? 0 : group_out * group_in, 1, 0.0f, output, s.out_channels, one ? 0 : group_out);
+  } else if (g == 1) {  // per image [out, P] = W · [in, P]
     rt->sgemm(s.batch, s.out_channels, s.pixels, s.in_channels, 1.0f, weight, s.in_channels, 0, 0, input, s.pixels,
               s.in_channels * s.pixels, 0, 0.0f, output, s.pixels, s.out_channels * s.pixels);
+  } else {  // per image and group [group out, P] = W_g · [group in, P]
+    for (int64_t n = 0; n < s.batch; ++n) {
+      rt->sgemm(g, group_out, s.pixels, group_in, 1.0f, weight, group_in, group_out * group_in, 0,
+                input + n * s.in_channels * s.pixels, s.pixels, group_in * s.pixels, 0, 0.0f,
+                output + n * s.out_channels * s.pixels, s.pixels, group_out * s.pixels);
+    }
   }
   // Channels last: [batch * pixels, out] rows; NCHW: [batch * out, pixels] rows.
   const int64_t rows = s.channels_last ? s.batch * s.pixels : s.batch * s.out_channels;

@@ -473,10 +473,36 @@ def test_conv_pointwise(shape, layout, with_bias, with_sum, activation):
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+# With groups (SqueezeBERT's 4-group 1x1 Conv1d), one GEMM per group: NCL/NCHW (batch 2: per image
+# too) and channels-last (the grouped kernel, which takes those first, off).
+@pytest.mark.parametrize("shape, layout, groups", [((1, 64, 12), 0, 4), ((2, 32, 3, 5), 0, 2), ((2, 32, 5, 7), 3, 2)])
+def test_conv_pointwise_grouped(shape, layout, groups):
+    torch.manual_seed(6)
+    c_in, c_out, spatial = shape[1], 64, len(shape) - 2
+    x, weight = torch.randn(shape), torch.randn(c_out, c_in // groups, *([1] * spatial))
+    bias = torch.randn(c_out)
+    conv = {1: torch.conv1d, 2: torch.conv2d}[spatial]
+    expected = conv(x.double(), weight.double(), bias.double(), groups=groups).relu()
+    memory_format = torch.channels_last if layout else torch.contiguous_format
+    out = torch.full(expected.shape, float("nan")).contiguous(memory_format=memory_format)
+    try:
+        _testing.set_conv_kernel_enabled("patch", False)
+        _testing.set_conv_kernel_enabled("grouped", False)
+        before = _testing.conv_kernel_calls("pointwise")
+        _testing.conv(x.contiguous(memory_format=memory_format), weight, bias, [1] * spatial, [0] * 2 * spatial,
+                      [1] * spatial, groups, out, layout, True, None, 1)
+        assert _testing.conv_kernel_calls("pointwise") == before + 1
+    finally:
+        _testing.set_conv_kernel_enabled("patch", True)
+        _testing.set_conv_kernel_enabled("grouped", True)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("strides, pads, groups, layout", [([2, 2], [0, 0, 0, 0], 1, 3), ([1, 1], [0, 1, 0, 0], 1, 3),
                                                            ([1, 1], [0, 0, 0, 0], 2, 0), ([1, 1], [0, 0, 0, 0], 1, 1)])
 def test_conv_pointwise_not_taken(strides, pads, groups, layout):
-    """Strided, padded, grouped or layout-changing 1x1 convolutions stay oneDNN's."""
+    """Strided, padded, narrowly grouped (4 channels a group) or layout-changing 1x1 convolutions
+    stay oneDNN's."""
     x, weight = torch.randn(1, 8, 6, 6), torch.randn(8, 8 // groups, 1, 1)
     expected = torch.conv2d(torch.nn.functional.pad(x, [pads[1], pads[3], pads[0], pads[2]]), weight, None, strides,
                             groups=groups)
