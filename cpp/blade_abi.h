@@ -13,7 +13,7 @@
 #pragma once
 #include <cstdint>
 
-#define BLADE_ABI_VERSION 9
+#define BLADE_ABI_VERSION 10
 
 extern "C" {
 
@@ -102,8 +102,8 @@ struct BladeRuntime {
   // Float32 convolution (cross-correlation, like torch's conv) over `spatial` (1..3) dims:
   //   input [n, c_in, *in_size], weight [c_out, c_in / groups, *kernel], bias [c_out] or nullptr,
   //   output [n, c_out, *out_size]. Weight and bias are dense row-major; input and output are too
-  //   unless `layout` says channels-last (BLADE_CONV_*_CHANNELS_LAST bits, 2-D only): then the
-  //   tensor [n, c, h, w] is stored as dense [n, h, w, c]. input_shape has 2 + spatial entries
+  //   unless `layout` says channels-last (BLADE_CONV_*_CHANNELS_LAST bits, 1-D or 2-D): then the
+  //   tensor [n, c, h, w] is stored as dense [n, h, w, c] ([n, c, l] as [n, l, c]). input_shape has 2 + spatial entries
   //   (logical order n, c, ...), weight_shape too; strides and dilations have `spatial` entries;
   //   pads has 2 * spatial (all begins, then all ends; they may differ, e.g. "same" with an even
   //   kernel: the runtime zero-pads first). out_size[d] = (in + begin + end - dilation * (k - 1) - 1)

@@ -117,12 +117,13 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> parallel_for_threads(int64_t 
 void conv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, std::vector<int64_t> strides,
           std::vector<int64_t> pads, std::vector<int64_t> dilations, int64_t groups, at::Tensor& out, int64_t layout,
           bool pack, const std::optional<at::Tensor>& sum, int64_t activation, double lo, double hi, int64_t repeat) {
-  const auto format = [](bool channels_last) {
-    return channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  const auto dense_in = [](const at::Tensor& t, bool channels_last) {  // channels-last: [n, *spatial, c] (1-D, 2-D)
+    if (!channels_last) return t.is_contiguous();
+    return t.dim() == 4 ? t.is_contiguous(at::MemoryFormat::ChannelsLast) : t.dim() == 3 && t.transpose(1, 2).is_contiguous();
   };
-  TORCH_CHECK(x.is_contiguous(format(layout & BLADE_CONV_INPUT_CHANNELS_LAST)) && x.scalar_type() == at::kFloat,
+  TORCH_CHECK(dense_in(x, layout & BLADE_CONV_INPUT_CHANNELS_LAST) && x.scalar_type() == at::kFloat,
               "x must be float32 and dense in the declared layout");
-  TORCH_CHECK(out.is_contiguous(format(layout & BLADE_CONV_OUTPUT_CHANNELS_LAST)) && out.scalar_type() == at::kFloat,
+  TORCH_CHECK(dense_in(out, layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) && out.scalar_type() == at::kFloat,
               "out must be float32 and dense in the declared layout");
   TORCH_CHECK(w.is_contiguous() && (!b || b->is_contiguous()), "w and b must be contiguous");
   TORCH_CHECK(!sum || (sum->sizes() == out.sizes() && sum->strides() == out.strides()),

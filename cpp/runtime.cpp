@@ -319,6 +319,18 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
     depthwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
+  const auto pointwise = [&] {
+    if (!pointwise_kernel.enabled.load(std::memory_order_relaxed)) return false;
+    const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout);
+    if (!shape) return false;
+    pointwise_conv(*shape, input, weight, bias, sum, act.clamp, output);
+    unary_output(output, shape->batch * shape->pixels * shape->out_channels, act);
+    pointwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  };
+  // A grouped 1x1 whose groups are wide enough for GEMMs: those (the grouped kernel sums 4-24
+  // output channels a tile; SqueezeBERT's 64-256 channel groups took 0.17 ms there, 0.09-0.11 as GEMMs).
+  if (groups > 1 && pointwise()) return;
   if (const auto shape = grouped_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
     const at::Tensor packed = relaid_weight(weight, -4 /* grouped */, weight_shape,
                                             [&] { return grouped_conv_weight(weight, *shape); });
@@ -336,14 +348,7 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
       return;
     }
   }
-  if (pointwise_kernel.enabled.load(std::memory_order_relaxed)) {
-    if (const auto shape = pointwise_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
-      pointwise_conv(*shape, input, weight, bias, sum, act.clamp, output);
-      unary_output(output, shape->batch * shape->pixels * shape->out_channels, act);
-      pointwise_kernel.calls.fetch_add(1, std::memory_order_relaxed);
-      return;
-    }
-  }
+  if (pointwise()) return;
   const bool out_channels_last = (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0;
   at::Tensor x = engine_tensor(input, at::IntArrayRef(input_shape, 2 + spatial),
                                (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0);
@@ -449,9 +454,19 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
   // OpenMP regions, which no timed region covers) run on the calling thread as well. Under load a
   // T5 b8 call that started parallel took ~1 s instead of ~150 ms serially, its GEMMs still on 2
   // threads after serial mode had begun.
+  TORCH_CHECK(layout == 0 || spatial <= 2, "blade runtime: channels-last convolution must be 1-D or 2-D");
+  if (spatial == 1) {
+    // [n, c, l] is [n, c, 1, l] (and [n, l, c] channels-last is [n, 1, l, c]): the 2-D kernels take
+    // it, e.g. a depthwise or grouped Conv1d the runtime's kernels and not oneDNN's.
+    const int64_t input_2d[] = {input_shape[0], input_shape[1], 1, input_shape[2]};
+    const int64_t weight_2d[] = {weight_shape[0], weight_shape[1], 1, weight_shape[2]};
+    const int64_t strides_2d[] = {1, strides[0]}, dilations_2d[] = {1, dilations[0]};
+    const int64_t pads_2d[] = {0, pads[0], 0, pads[1]};
+    return conv(2, input_2d, input, weight_2d, weight, bias, strides_2d, pads_2d, dilations_2d, groups, output, layout,
+                sum, activation);
+  }
   const SerialScope serial_while_oversubscribed;
   const Activation act = activation_of(activation);
-  TORCH_CHECK(layout == 0 || spatial == 2, "blade runtime: channels-last convolution must be 2-D");
   const auto run_other = [&](float* out) {
     conv_other(spatial, input_shape, input, weight_shape, weight, bias, strides, pads, dilations, groups, out, layout,
                sum, act);

@@ -8,7 +8,7 @@ NHWC, with the plan's epilogue (a residual sum, a ReLU or clamp) applied by the 
 from __future__ import annotations
 
 from .attention import SCORE_STEP_KINDS
-from .buffers import CHANNELS_LAST, Strided, memory_order, permuted, same_strides, strides_in_order, unpermuted
+from .buffers import Strided, channels_last_order, memory_order, permuted, same_strides, strides_in_order, unpermuted
 from .ir import Node
 from .lines import DECLS, for_loop, indent
 from .optable import literal
@@ -188,10 +188,11 @@ def _conv_input(em, node: Node, channels_last: bool) -> tuple:
     if s is not None:
         if same_strides(node.shape, s.layout.strides, contiguous_strides(node.shape)):
             return s, False
-        if node.rank == 4 and same_strides(node.shape, s.layout.strides, strides_in_order(node.shape, CHANNELS_LAST)):
+        if node.rank in (3, 4) and same_strides(node.shape, s.layout.strides,
+                                                 strides_in_order(node.shape, channels_last_order(node.rank))):
             return s, True
     nhwc = channels_last and node.shape[1] >= CHANNELS_LAST_MIN_INPUT_CHANNELS
-    order = CHANNELS_LAST if nhwc else tuple(range(node.rank))
+    order = channels_last_order(node.rank) if nhwc else tuple(range(node.rank))
     copy = Strided(em.memory.new_scratch(node.dtype, node.shape).buf, node.shape,
                    Layout(0, strides_in_order(node.shape, order)))
     em.kernels.emit_loop(f"{'channels-last' if nhwc else 'contiguous'} copy of {node!r} for conv", copy,
@@ -202,7 +203,7 @@ def _conv_input(em, node: Node, channels_last: bool) -> tuple:
 def _conv_operands(em, node, dest) -> tuple:
     """(input, is it channels-last, weight and bias, is the output channels-last) of conv `node`
     writing dest; may emit copy kernels, so called before the conv's call kernel begins."""
-    out_nhwc = node.rank == 4 and not same_strides(node.shape, dest.layout.strides, contiguous_strides(node.shape))
+    out_nhwc = node.rank in (3, 4) and not same_strides(node.shape, dest.layout.strides, contiguous_strides(node.shape))
     x, in_nhwc = _conv_input(em, node.args[0], out_nhwc)
     return x, in_nhwc, [_dense_operand(em, a) for a in node.args[1:]], out_nhwc
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from . import views
 from .attention import find_attentions
-from .buffers import CHANNELS_LAST, channels_last_order, same_strides, strides_in_order
+from .buffers import channels_last_order, same_strides, strides_in_order
 from .ir import Graph, Node
 from .optable import ARG_REDUCE, EXPENSIVE_OPS
 from .symbolic import proves_at_least, proves_less
@@ -143,7 +143,7 @@ class Plan:
             parts.append(f"written into output {self.outputs[node]}")
         elif node in self.orders:
             order = self.orders[node]
-            parts.append("channels-last" if node.rank >= 4 and order == channels_last_order(node.rank)
+            parts.append("channels-last" if node.rank >= 3 and order == channels_last_order(node.rank)
                          else f"dims nested as {order}")
         if node in self.window_form:
             parts.append("window form")
@@ -351,22 +351,28 @@ def _permuted_matmul_output(node: Node, users: list):
 
 
 def _channels_last(p: Plan) -> set:
-    """Nodes stored channels-last (channels innermost): 2-D convolutions, and the values stored
-    between them (activations, residual sums, padded inputs and window reductions of pooling).
-    oneDNN then reads and writes without reordering (measured 7-30% faster per ResNet-18
-    convolution than NCHW with a copy), and the loops between convolutions run over channels
-    innermost instead of transposing. Graph outputs stay dense NCHW. On the way it sets the order
-    of each stored source of a reshape (_read_order), which the nodes after it read through."""
+    """Nodes stored channels-last (channels innermost): 1-D and 2-D convolutions, and the values
+    stored between them (activations, residual sums, padded inputs and window reductions of
+    pooling). oneDNN then reads and writes without reordering (measured 7-30% faster per ResNet-18
+    convolution than NCHW with a copy), the runtime's own kernels (channels-last only) take them,
+    and the loops between convolutions run over channels innermost instead of transposing. Graph
+    outputs stay dense NCHW. Of the 3-D values beside 1-D convolutions ([n, c, l]) only those
+    computed from one or feeding one are: a 3-D value is as often a transformer's [batch, seq,
+    hidden]. HuBERT's feature extractor: conv, layer norm over the channels (a transpose each way),
+    GELU, conv; with the GELU stored NCL its loop read the channels-last conv output across (12.8
+    ms). On the way it sets the
+    order of each stored source of a reshape (_read_order), which the nodes after it read through."""
     chosen = set()
     for node in p.live:
-        if node in p.outputs or node not in p.materialized or node.rank < 4:
+        if node in p.outputs or node not in p.materialized or node.rank < 3:
             continue
-        if node.rank == 4 and node.op == "conv" and (_feeds_conv(node, p.users) or
-                                                    _computed_from(p, node, chosen, ("ew", "view")) or
-                                                    _reads_channels_innermost(p, node, node.args[:1], chosen)):
+        if node.rank in (3, 4) and node.op == "conv" and (_feeds_conv(node, p.users) or
+                                                         _computed_from(p, node, chosen, ("ew", "view")) or
+                                                         _reads_channels_innermost(p, node, node.args[:1], chosen)):
             chosen.add(node)
-        elif node.rank == 4 and node.op in ("ew", "pad") and (_computed_from(p, node, chosen, ("ew",)) or
-                                                             _reads_channels_innermost(p, node, node.args, chosen)):
+        elif node.rank in (3, 4) and node.op in ("ew", "pad") and (
+                _computed_from(p, node, chosen, ("ew",)) or
+                _reads_channels_innermost(p, node, node.args, chosen) and (node.rank == 4 or _feeds_conv(node, p.users))):
             chosen.add(node)
         elif (node.op == "reduce" and 1 not in node.attrs["axes"] and node in p.window_form
               and _computed_from(p, node, chosen, ("ew", "view"))):
@@ -415,7 +421,7 @@ def _reads_channels_innermost(p: Plan, node: Node, args, chosen: set) -> bool:
 
 
 def _channels_innermost(p: Plan, value: Node, chosen: set):
-    """For a 4-D value read through views and inline elementwise ops: True when its dim 1 is
+    """For a 3-D or 4-D value read through views and inline elementwise ops: True when its dim 1 is
     innermost in memory, False when another dim is, None when unknown (a stored node read
     directly, a broadcast). Through inline ops: PoolFormer's group norms reshape a channels-last
     convolution to [N, G, C / G, H, W], normalize it inline and reshape it back, and their
@@ -427,7 +433,7 @@ def _channels_innermost(p: Plan, value: Node, chosen: set):
     if strides is None:
         return None
     dims = [d for d in range(len(strides)) if not (isinstance(shape[d], int) and shape[d] == 1)]
-    if len(strides) != 4 or 1 not in dims or any(not isinstance(strides[d], int) or strides[d] == 0 for d in dims):
+    if len(strides) not in (3, 4) or 1 not in dims or any(not isinstance(strides[d], int) or strides[d] == 0 for d in dims):
         return None
     return min(dims, key=lambda d: strides[d]) == 1
 
@@ -437,7 +443,7 @@ def _planned_strides(p: Plan, node: Node, chosen: set = frozenset(), inline: Nod
     else row-major); None when it is computed where it is read (or is `inline`)."""
     if node is inline or (node.op in COMPUTED and node not in p.materialized):
         return None
-    order = CHANNELS_LAST if node in chosen else p.orders.get(node)
+    order = channels_last_order(node.rank) if node in chosen else p.orders.get(node)
     return strides_in_order(node.shape, order) if order is not None else contiguous_strides(node.shape)
 
 
@@ -630,7 +636,7 @@ def _conv_epilogue(p: Plan, conv: Node, written: set, channels_last: set) -> Epi
     if target not in p.materialized or target in written:
         return None
     if addend is not None:
-        planned = (strides_in_order(conv.shape, CHANNELS_LAST) if target in channels_last
+        planned = (strides_in_order(conv.shape, channels_last_order(conv.rank)) if target in channels_last
                    else contiguous_strides(conv.shape))
         if not _stored_as(p, addend, written, planned):
             return None

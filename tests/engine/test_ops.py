@@ -222,6 +222,23 @@ CASES = [
          "beta": np.random.default_rng(33).standard_normal((8, 1, 1)).astype(f32),
          "w2": np.random.default_rng(34).standard_normal((8, 8, 1, 1)).astype(f32)}, rtol=1e-4, atol=1e-4)
       for groups in (1, 2)],
+    # An audio feature extractor (HuBERT's: strided 1-D convolutions, a layer norm over the
+    # channels between transposes, GELU) then SqueezeBERT's grouped 1x1 Conv1d: the convolutions
+    # and the GELU are stored channels-last [n, l, c] (test_codegen checks the plan).
+    graph_case("conv1d-layernorm-gelu-conv1d", [
+        node("Conv", ["x", "w1"], ["c1"], kernel_shape=[10], strides=[5]),
+        node("Transpose", ["c1"], ["t1"], perm=[0, 2, 1]), node("LayerNormalization", ["t1", "g", "b"], ["n1"], axis=-1),
+        node("Transpose", ["n1"], ["u1"], perm=[0, 2, 1]), node("Gelu", ["u1"], ["a1"]),
+        node("Conv", ["a1", "w2"], ["c2"], kernel_shape=[3], strides=[2]),
+        node("Transpose", ["c2"], ["t2"], perm=[0, 2, 1]), node("LayerNormalization", ["t2", "g", "b"], ["n2"], axis=-1),
+        node("Transpose", ["n2"], ["u2"], perm=[0, 2, 1]), node("Conv", ["u2", "w3", "b3"], ["y"], group=2)],
+        {"x": ((1, 1, 403), "float32")}, ["y"],
+        {"w1": np.random.default_rng(41).standard_normal((32, 1, 10)).astype(f32),
+         "w2": (np.random.default_rng(42).standard_normal((32, 32, 3)) / 8).astype(f32),
+         "w3": (np.random.default_rng(43).standard_normal((32, 16, 1)) / 4).astype(f32),
+         "b3": np.random.default_rng(44).standard_normal((32,)).astype(f32),
+         "g": np.random.default_rng(45).standard_normal((32,)).astype(f32),
+         "b": np.random.default_rng(46).standard_normal((32,)).astype(f32)}, rtol=1e-4, atol=1e-4),
     # A residual block: convolutions and the activations between them are stored channels-last
     # (an NCHW input with >= 8 channels is copied NHWC first; the outputs come back dense NCHW).
     graph_case("conv-residual-block-channels-last", [

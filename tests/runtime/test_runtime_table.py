@@ -927,3 +927,27 @@ def test_expand_depthwise_together_is_bitwise_apart(case, threads, with_sum, act
     assert outputs[0].isnan().any()
     assert torch.equal(outputs[0].nan_to_num(123.0), outputs[1].nan_to_num(123.0))
     torch.testing.assert_close(outputs[0].double(), expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+# A 1-D convolution runs as a 2-D one of unit height ([n, c, l] is [n, c, 1, l]; channels-last
+# [n, l, c] is [n, 1, l, c]), so the 2-D kernels take it: depthwise (Mamba's, ConvBERT's), grouped
+# (wav2vec2's positional convolution), patch (an audio feature extractor's strided one), and oneDNN's
+# (a computed weight) in the same layouts. Against a float64 conv1d, with bias, residual and ReLU.
+@pytest.mark.parametrize("kernel, c_in, c_out, k, stride, dilation, pads, groups, layout, pack", [
+    ("depthwise", 32, 32, 4, 1, 1, [3, 0], 32, 3, True), ("grouped", 32, 64, 5, 1, 1, [2, 2], 4, 3, True),
+    ("patch", 24, 40, 3, 2, 1, [0, 0], 1, 3, True), ("patch", 1, 40, 10, 5, 1, [0, 0], 1, 2, True),
+    ("patch", 16, 24, 3, 1, 2, [2, 2], 1, 3, False), (None, 16, 24, 3, 2, 1, [1, 1], 1, 0, True)])
+def test_conv_1d_runs_as_2d_of_unit_height(kernel, c_in, c_out, k, stride, dilation, pads, groups, layout, pack):
+    torch.manual_seed(7)
+    x, weight, bias = torch.randn(2, c_in, 29), torch.randn(c_out, c_in // groups, k), torch.randn(c_out)
+    expected = torch.conv1d(torch.nn.functional.pad(x.double(), pads), weight.double(), bias.double(), stride, 0,
+                            dilation, groups)
+    lay = lambda t, channels_last: t.transpose(1, 2).contiguous().transpose(1, 2) if channels_last else t.contiguous()
+    residual = lay(torch.randn(expected.shape), layout & 2)
+    expected = (expected + residual.double()).relu()
+    out = lay(torch.full(expected.shape, float("nan")), layout & 2)
+    before = _testing.conv_kernel_calls(kernel) if kernel else 0
+    _testing.conv(lay(x, layout & 1), weight, bias, [stride], pads, [dilation], groups, out, layout, pack, residual, 1)
+    if kernel:
+        assert _testing.conv_kernel_calls(kernel) == before + 1
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
