@@ -169,9 +169,52 @@ def mobilenet_v1():
     return "MobileNetV1 (224x224)", transformers.MobileNetV1Model(transformers.MobileNetV1Config()), (_image(),)
 
 
+def _audio(seconds=1.0, batch=1):
+    return torch.randn(batch, int(16000 * seconds))
+
+
+def wav2vec2():
+    import transformers   # strided Conv1d feature extractor (a per-channel group norm first), grouped positional conv
+    cfg = transformers.Wav2Vec2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024)
+    return "Wav2Vec2 (2L, 256, 1 s of 16 kHz audio)", transformers.Wav2Vec2Model(cfg), (_audio(),)
+
+
+def hubert():
+    import transformers   # the feature extractor with a layer norm over the channels between transposes
+    cfg = transformers.HubertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024,
+                                    feat_extract_norm="layer", do_stable_layer_norm=True)
+    return "HuBERT (2L, 256, layer-norm extractor, 1 s)", transformers.HubertModel(cfg), (_audio(),)
+
+
+def speech2text():
+    import transformers   # two strided Conv1d (GLU) subsampling 80 mel features
+    cfg = transformers.Speech2TextConfig(d_model=256, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
+                                         encoder_ffn_dim=1024)
+    return "Speech2Text encoder (2L, 256, 584x80)", transformers.Speech2TextModel(cfg).get_encoder(), (torch.randn(1, 584, 80),)
+
+
+def squeezebert():
+    import transformers   # grouped 1x1 Conv1d for its projections, layer norms over the channels
+    cfg = transformers.SqueezeBertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                                         embedding_size=256, vocab_size=8000)
+    return "SqueezeBERT (4L, 256, 4-group convs)", transformers.SqueezeBertModel(cfg), (_tokens(cfg),)
+
+
+def pvt_v2():
+    import transformers   # spatial-reduction attention: a strided conv and a layer norm on the keys' tokens
+    return "PVTv2-b0 (224x224)", transformers.PvtV2Model(transformers.PvtV2Config()), (_image(),)
+
+
+def focalnet():
+    import transformers   # focal modulation: depthwise convs, gating, global average context
+    cfg = transformers.FocalNetConfig(embed_dim=64, depths=[2, 2, 2, 2])
+    return "FocalNet (2-2-2-2, 64, 224x224)", transformers.FocalNetModel(cfg), (_image(),)
+
+
 MODELS = {f.__name__: f for f in (roberta, qwen2, gpt_neox, bart, whisper_encoder, deit, swin, segformer, resnet50,
                                    regnet, efficientnet, mobilevit, deberta, bloom, mistral, beit, levit, poolformer,
-                                   convnextv2, mobilenet_v1)}
+                                   convnextv2, mobilenet_v1, wav2vec2, hubert, speech2text, squeezebert, pvt_v2,
+                                   focalnet)}
 
 
 def _first(out):

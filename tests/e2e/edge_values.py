@@ -183,6 +183,9 @@ CALLS = {
     "aten::instance_norm": [Call("reduction", lambda x: F.instance_norm(x.unsqueeze(0)).squeeze(0))],
     "aten::batch_norm": [Call("reduction", lambda x: F.batch_norm(x.unsqueeze(0), *BN_STATS).squeeze(0))],
     "aten::cumsum": [Call("reduction", lambda x: torch.cumsum(x, 0)), Call("reduction", lambda x: torch.cumsum(x, 1))],
+    # halves of the rows, and of each row (an odd length cut to even first)
+    "aten::glu": [Call("unary", lambda x: F.glu(x, 0)),
+                  Call("unary", lambda x: F.glu(x.narrow(-1, 0, x.shape[-1] // 2 * 2), -1))],
 }
 
 _SHAPES = "shapes, views and data movement: no arithmetic on values"

@@ -221,6 +221,26 @@ def _split(ctx: LowerCtx, node):
     return [outputs]
 
 
+def _glu(ctx: LowerCtx, node):
+    """glu(x, dim): the first half of dim times the sigmoid of the second (Speech2Text's subsampler)."""
+    x, dim = node_args(node)[:2]
+    shape = ctx.shape(x)
+    dim = ctx.const(dim) % len(shape)
+    half = shape[dim] // 2
+    gate = ctx.b.op("Sigmoid", [slice_onnx(ctx, ctx.tensor(x), dim, half, 2 * half)])
+    return [ctx.b.op("Mul", [slice_onnx(ctx, ctx.tensor(x), dim, 0, half), gate])]
+
+
+def _glu_check(node):
+    x, dim = node_args(node)[:2]
+    shape, dim = x.type().sizes() if is_tensor(x) else None, constant_value(dim)
+    if not shape or not isinstance(dim, int) or not -len(shape) <= dim < len(shape) or shape[dim] is None:
+        return "aten::glu over a dim of unknown size"
+    if shape[dim] % 2:   # torch raises for it
+        return "aten::glu over a dim of odd size"
+    return None
+
+
 def _list_construct(ctx: LowerCtx, node):
     """A Tensor[] (names of its tensors), or a list of run-time sizes (read by its consumer's rule
     from the TorchScript list itself)."""
@@ -304,6 +324,7 @@ RULES: dict[str, Rule] = {
     "aten::split": Rule(_split, tensor_lists=True),
     "aten::split_with_sizes": Rule(_split, tensor_lists=True),
     "aten::chunk": Rule(_split, tensor_lists=True),
+    "aten::glu": Rule(_glu, _glu_check),
     # Tensor[] glue: lives inside a cluster only together with its producer/consumers
     "prim::ListConstruct": Rule(_list_construct, tensor_lists=True, size_args=True),
     "prim::ListUnpack": Rule(_list_unpack, tensor_lists=True),
