@@ -211,10 +211,16 @@ def focalnet():
     return "FocalNet (2-2-2-2, 64, 224x224)", transformers.FocalNetModel(cfg), (_image(),)
 
 
+def bit():
+    import transformers   # group norms of 32 groups after every convolution, weight-standardized convolutions
+    cfg = transformers.BitConfig(layer_type="bottleneck", depths=[1, 1, 1, 1], hidden_sizes=[256, 512, 1024, 2048])
+    return "BiT (bottleneck 1-1-1-1, 32-group norms, 224x224)", transformers.BitModel(cfg), (_image(),)
+
+
 MODELS = {f.__name__: f for f in (roberta, qwen2, gpt_neox, bart, whisper_encoder, deit, swin, segformer, resnet50,
                                    regnet, efficientnet, mobilevit, deberta, bloom, mistral, beit, levit, poolformer,
                                    convnextv2, mobilenet_v1, wav2vec2, hubert, speech2text, squeezebert, pvt_v2,
-                                   focalnet)}
+                                   focalnet, bit)}
 
 
 def _first(out):

@@ -161,12 +161,13 @@ class Reduction:
     float_combine: object = None
 
 
+# The NaN-propagating max/min combine is the prelude's blade_max_nan/blade_min_nan (why: there).
 REDUCE = {
     "sum": Reduction(lambda t: f"{t}(0)", lambda acc, v: f"{acc} + {v}", "+"),
     "prod": Reduction(lambda t: f"{t}(1)", lambda acc, v: f"{acc} * {v}", "*"),
-    "max": Reduction(_neg_inf_or_lowest, lambda acc, v: f"({v} != {v} || {v} > {acc}) ? {v} : {acc}", "max",
+    "max": Reduction(_neg_inf_or_lowest, lambda acc, v: f"blade_max_nan({acc}, {v})", "max",
                      lambda acc, v: f"{v} > {acc} ? {v} : {acc}"),
-    "min": Reduction(_inf_or_max, lambda acc, v: f"({v} != {v} || {v} < {acc}) ? {v} : {acc}", "min",
+    "min": Reduction(_inf_or_max, lambda acc, v: f"blade_min_nan({acc}, {v})", "min",
                      lambda acc, v: f"{v} < {acc} ? {v} : {acc}"),
 }
 

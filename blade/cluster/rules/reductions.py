@@ -119,7 +119,7 @@ def _affine(ctx: LowerCtx, y: str, weight, bias, rank: int, dtype) -> str:
 
 def _group_norm(ctx: LowerCtx, node):
     x, groups, weight, bias, eps = node_args(node)[:5]
-    shape, dtype = ctx.shape(x), ctx.dtype(x)
+    shape, dtype, eps = ctx.shape(x), ctx.dtype(x), float(ctx.const(eps))
     varying = ctx.run_time.get(x, set())
     if 1 in varying:
         raise LoweringError("group_norm over a run-time channel count")
@@ -127,28 +127,51 @@ def _group_norm(ctx: LowerCtx, node):
     # to the input's shape as the engine reads it (Shape)
     batch = 0 if 0 in varying else shape[0]
     groups = ctx.const(groups)
-    if groups != 1 or any(d != 0 for d in varying) or (0 in varying and 0 in shape[2:]):
-        # each group's values as one flattened row (also for run-time spatial dims, or a static
-        # empty one beside a run-time batch, which ONNX's 0 would copy)
-        grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([batch, groups, -1])])
-        axes = [2]
+    reshape = (lambda v, to: ctx.b.op("Reshape", [v, ctx.b.ints(to)])) if 0 in varying else \
+        (lambda v, to: reshape_exact(ctx, v, to))   # a static 0 is an empty dim, not "copy"
+    dims = [batch, groups, shape[1] // groups, *shape[2:]]
+    if any(d != 0 for d in varying) or (0 in varying and 0 in shape[2:]):
+        # each group's values as one flattened row (run-time spatial dims, or a static empty one
+        # beside a run-time batch, which ONNX's 0 would copy)
+        y = _normalize(ctx, ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([batch, groups, -1])]), [2], eps, dtype)
+    elif groups == 1:
+        # the channel dim split, [N, 1, C, *spatial], reduced over its last dims, which the view
+        # strides express in any layout x has. Flattened to [N, 1, C * H * W], a channels-last x (a
+        # convolution's output) was read across its layout, element by element, and the result
+        # written back the same way (PoolFormer-S12's group norms: 9.2 ms of loops in a 24 ms call).
+        y = _normalize(ctx, reshape(ctx.tensor(x), dims), list(range(2, len(shape) + 1)), eps, dtype)
     else:
-        # One group: the channel dim split, [N, 1, C, *spatial], reduced over its last dims, which
-        # the view strides express in any layout x has. Flattened to [N, 1, C * H * W], a
-        # channels-last x (a convolution's output) was read across its layout, element by element,
-        # and the result written back the same way (PoolFormer-S12's group norms: 9.2 ms of loops
-        # in a 24 ms call). Several groups keep the flattened row: their channels innermost are
-        # too few a group for a vector ([1, 256, 32, 32], 2 threads, 8 and 32 groups: 99 -> 161 us
-        # NCHW and 643 -> 775 us after a convolution with this form; one group 126 -> 123 us and
-        # 739 -> 668 us).
-        dims = [batch, groups, shape[1] // groups, *shape[2:]]
-        grouped = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints(dims)]) if 0 in varying else \
-            reshape_exact(ctx, ctx.tensor(x), dims)   # a static 0 is an empty dim, not "copy"
-        axes = list(range(2, len(shape) + 1))
-    y = _normalize(ctx, grouped, axes, float(ctx.const(eps)), dtype)
+        return [_affine(ctx, _grouped_normalize(ctx, ctx.tensor(x), reshape, shape, dims, eps, dtype), weight, bias,
+                        len(shape), dtype)]
     y = ctx.b.op("Reshape", [y, ctx.b.op("Shape", [ctx.tensor(x)])], allowzero=1) if varying else \
         reshape_exact(ctx, y, shape)
     return [_affine(ctx, y, weight, bias, len(shape), dtype)]
+
+
+def _grouped_normalize(ctx: LowerCtx, x: str, reshape, shape: list, dims: list, eps: float, dtype) -> str:
+    """_normalize over each group of channels of x [N, C, *spatial] (dims: [N, G, C / G, *spatial]),
+    with statistics per channel: each sum over the spatial dims first (x read as it lies, along
+    its channels when channels-last: a global pool), then over the group's channels, and each
+    group's mean and deviation computed for each of its channels, a C-float table the engine
+    stores (read through a reshape of a broadcast, the loops over channels indexed it c / (C / G)
+    and stayed scalar: BiT's max pool after its stem's group norm, 9.8 ms). The elementwise parts
+    stay on x's own shape, so no value of x's size is reshaped: over a split [N, G, C / G, *spatial]
+    view each group's sum read the whole activation for its few channels (32 groups of 2: 32
+    passes), and flattened to [N, G, C / G * H * W] a channels-last x was read across its layout
+    (6.7 ms after BiT's stem)."""
+    spatial = list(range(2, len(shape)))
+    count = ctx.scalar(float(np.prod(dims[2:])), dtype)
+
+    def per_channel(v, finish):   # finish(the group sums of v, one per channel [N, G, C / G, 1, ...]) as [N, C, 1, ...]
+        sums = ctx.b.op("ReduceSum", [v, ctx.b.ints(spatial)], keepdims=1) if spatial else v   # (ONNX: [] is all)
+        sums = ctx.b.op("ReduceSum", [reshape(sums, [*dims[:3], *[1] * len(spatial)]), ctx.b.ints([2])], keepdims=1)
+        table = finish(ctx.b.op("Expand", [sums, ctx.b.ints([1, *dims[1:3], *[1] * len(spatial)])]))
+        return reshape(table, [dims[0], shape[1], *[1] * len(spatial)])
+
+    centered = ctx.b.op("Sub", [x, per_channel(x, lambda sums: ctx.b.op("Div", [sums, count]))])
+    std = per_channel(ctx.b.op("Mul", [centered, centered]), lambda sums: ctx.b.op(
+        "Sqrt", [ctx.b.op("Add", [ctx.b.op("Div", [sums, count]), ctx.scalar(eps, dtype)])]))
+    return ctx.b.op("Div", [centered, std])
 
 
 def _instance_norm(ctx: LowerCtx, node):
