@@ -90,10 +90,11 @@ def test_group_norm_over_a_run_time_batch_and_length_computes_in_an_engine(affin
                                 (BATCH_MAX, 6, WIDTH_MAX)])
 
 
-def test_group_norm_over_a_run_time_batch_alone_computes_in_an_engine():
-    """A run-time batch and static planes, one group: [0 (the batch, copied), 1, C, H, W] reduced
-    over its last three dims."""
-    model, result = compiled(lambda x: F.group_norm(x * 2, 1) + 1, {0: ("batch", BATCH_MAX)}, example=(3, 4, 5, 6))
+@pytest.mark.parametrize("groups", [1, 2])
+def test_group_norm_over_a_run_time_batch_alone_computes_in_an_engine(groups):
+    """A run-time batch and static planes: one group, [0 (the batch, copied), 1, C, H, W] reduced
+    over its last three dims; two, sums per channel then per group ([0, G, C / G, 1, 1])."""
+    model, result = compiled(lambda x: F.group_norm(x * 2, groups) + 1, {0: ("batch", BATCH_MAX)}, example=(3, 4, 5, 6))
     report = result.report
     assert "aten::group_norm" in engine_kinds(report), report.left_out
     check_sizes(model, result, [(1, 4, 5, 6), (BATCH_MAX, 4, 5, 6), (2, 4, 5, 6)])
