@@ -212,6 +212,13 @@ COMPOSITE_CASES = [
     Composite("aten::chunk", viewed(lambda x, n, dim: x.chunk(n, dim)), lambda dt: [
         (make((4, 8), dt), 3, 1), (make((4, 8), dt), 5, -1), (make((4, 8), dt), 1, 0), (make((0, 4), dt), 2, 0),
         (make((4, 3), dt), 4, 1), (make((6, 4), dt, noncontig=True), 2, 0)]),
+    # F.fold of windows that do not overlap (stride = kernel): blocks back into an image; padding
+    # crops it, rows and columns no window reaches are 0; unbatched too (OpInfo has no fold)
+    Composite("aten::col2im", viewed(lambda x, size, kernel, padding: F.fold(x, size, kernel, padding=padding,
+                                                                           stride=kernel)), lambda dt: [
+        (make((2, 12, 6), dt), (4, 6), (2, 2), 0), (make((1, 8, 6), dt), (5, 7), (2, 2), 0),
+        (make((1, 6, 16), dt), (6, 6), (1, 3), (1, 0)), (make((12, 6), dt), (4, 6), (2, 2), 0),
+        (make((2, 12, 6), dt, noncontig=True), (4, 6), (2, 2), 0)], ("f32", "f64", "bool")),
     Composite("aten::unbind", viewed(lambda x, dim: x.unbind(dim)), lambda dt: [
         (make((3, 4), dt), 0), (make((3, 4), dt), -1), (make((1, 5), dt), 0), (make((2, 0), dt), 0),
         (make((3, 4), dt, noncontig=True), 1)]),

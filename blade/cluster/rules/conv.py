@@ -168,6 +168,67 @@ def _upsample(ctx: LowerCtx, node):
     return [name]
 
 
+def _im2col(ctx: LowerCtx, node):
+    """F.unfold: [N, C, H, W] -> [N, C * kh * kw, L], column l holding the kernel's taps at output
+    position l over the zero-padded input: each tap's strided slice, [N, C, out_h, out_w], stacked
+    after C and the result viewed as columns (MobileViTV2 unfolds 2x2 patches)."""
+    x, kernel, dilation, padding, stride = node_args(node)[:5]
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = (ctx.const(a) for a in (kernel, dilation, padding, stride))
+    shape = ctx.shape(x)
+    batched = len(shape) == 4
+    n, c, h, w = shape if batched else [1, *shape]
+    v = ctx.tensor(x) if batched else ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints([0])])
+    if ph or pw:
+        v = ctx.b.op("Pad", [v, ctx.b.ints([0, 0, ph, pw, 0, 0, ph, pw]), ctx.scalar(0, ctx.dtype(x))], mode="constant")
+    out_h, out_w = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    taps = [ctx.b.op("Unsqueeze", [ctx.b.op("Slice", [
+        v, ctx.b.ints([i * dh, j * dw]), ctx.b.ints([i * dh + sh * (out_h - 1) + 1, j * dw + sw * (out_w - 1) + 1]),
+        ctx.b.ints([2, 3]), ctx.b.ints([sh, sw])]), ctx.b.ints([2])]) for i in range(kh) for j in range(kw)]
+    stacked = ctx.b.op("Concat", taps, axis=2) if len(taps) > 1 else taps[0]
+    columns = ctx.b.op("Reshape", [stacked, ctx.b.ints([n, c * kh * kw, out_h * out_w])], allowzero=1)
+    return [columns if batched else ctx.b.op("Squeeze", [columns, ctx.b.ints([0])])]
+
+
+def _col2im(ctx: LowerCtx, node):
+    """F.fold of windows that do not overlap (stride = kernel, no dilation: _col2im_check): each
+    output pixel comes from one column, so [N, C * kh * kw, out_h * out_w] is a permutation of the
+    padded image's blocks, cropped by the padding (pixels no window covers are 0)."""
+    x, size, kernel, dilation, padding, stride = node_args(node)[:6]
+    (height, width), (kh, kw), (ph, pw) = (ctx.const(a) for a in (size, kernel, padding))
+    shape = ctx.shape(x)
+    batched = len(shape) == 3
+    n = shape[0] if batched else 1
+    c = shape[-2] // (kh * kw)
+    out_h, out_w = (height + 2 * ph - kh) // kh + 1, (width + 2 * pw - kw) // kw + 1
+    blocks = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([n, c, kh, kw, out_h, out_w])], allowzero=1)
+    image = ctx.b.op("Reshape", [ctx.b.op("Transpose", [blocks], perm=[0, 1, 4, 2, 5, 3]),
+                                 ctx.b.ints([n, c, out_h * kh, out_w * kw])], allowzero=1)
+    short_h, short_w = height + ph - out_h * kh, width + pw - out_w * kw   # rows/columns past the last window
+    if short_h > 0 or short_w > 0:
+        image = ctx.b.op("Pad", [image, ctx.b.ints([0, 0, 0, 0, 0, 0, max(short_h, 0), max(short_w, 0)]),
+                                 ctx.scalar(0, ctx.dtype(x))], mode="constant")
+    image = ctx.b.op("Slice", [image, ctx.b.ints([ph, pw]), ctx.b.ints([ph + height, pw + width]), ctx.b.ints([2, 3])])
+    return [image if batched else ctx.b.op("Squeeze", [image, ctx.b.ints([0])])]
+
+
+def _im2col_check(node):
+    args = [constant_value(a) for a in node_args(node)[1:5]]
+    if not all(isinstance(a, list) and len(a) == 2 for a in args):
+        return "aten::im2col with run-time window arguments"
+    if args[0][0] * args[0][1] > 64:
+        return "aten::im2col with more than 64 kernel taps"
+    return None
+
+
+def _col2im_check(node):
+    size, kernel, dilation, padding, stride = (constant_value(a) for a in node_args(node)[1:6])
+    if not all(isinstance(a, list) and len(a) == 2 for a in (size, kernel, dilation, padding, stride)):
+        return "aten::col2im with run-time window arguments"
+    if stride != kernel or dilation != [1, 1]:
+        return "aten::col2im with overlapping or dilated windows (only stride = kernel folds as a permutation)"
+    return None
+
+
 # The scale arguments of the overloads with an output size, per spatial axis (scripted F.interpolate
 # calls these with the scale_factor the user gave).
 RESIZE_SCALE_ARGS = {1: ("scales",), 2: ("scales_h", "scales_w"), 3: ("scales_d", "scales_h", "scales_w")}
@@ -210,6 +271,8 @@ RULES: dict[str, Rule] = {
     "aten::avg_pool2d": Rule(_avg_pool, _avg_pool_check),
     "aten::adaptive_avg_pool1d": Rule(_adaptive_avg_pool, _adaptive_avg_pool_check),
     "aten::adaptive_avg_pool2d": Rule(_adaptive_avg_pool, _adaptive_avg_pool_check),
+    "aten::im2col": Rule(_im2col, _im2col_check),
+    "aten::col2im": Rule(_col2im, _col2im_check),
     **{kind: Rule(_pad, _pad_check) for kind in (
         "aten::pad", "aten::constant_pad_nd", "aten::reflection_pad1d", "aten::reflection_pad2d",
         "aten::replication_pad1d", "aten::replication_pad2d")},
