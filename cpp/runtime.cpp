@@ -449,11 +449,6 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
           const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
           const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
           const BladeActivation* activation) {
-  // Engine::execute decides serial mode once per call, but a stall seen by an earlier region of the
-  // same call starts it too: from then on, this call's GEMMs and convolutions (MKL's and ATen's own
-  // OpenMP regions, which no timed region covers) run on the calling thread as well. Under load a
-  // T5 b8 call that started parallel took ~1 s instead of ~150 ms serially, its GEMMs still on 2
-  // threads after serial mode had begun.
   TORCH_CHECK(layout == 0 || spatial <= 2, "blade runtime: channels-last convolution must be 1-D or 2-D");
   if (spatial == 1) {
     // [n, c, l] is [n, c, 1, l] (and [n, l, c] channels-last is [n, 1, l, c]): the 2-D kernels take
@@ -465,6 +460,11 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
     return conv(2, input_2d, input, weight_2d, weight, bias, strides_2d, pads_2d, dilations_2d, groups, output, layout,
                 sum, activation);
   }
+  // Engine::execute decides serial mode once per call, but a stall seen by an earlier region of the
+  // same call starts it too: from then on, this call's GEMMs and convolutions (MKL's and ATen's own
+  // OpenMP regions, which no timed region covers) run on the calling thread as well. Under load a
+  // T5 b8 call that started parallel took ~1 s instead of ~150 ms serially, its GEMMs still on 2
+  // threads after serial mode had begun.
   const SerialScope serial_while_oversubscribed;
   const Activation act = activation_of(activation);
   const auto run_other = [&](float* out) {

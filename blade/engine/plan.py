@@ -358,10 +358,10 @@ def _channels_last(p: Plan) -> set:
     and the loops between convolutions run over channels innermost instead of transposing. Graph
     outputs stay dense NCHW. Of the 3-D values beside 1-D convolutions ([n, c, l]) only those
     computed from one or feeding one are: a 3-D value is as often a transformer's [batch, seq,
-    hidden]. HuBERT's feature extractor: conv, layer norm over the channels (a transpose each way),
-    GELU, conv; with the GELU stored NCL its loop read the channels-last conv output across (12.8
-    ms). On the way it sets the
-    order of each stored source of a reshape (_read_order), which the nodes after it read through."""
+    hidden]. (HuBERT's feature extractor: conv, a layer norm over the channels between transposes,
+    GELU, conv; with the GELU stored NCL, its loop read the channels-last conv output across, 12.8
+    ms.) On the way it sets the order of each stored source of a reshape (_read_order), which the
+    nodes after it read through."""
     chosen = set()
     for node in p.live:
         if node in p.outputs or node not in p.materialized or node.rank < 3:
