@@ -185,6 +185,7 @@ CASES = {
     "adaptive_avg_pool2d_div": (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), [f32(2, 8, 4, 6)]),
     "pad_constant": (lambda x: F.pad(x, (1, 2, 0, 1), value=0.5) * 2, [f32(2, 3, 4)]),
     "pad_reflect": (lambda x: F.pad(x, (2, 1, 1, 1), mode="reflect") * 2, [f32(1, 2, 4, 5)]),
+    "pad_cropping": (lambda x: F.pad(x, (0, 0, 1, -1)) * 2 + F.pad(x, (-2, 2, -1, 1), value=0.5), [f32(1, 6, 5)]),
     "pad_replicate": (lambda x: F.pad(x, (2, 1), mode="replicate") * 2, [f32(1, 2, 4)]),
     "unfold_fold_patches": (lambda x: F.fold(F.unfold(x, 2, stride=2) * 2, (6, 8), 2, stride=2), [f32(2, 3, 6, 8)]),
     "unfold_padded_dilated": (lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=(2, 1)) + 1,

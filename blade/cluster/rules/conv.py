@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blade.cluster.rules.base import LowerCtx, Rule, constant_value, is_tensor, named_args, node_args, static_shape_of
+from blade.cluster.rules.base import (
+    INT64_MAX, LowerCtx, Rule, constant_value, is_tensor, named_args, node_args, static_shape_of)
 
 
 def _spatial_list(value, spatial: int) -> list:
@@ -118,7 +119,15 @@ def _pad(ctx: LowerCtx, node):
     begins, ends = [0] * rank, [0] * rank
     for k in range(len(pad) // 2):
         begins[rank - 1 - k], ends[rank - 1 - k] = pad[2 * k], pad[2 * k + 1]
-    inputs = [ctx.tensor(x), ctx.b.ints(begins + ends)]
+    name = ctx.tensor(x)
+    cropped = [d for d in range(rank) if begins[d] < 0 or ends[d] < 0]
+    if cropped:   # a negative constant pad crops that side (RWKV's time shift: one row in, one out)
+        # ends counted from the end (no size in the ONNX, so run-time sizes take it too)
+        name = ctx.b.op("Slice", [name, ctx.b.ints([-min(begins[d], 0) for d in cropped]),
+                                  ctx.b.ints([ends[d] if ends[d] < 0 else INT64_MAX for d in cropped]),
+                                  ctx.b.ints(cropped)])
+        begins, ends = [max(b, 0) for b in begins], [max(e, 0) for e in ends]
+    inputs = [name, ctx.b.ints(begins + ends)]
     if mode == "constant":
         inputs.append(ctx.scalar(value or 0, ctx.dtype(x)))
     return [ctx.b.op("Pad", inputs, mode=mode)]
@@ -135,8 +144,13 @@ def _conv_check(node):
 def _pad_check(node):
     args = node_args(node)
     pad = constant_value(args[1])
-    if isinstance(pad, list) and any(p < 0 for p in pad):
-        return "pad with negative (cropping) amounts"
+    constant = node.kind() == "aten::constant_pad_nd" or (node.kind() == "aten::pad" and constant_value(args[2]) == "constant")
+    if isinstance(pad, list) and any(p < 0 for p in pad) and not constant:
+        return "reflect or replicate pad with negative (cropping) amounts"
+    sizes = args[0].type().sizes() if isinstance(pad, list) and any(p < 0 for p in pad) else None
+    if sizes is not None and any(n is not None and n + min(pad[2 * k], 0) + min(pad[2 * k + 1], 0) < 0
+                                 for k, n in enumerate(reversed(sizes[-(len(pad) // 2):]))):
+        return "pad cropping more than a dim has"
     if node.kind() == "aten::pad" and constant_value(args[2]) not in ("constant", "reflect", "replicate"):
         return f"pad mode {constant_value(args[2])!r}"
     return None

@@ -207,6 +207,7 @@ ACTIVATIONS = {
     "aten::softplus": _softplus_expr,
     "aten::mish": lambda ctx, x, dt: ctx.b.op("Mul", [x, ctx.b.op("Tanh", [_softplus_expr(ctx, x, dt)])]),
     "aten::silu": lambda ctx, x, dt: ctx.b.op("Mul", [x, ctx.b.op("Sigmoid", [x])]),
+    "aten::square": lambda ctx, x, dt: ctx.b.op("Mul", [x, x]),   # a bool squares in int64, as eager's
 }
 
 
