@@ -12,9 +12,9 @@ three (the order reversed every other round, 2 warm-up calls and a median of 5-5
 0.15 s pause between them). "archive vs ORT" is the median over rounds of ORT's time / the
 archive's in the same round (above 1: the archive is faster). Rel err = max |archive - eager| /
 max |eager| on the first output. "aten ops in engines": the archive's share of the model's aten ops
-that engines compute (a cluster that fails to compile stays in TorchScript, with a warning). A shorter, rougher look than bench/run.py (no Inductor, no
-frozen TorchScript, no load gating): it asks whether the archive's lead holds off the benchmark's
-own models.
+that engines compute (a cluster that fails to compile stays in TorchScript, with a warning). A
+shorter, rougher look than bench/run.py (no Inductor, no frozen TorchScript, no load gating): it
+asks whether the archive's lead holds off the benchmark's own models.
 """
 from __future__ import annotations
 
