@@ -229,6 +229,8 @@ def _im2col_check(node):
     args = [constant_value(a) for a in node_args(node)[1:5]]
     if not all(isinstance(a, list) and len(a) == 2 for a in args):
         return "aten::im2col with run-time window arguments"
+    if static_shape_of(node_args(node)[0]) is None:
+        return "aten::im2col of a tensor with run-time sizes"
     if args[0][0] * args[0][1] > 64:
         return "aten::im2col with more than 64 kernel taps"
     return None
@@ -238,6 +240,8 @@ def _col2im_check(node):
     size, kernel, dilation, padding, stride = (constant_value(a) for a in node_args(node)[1:6])
     if not all(isinstance(a, list) and len(a) == 2 for a in (size, kernel, dilation, padding, stride)):
         return "aten::col2im with run-time window arguments"
+    if static_shape_of(node_args(node)[0]) is None:
+        return "aten::col2im of a tensor with run-time sizes"
     if stride != kernel or dilation != [1, 1]:
         return "aten::col2im with overlapping or dilated windows (only stride = kernel folds as a permutation)"
     return None
