@@ -474,8 +474,10 @@ def test_conv_pointwise(shape, layout, with_bias, with_sum, activation):
 
 
 # With groups (SqueezeBERT's 4-group 1x1 Conv1d), one GEMM per group: NCL/NCHW (batch 2: per image
-# too) and channels-last (the grouped kernel, which takes those first, off).
-@pytest.mark.parametrize("shape, layout, groups", [((1, 64, 12), 0, 4), ((2, 32, 3, 5), 0, 2), ((2, 32, 5, 7), 3, 2)])
+# too) and channels-last (the grouped kernel, which takes those first, off); one pixel an image
+# (a squeeze-and-excitation at batch 8), NCHW rows as one GEMM over the images.
+@pytest.mark.parametrize("shape, layout, groups", [((1, 64, 12), 0, 4), ((2, 32, 3, 5), 0, 2), ((2, 32, 5, 7), 3, 2),
+                                                   ((8, 32, 1, 1), 0, 1), ((8, 32, 1, 1), 0, 2), ((3, 32, 1), 0, 2)])
 def test_conv_pointwise_grouped(shape, layout, groups):
     torch.manual_seed(6)
     c_in, c_out, spatial = shape[1], 64, len(shape) - 2
