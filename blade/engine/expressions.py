@@ -11,13 +11,14 @@ A reduction is an accumulator loop inside the consumer's body, so its input is f
 """
 from __future__ import annotations
 
+import math
+
 from . import views
 from .buffers import Memory, Strided
 from .ir import Node
 from .lines import Access, Names, Scope, for_loop
 from .optable import ARG_REDUCE, CODE_FOR_OP, REDUCE, CType, literal
 from .symbolic import Const, Var, as_expr, render
-from .views import Layout
 
 # A long float sum, max or min runs as this many partial ones (Values._in_chunks), each at least
 # CHUNK_MIN elements long.
@@ -144,27 +145,20 @@ class Values:
             return self._chunked_reduction(node, idx, scope, acc, axes[0], rule, ctype)
         run = self.window_run(node)
         if run is not None:
-            # One loop over the window's run of memory (an NCHW global pool's H x W), which the
-            # simd pragma vectorizes whole (nested, only its innermost W would be).
-            view, first = run
-            last = axes[-1]
-            shape = list(src.shape)
-            shape[first:last + 1] = [view.shape[first]]
-            axes = [first]
+            # One loop over the window's run (an NCHW global pool's H x W), which the simd pragma
+            # vectorizes whole (nested, only its innermost W would be).
+            axes, extents = run[-1:], {run[-1]: math.prod(src.shape[a] for a in run)}
+            loop_vars = {run[-1]: Var.loop(self.names.fresh("r"), extents[run[-1]])}
+            src_idx = [loop_vars.get(d, Const(0) if d in run or src.shape[d] == 1 else i) for d, i in enumerate(idx)]
         else:
-            view, shape = None, src.shape
             axes = self._in_memory_order(src, axes)
-        loop_vars = {a: Var.loop(self.names.fresh("r"), shape[a]) for a in axes}
+            extents = {a: src.shape[a] for a in axes}
+            loop_vars = {a: Var.loop(self.names.fresh("r"), extents[a]) for a in axes}
+            src_idx = [loop_vars.get(d, Const(0) if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
         chain = [scope]                        # chain[j + 1] is the body of the loop over axes[j]
         for a in axes:
             chain.append(chain[-1].child([loop_vars[a]]))
-        if view is not None:
-            kept = list(idx[:first]) + [Const(0)] + list(idx[last + 1:])
-            view_idx = [loop_vars.get(d, Const(0) if shape[d] == 1 else i) for d, i in enumerate(kept)]
-            v = chain[-1].define(CType(src.dtype), self.load(view, view_idx, chain[-1]))
-        else:
-            src_idx = [loop_vars.get(d, Const(0) if src.shape[d] == 1 else i) for d, i in enumerate(idx)]
-            v = self.value(src, src_idx, chain[-1])
+        v = self.value(src, src_idx, chain[-1])
         # Vectorize the innermost accumulation when reassociating it is harmless (float sums,
         # float max/min with their NaN flag).
         simd = rule.simd and ctype.is_float and not chain[-1].has_side_effects
@@ -180,7 +174,7 @@ class Values:
         body = chain[-1].lines
         for level in range(len(axes), 0, -1):
             pragma = f"#pragma omp simd {clauses}" if simd and level == len(axes) else ""
-            body = chain[level - 1].lines + for_loop(loop_vars[axes[level - 1]], 0, shape[axes[level - 1]],
+            body = chain[level - 1].lines + for_loop(loop_vars[axes[level - 1]], 0, extents[axes[level - 1]],
                                                      body, pragma)
         scope.lines[:] = body + after
         return acc
@@ -243,27 +237,34 @@ class Values:
         scope.lines += [f"{acc} = {level[0]};", *after]
         return acc
 
-    def window_run(self, node: Node):
-        """A sum/mean/max/min reduce node's window as one run of memory: (a view of its stored input
-        with the reduced dims merged into one at dim `first`, first), when they are consecutive
-        static dims laid out one after another down to stride 1 (H, W of an NCHW tensor); else None."""
+    def window_run(self, node: Node) -> list | None:
+        """The reduced dims of a sum/mean/max/min reduce node when its window is one run of memory:
+        consecutive static dims (H, W of an NCHW tensor) that every load of its input (stored, or
+        computed inline from stored values) reads down to stride 1 (or 0: broadcast), each dim's
+        stride the next one's times its size, so index (0, ..., 0, r) reads element r of the run;
+        else None."""
         src = node.args[0]
         axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
-        stored = self.memory.strided_of(src)
-        if (node.attrs["kind"] in ARG_REDUCE or stored is None or len(axes) < 2
-                or axes != list(range(axes[0], axes[-1] + 1))
-                or not all(isinstance(stored.shape[a], int) and isinstance(stored.layout.strides[a], int)
-                           for a in axes)):
+        if (node.attrs["kind"] in ARG_REDUCE or len(axes) < 2 or axes != list(range(axes[0], axes[-1] + 1))
+                or not all(isinstance(src.shape[a], int) for a in axes)):
             return None
-        strides = stored.layout.strides
-        if strides[axes[-1]] != 1 or any(strides[a] != strides[a + 1] * stored.shape[a + 1] for a in axes[:-1]):
-            return None
-        first, count = axes[0], 1
-        for a in axes:
-            count *= stored.shape[a]
-        merged = Strided(stored.buf, stored.shape[:first] + (count,) + stored.shape[axes[-1] + 1:],
-                         Layout(stored.layout.offset, strides[:first] + (1,) + strides[axes[-1] + 1:]))
-        return merged, first
+        return axes if self._reads_as_one_run(src, axes) else None
+
+    def _reads_as_one_run(self, value: Node, axes: list) -> bool:
+        """Whether value, read at an index whose `axes` are (0, ..., 0, r), is value at the index
+        r spells over those dims (row-major): each stored value it loads has strides over the axes
+        nesting one into the next down to 1 (contiguous) or 0 for all (broadcast); an inline elementwise
+        node when its arguments do; a broadcast over all the axes whatever it looks at. Any other
+        inline view or op maps indices in ways this does not follow: False."""
+        stored = self.memory.strided_of(value)
+        if stored is not None:
+            strides = stored.layout.strides
+            return all(isinstance(strides[a], int) for a in axes) and strides[axes[-1]] in (0, 1) and all(
+                strides[a] == strides[a + 1] * value.shape[a + 1] for a in axes[:-1])
+        if value.op == "ew":
+            return all(self._reads_as_one_run(arg, axes) for arg in value.args)
+        return (value.op == "view" and value.attrs["view"] == "expand"
+                and all(value.args[0].shape[a] == 1 for a in axes))
 
     def _arg_reduction_value(self, node: Node, idx, scope: Scope) -> str:
         """The index of an argmax/argmin node (one axis) for one output element, in two vectorized

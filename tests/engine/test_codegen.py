@@ -397,6 +397,30 @@ def test_a_window_along_the_row_after_a_kernel_over_those_rows_starts_its_own_lo
     check_case(case, compile_cases([case], tmp_path)[case.name])
 
 
+def test_a_reduction_over_an_inline_value_contiguous_in_its_window_runs_as_one_loop(tmp_path):
+    """A group norm's variance with nothing channels-last around it: sum((x - mean)^2) over
+    [H, W] of an NCHW x, the mean broadcast over the window. Every load reads H x W as one run
+    of memory, so one vectorized loop over the 128 elements (nested, the simd loop was W's 16).
+    A value broadcast along H only (read at stride 0, then 1) is no run: its loops stay nested."""
+    x = np.random.default_rng(45).standard_normal((1, 4, 8, 16)).astype(np.float32)
+    axes = np.array([2, 3], np.int64)
+
+    def variance(name, subtrahend):
+        return graph_case(name, [node("ReduceMean", ["x", "axes"], ["m"]), node("Sub", ["x", subtrahend], ["d"]),
+                                 node("Mul", ["d", "d"], ["q"]), node("ReduceSum", ["q", "axes"], ["v"])],
+                          {"x": (x.shape, "float32")}, ["v"],
+                          {"axes": axes, "b": np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 1, 1, 16)},
+                          values={"x": x}, rtol=1e-5, atol=1e-4)
+
+    whole, per_row = variance("variance-over-one-run", "m"), variance("variance-broadcast-along-h", "b")
+    loops = {case.name: re.findall(r"for \(int64_t r\d+ = 0; r\d+ < (\d+);", source_of(case).source)
+             for case in (whole, per_row)}
+    assert loops == {whole.name: ["128", "128"], per_row.name: ["8", "16"]}, loops
+    compiled = compile_cases([whole, per_row], tmp_path)
+    for case in (whole, per_row):
+        check_case(case, compiled[case.name])
+
+
 def test_a_kernel_reading_along_another_dim_than_it_writes_runs_in_tiles():
     """A channels-last value into an NCHW output (48 channels: blocks of 16), and a transposed
     output copied from another, run as tiled transposes; 12 channels (no block divides them) keep
