@@ -198,6 +198,10 @@ COMPOSITE_CASES = [
     Composite("aten::narrow", viewed(lambda x, dim, start, length: x.narrow(dim, start, length)), lambda dt: [
         (make((4, 6), dt), 1, 2, 3), (make((4, 6), dt), -1, -4, 2), (make((4, 6), dt), 0, 1, 0),
         (make((1, 6), dt), 0, 0, 1), (make((4, 6), dt, noncontig=True), 0, 1, 2)]),
+    Composite("aten::unfold", viewed(lambda x, dim, size, step: x.unfold(dim, size, step)), lambda dt: [
+        (make((2, 11), dt), 1, 3, 1), (make((2, 5, 11), dt), 1, 2, 2), (make((3, 17), dt), -1, 4, 6),
+        (make((1, 38), dt), 1, 10, 8), (make((7,), dt), 0, 7, 1), (make((4, 3), dt), 0, 4, 1),
+        (make((4, 9, 6), dt, noncontig=True), 0, 2, 1)]),
     Composite("aten::select", viewed(lambda x, dim, index: x.select(dim, index)), lambda dt: [
         (make((3, 4), dt), 0, 1), (make((3, 4), dt), -1, -1), (make((1, 5), dt), 0, 0),
         (make((2, 3, 4), dt), 1, -3), (make((0, 3), dt), 1, 2), (make((3, 4), dt, noncontig=True), 1, 2)]),

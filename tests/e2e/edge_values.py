@@ -204,7 +204,7 @@ NOT_EDGE_TESTED = {
         "aten::view", "aten::reshape", "aten::flatten", "aten::unflatten", "aten::view_as", "aten::reshape_as", "aten::permute",
         "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::expand_as",
         "aten::contiguous", "aten::clone",
-        "aten::slice", "aten::narrow", "aten::select", "aten::cat", "aten::embedding",
+        "aten::slice", "aten::narrow", "aten::unfold", "aten::select", "aten::cat", "aten::embedding",
         "aten::index", "aten::index_select", "aten::gather", "aten::tril", "aten::triu", "aten::repeat", "aten::repeat_interleave",
         "aten::roll", "aten::flip", "aten::stack", "aten::unbind", "aten::split", "aten::split_with_sizes", "aten::chunk",
         "aten::pad", "aten::constant_pad_nd", "aten::reflection_pad1d", "aten::reflection_pad2d",

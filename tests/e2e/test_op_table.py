@@ -190,6 +190,8 @@ CASES = {
     "unfold_fold_patches": (lambda x: F.fold(F.unfold(x, 2, stride=2) * 2, (6, 8), 2, stride=2), [f32(2, 3, 6, 8)]),
     "unfold_padded_dilated": (lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=(2, 1)) + 1,
                               [f32(1, 4, 7, 9)]),
+    "tensor_unfold_overlapping_hops": (lambda x: x.unfold(2, 10, 8) * 2, [f32(1, 3, 38)]),   # UnivNet's location-variable conv
+    "tensor_unfold_gaps": (lambda x: x.unfold(1, 3, 5).sum(-1), [f32(2, 17, 4)]),
     "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest") * 2, [f32(1, 3, 4, 5)]),
     "upsample_nearest_size": (lambda x: F.interpolate(x, size=(7, 3), mode="nearest") * 2, [f32(1, 3, 4, 5)]),
     "upsample_bilinear": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear") * 2, [f32(1, 3, 4, 5)]),

@@ -4,12 +4,11 @@ producers and consumers, and run-time sizes (aten::size, arange, int arithmetic 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from blade.cluster.rules.base import (
     INT64_MAX, NOT_CONSTANT, SIZE_ARITHMETIC_OPS, LowerCtx, LoweringError, Rule, constant_value, is_constant,
     is_nonnegative_size, is_size_value, is_tensor, named_args, node_args, out_dtype, run_time_size_list,
-    size_product)
+    size_product, static_shape_of)
 from blade.cluster.rules.elementwise import identity
 
 
@@ -290,6 +289,46 @@ def _unbind(ctx: LowerCtx, node):
              for k in range(shape[dim])]]
 
 
+def _unfold(ctx: LowerCtx, node):
+    """Tensor.unfold(dim, size, step): the windows x[l * step : l * step + size] along dim, as a
+    new last dim (an STFT's frames, UnivNet's overlapping hops). x along dim viewed as blocks of
+    `step` (cut, or zero-padded past its end where no window reads); window l is blocks l ..
+    l + B - 1 joined (B = ceil(size / step)) and cut to size: B slices of the blocks, concatenated."""
+    x, dim, size, step = node_args(node)[:4]
+    shape = list(ctx.shape(x))
+    dim, size, step = ctx.const(dim) % len(shape), ctx.const(size), ctx.const(step)
+    windows, per_window = (shape[dim] - size) // step + 1, -(-size // step)
+    blocks = windows + per_window - 1
+    v = ctx.tensor(x)
+    if blocks * step > shape[dim]:
+        pads = [0] * (2 * len(shape))
+        pads[len(shape) + dim] = blocks * step - shape[dim]
+        v = ctx.b.op("Pad", [v, ctx.b.ints(pads), ctx.scalar(0, ctx.dtype(x))], mode="constant")
+    elif blocks * step < shape[dim]:
+        v = slice_onnx(ctx, v, dim, 0, blocks * step)
+    v = reshape_exact(ctx, v, shape[:dim] + [blocks, step] + shape[dim + 1:])
+    joined = [slice_onnx(ctx, v, dim, j, j + windows) for j in range(per_window)]
+    v = ctx.b.op("Concat", joined, axis=dim + 1) if per_window > 1 else joined[0]
+    if per_window * step != size:
+        v = slice_onnx(ctx, v, dim + 1, 0, size)
+    last = len(shape)   # the window's dim (dim + 1) moves to the end
+    return [v if dim + 1 == last else
+            ctx.b.op("Transpose", [v], perm=[d for d in range(last + 1) if d != dim + 1] + [dim + 1])]
+
+
+def _unfold_check(node):
+    x, dim, size, step = node_args(node)[:4]
+    shape, (size, step) = static_shape_of(x), (constant_value(size), constant_value(step))
+    if not isinstance(size, int) or not isinstance(step, int) or not is_constant(dim):
+        return "aten::unfold with run-time window arguments"
+    if not shape:
+        return "aten::unfold of a 0-d tensor or of one with run-time sizes"
+    if size < 1 or step < 1 or size > shape[constant_value(dim) % len(shape)]:
+        return "aten::unfold with an empty window, a step below 1 or a window longer than the dim"
+    if -(-size // step) > 64:
+        return "aten::unfold with windows of more than 64 steps (a slice each)"
+    return None
+
 def _cat_check(node):
     producer = node_args(node)[0].node()
     if producer.kind() != "prim::ListConstruct":
@@ -317,6 +356,7 @@ RULES: dict[str, Rule] = {
     "aten::size": Rule(_size, _size_check),
     "aten::arange": Rule(_arange, _arange_check, size_args=True),
     "aten::narrow": Rule(_narrow),
+    "aten::unfold": Rule(_unfold, _unfold_check),
     "aten::select": Rule(_select),
     "aten::cat": Rule(_cat, _cat_check, tensor_lists=True),
     "aten::stack": Rule(_stack, _cat_check, tensor_lists=True),
