@@ -21,7 +21,7 @@ namespace blade {
 
 struct PointwiseShape {
   int64_t batch, pixels, in_channels, out_channels;  // pixels per image
-  bool channels_last;                                // input and output both; else both NCHW
+  bool channels_last;  // input and output both, or one pixel an image (NCHW is that memory); else both NCHW
   int64_t groups;
 };
 

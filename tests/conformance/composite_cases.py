@@ -91,6 +91,31 @@ def consume(value):
     return value.logical_not() if value.dtype == torch.bool else value * 2
 
 
+def _transposed_conv(spatial: int, c_in: int, c_out: int, kernel, stride, padding, output_padding, groups, dilation):
+    torch.manual_seed(spatial * 100 + c_in * 10 + c_out)
+    conv = (None, torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)[spatial](
+        c_in, c_out, kernel, stride, padding, output_padding, groups, True, dilation).eval()
+    return lambda x: conv(x) * 1.0   # a consumer, so the engine computes the convolution
+
+
+# name -> a transposed convolution module with fixed weights: (spatial, c_in, c_out, kernel, stride,
+# padding, output_padding, groups, dilation); upsampling hops, phases with no tap, output padding,
+# groups, dilation, uneven strides
+_TRANSPOSED = {name: _transposed_conv(*spec) for name, spec in {
+    "hop-8": (1, 4, 6, 16, 8, 4, 0, 1, 1), "odd-kernel-groups": (1, 4, 6, 3, 2, 1, 1, 2, 1),
+    "dilated": (1, 3, 5, 4, 1, 0, 0, 1, 2), "2x2-stride-2": (2, 8, 4, 2, 2, 0, 0, 1, 1),
+    "4x4-stride-2": (2, 8, 4, 4, 2, 1, 0, 1, 1), "groups-output-padding": (2, 6, 9, 3, 2, 1, 1, 3, 1),
+    "uneven": (2, 4, 4, (3, 5), (2, 3), (1, 2), (1, 0), 1, (2, 1)), "gaps": (2, 4, 4, 3, 3, 0, 2, 1, 1),
+    "3d": (3, 4, 2, 2, 2, 0, 0, 1, 1)}.items()}
+_TRANSPOSED_SAMPLES = {
+    "aten::conv_transpose1d": [("hop-8", (2, 4, 7)), ("odd-kernel-groups", (2, 4, 9)), ("odd-kernel-groups", (4, 9)),
+                               ("dilated", (1, 3, 6))],
+    "aten::conv_transpose2d": [("2x2-stride-2", (2, 8, 5, 5)), ("4x4-stride-2", (1, 8, 6, 6)),
+                               ("groups-output-padding", (2, 6, 5, 5)), ("uneven", (4, 5, 4)), ("gaps", (1, 4, 4, 4)),
+                               ("4x4-stride-2", (1, 8, 1, 1))],
+    "aten::conv_transpose3d": [("3d", (2, 4, 3, 3, 3))],
+}
+
 def viewed(view: Callable) -> Callable:
     return lambda *args: consume(view(*args))
 
@@ -277,6 +302,10 @@ COMPOSITE_CASES = [
         x, w, b, stride, pad, dil, False, [0] * len(stride), groups), _conv_samples, ("f32",)),
     Composite("aten::_convolution", lambda x, w, b, stride, pad, dil, groups: torch._convolution(
         x, w, b, stride, pad, dil, False, [0] * len(stride), groups, False, False, True, True), _conv_samples, ("f32",)),
+    # transposed convolutions: their weight a constant of the graph (the rule regroups its taps at
+    # compile time), not an argument
+    *(Composite(kind, lambda x, spec: _TRANSPOSED[spec](x), lambda dt, specs=specs: [(make(shape, dt), spec) for spec, shape in specs],
+                ("f32",)) for kind, specs in _TRANSPOSED_SAMPLES.items()),
     # activations a convolution computes in its own output pass (SiLU also after a residual sum)
     Composite("aten::silu", _conv_epilogue(F.silu), _conv_activation_samples, ("f32",), "conv-epilogue"),
     Composite("aten::silu", lambda x, w, b: F.silu(F.conv2d(x, w, b, padding=1) + x), lambda dt: [

@@ -196,6 +196,7 @@ NOT_EDGE_TESTED = {
         "aten::scaled_dot_product_attention", "aten::einsum")},
     **{kind: "convolution and pooling windows: tested by test_op_table" for kind in (
         "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution", "aten::_convolution",
+        "aten::conv_transpose1d", "aten::conv_transpose2d", "aten::conv_transpose3d",
         "aten::max_pool1d", "aten::max_pool2d", "aten::avg_pool1d", "aten::avg_pool2d",
         "aten::adaptive_avg_pool1d", "aten::adaptive_avg_pool2d", "aten::upsample_nearest1d",
         "aten::upsample_nearest2d", "aten::upsample_linear1d", "aten::upsample_bilinear2d", "aten::im2col",

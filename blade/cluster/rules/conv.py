@@ -6,6 +6,7 @@ import torch
 
 from blade.cluster.rules.base import (
     INT64_MAX, LowerCtx, Rule, constant_value, is_tensor, named_args, node_args, static_shape_of)
+from blade.cluster.rules.shapes import reshape_exact
 
 
 def _spatial_list(value, spatial: int) -> list:
@@ -17,7 +18,7 @@ def _conv(ctx: LowerCtx, node):
     """conv1d/2d/3d (padding ints, "same" or "valid") and the generic (_)convolution."""
     args = node_args(node)
     x, w, bias = args[:3]
-    if node.kind() in ("aten::convolution", "aten::_convolution"):
+    if node.kind() in GENERIC_CONVOLUTIONS:
         stride, padding, dilation, groups = (ctx.const(args[i]) for i in (3, 4, 5, 8))
     else:
         stride, padding, dilation, groups = (ctx.const(a) for a in args[3:7])
@@ -136,10 +137,91 @@ def _pad(ctx: LowerCtx, node):
 def _conv_check(node):
     if node.output().type().dtype() != torch.float32:
         return "convolution on a dtype other than float32"
-    if node.kind() in ("aten::convolution", "aten::_convolution") and constant_value(node_args(node)[6]):
-        return "transposed convolution"
     return None
 
+
+def _conv_transpose(ctx: LowerCtx, node):
+    """conv_transpose1d/2d/3d (and (_)convolution with transposed=True) as one convolution and a
+    pixel shuffle: output position u = l * stride + k * dilation (before the padding's crop) is, per
+    phase r = u % stride, a stride-1 correlation of the input with the taps k of that phase, so the
+    weight regrouped per phase ([C_out * prod(stride), C_in / groups, *taps]: a tap no k lands on is
+    0) makes every phase one output channel block of a single convolution; interleaving the phases
+    (reshape, transpose, reshape), cropping `padding` (output_padding: zeros past the last tap) and
+    adding the bias give the result. Only the multiplies a transposed convolution does, unlike a
+    convolution over the input with zeros inserted (stride^spatial times as many)."""
+    args = node_args(node)
+    x, w, bias = args[:3]
+    if node.kind() in GENERIC_CONVOLUTIONS:
+        stride, padding, dilation, out_pad, groups = (ctx.const(args[i]) for i in (3, 4, 5, 7, 8))
+    else:
+        stride, padding, out_pad, groups, dilation = (ctx.const(a) for a in args[3:8])
+    weight = torch.as_tensor(w.toIValue()).detach().numpy()   # [C_in, C_out / groups, *kernel]
+    spatial = weight.ndim - 2
+    stride, padding, dilation = (_spatial_list(v, spatial) for v in (stride, padding, dilation))
+    c_in, c_out = weight.shape[0], weight.shape[1] * groups
+    # per spatial dim: tap index table [stride, reach + 1] (index k = kernel: an added zero tap)
+    reach = [d * (k - 1) // s for k, s, d in zip(weight.shape[2:], stride, dilation)]
+    phased = np.pad(weight.reshape(groups, c_in // groups, c_out // groups, *weight.shape[2:]),
+                    [(0, 0)] * 3 + [(0, 1)] * spatial)
+    for t, (k, s, d, a_max) in enumerate(zip(weight.shape[2:], stride, dilation, reach)):
+        taps = np.full((s, a_max + 1), k)
+        for tap in range(k):
+            a, r = divmod(tap * d, s)
+            taps[r, a_max - a] = tap
+        phased = np.take(phased, taps, axis=3 + 2 * t)   # that dim becomes (phase, tap)
+    # [g, in, out, s1, j1, s2, j2, ...] -> [g, out, s1, s2, ..., in, j1, j2, ...]
+    perm = [0, 2] + [3 + 2 * t for t in range(spatial)] + [1] + [4 + 2 * t for t in range(spatial)]
+    phases = int(np.prod(stride))
+    regrouped = np.ascontiguousarray(phased.transpose(perm)).reshape(c_out * phases, c_in // groups, *(a + 1 for a in reach))
+    unbatched = len(ctx.shape(x)) == spatial + 1
+    inp = ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints([0])]) if unbatched else ctx.tensor(x)
+    z = ctx.b.op("Conv", [inp, ctx.b.constant(regrouped, "w")], strides=[1] * spatial, pads=reach * 2,
+                 dilations=[1] * spatial, group=groups)
+    n, lengths = ([1] if unbatched else ctx.shape(x)[:1])[0], ctx.shape(x)[-spatial:]
+    cells = [length + a for length, a in zip(lengths, reach)]   # z's positions per phase
+    z = reshape_exact(ctx, z, [n, c_out, *stride, *cells])
+    z = ctx.b.op("Transpose", [z], perm=[0, 1] + [p for t in range(spatial) for p in (2 + spatial + t, 2 + t)])
+    full = [q * s for q, s in zip(cells, stride)]
+    z = reshape_exact(ctx, z, [n, c_out, *full])
+    out = ctx.shape(node.output())[-spatial:]
+    ends = [min(p + o, f) for p, o, f in zip(padding, out, full)]
+    z = ctx.b.op("Slice", [z, ctx.b.ints(padding), ctx.b.ints(ends), ctx.b.ints(list(range(2, 2 + spatial)))])
+    short = [p + o - e for p, o, e in zip(padding, out, ends)]   # output_padding past the last tap
+    if any(short):
+        z = ctx.b.op("Pad", [z, ctx.b.ints([0] * (2 + spatial) + [0, 0] + short), ctx.scalar(0, np.float32)],
+                     mode="constant")
+    if is_tensor(bias):
+        z = ctx.b.op("Add", [z, reshape_exact(ctx, ctx.tensor(bias), [c_out] + [1] * spatial)])
+    return [ctx.b.op("Squeeze", [z, ctx.b.ints([0])]) if unbatched else z]
+
+
+def _conv_transpose_check(node):
+    args = node_args(node)
+    if node.output().type().dtype() != torch.float32:
+        return "convolution on a dtype other than float32"
+    if args[1].node().kind() != "prim::Constant":
+        return "transposed convolution with a weight computed at run time (its taps are regrouped at compile time)"
+    if static_shape_of(args[0]) is None or static_shape_of(node.output()) is None:
+        return "transposed convolution of a tensor with run-time sizes"
+    return None
+
+
+GENERIC_CONVOLUTIONS = ("aten::convolution", "aten::_convolution")   # transposed or not: argument 6
+
+
+def _transposed(node) -> bool:
+    return node.kind().startswith("aten::conv_transpose") or (
+        node.kind() in GENERIC_CONVOLUTIONS and constant_value(node_args(node)[6]) is True)
+
+
+def _any_conv(ctx: LowerCtx, node):
+    return (_conv_transpose if _transposed(node) else _conv)(ctx, node)
+
+
+def _any_conv_check(node):
+    if node.kind() in GENERIC_CONVOLUTIONS and constant_value(node_args(node)[6]) not in (True, False):
+        return "convolution whose transposed flag is computed at run time"
+    return (_conv_transpose_check if _transposed(node) else _conv_check)(node)
 
 def _pad_check(node):
     args = node_args(node)
@@ -281,8 +363,9 @@ def _linear_taps(n_in: int, n_out: int, factor, align: bool, dtype):
 
 
 RULES: dict[str, Rule] = {
-    **{kind: Rule(_conv, _conv_check) for kind in (
-        "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::convolution", "aten::_convolution")},
+    **{kind: Rule(_any_conv, _any_conv_check) for kind in (
+        "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::conv_transpose1d", "aten::conv_transpose2d",
+        "aten::conv_transpose3d", *GENERIC_CONVOLUTIONS)},
     "aten::max_pool1d": Rule(_max_pool),
     "aten::max_pool2d": Rule(_max_pool),
     "aten::avg_pool1d": Rule(_avg_pool, _avg_pool_check),
