@@ -217,16 +217,26 @@ def bit():
     return "BiT (bottleneck 1-1-1-1, 32-group norms, 224x224)", transformers.BitModel(cfg), (_image(),)
 
 
+def univnet():
+    import transformers   # a vocoder: transposed Conv1d upsampling, location-variable convolutions (Tensor.unfold)
+    cfg = transformers.UnivNetConfig(model_in_channels=64, model_hidden_channels=32, num_mel_bins=100)
+    return "UnivNet vocoder (50 frames, 32 channels)", transformers.UnivNetModel(cfg), (torch.randn(1, 50, 100),
+                                                                                         torch.randn(1, 50, 64))
+
+
 MODELS = {f.__name__: f for f in (roberta, qwen2, gpt_neox, bart, whisper_encoder, deit, swin, segformer, resnet50,
                                    regnet, efficientnet, mobilevit, deberta, bloom, mistral, beit, levit, poolformer,
                                    convnextv2, mobilenet_v1, wav2vec2, hubert, speech2text, squeezebert, pvt_v2,
-                                   focalnet, bit)}
+                                   focalnet, bit, univnet)}
 
 
 def _first(out):
     if isinstance(out, (tuple, list)):
         return _first(out[0])
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+    for field in ("last_hidden_state", "waveforms"):
+        if hasattr(out, field):
+            return getattr(out, field)
+    return out
 
 
 def measure(key: str, rounds: int) -> dict:

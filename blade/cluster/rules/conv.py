@@ -140,6 +140,41 @@ def _conv_check(node):
     return None
 
 
+class _NumpyOps:
+    """The weight regrouping of _conv_transpose on a constant weight, at compile time."""
+    weight = staticmethod(lambda ctx, w: torch.as_tensor(w.toIValue()).detach().numpy())
+    reshape = staticmethod(np.reshape)
+    pad = staticmethod(lambda x, kept, padded: np.pad(x, [(0, 0)] * kept + [(0, 1)] * padded))
+    take = staticmethod(lambda x, index, axis: np.take(x, index, axis=axis))
+    transpose = staticmethod(np.transpose)
+    finish = staticmethod(lambda ctx, x: ctx.b.constant(np.ascontiguousarray(x), "w"))
+
+
+class _OnnxOps:
+    """The same steps as ONNX ops, for a weight computed at run time."""
+    def __init__(self, ctx: LowerCtx):
+        self.ctx, self.b = ctx, ctx.b
+
+    def weight(self, ctx, w):
+        return ctx.tensor(w)
+
+    def reshape(self, x, shape):
+        return self.b.op("Reshape", [x, self.b.ints(list(shape))], allowzero=1)
+
+    def pad(self, x, kept, padded):
+        return self.b.op("Pad", [x, self.b.ints([0] * (kept + padded) + [0] * kept + [1] * padded),
+                                 self.ctx.scalar(0, np.float32)], mode="constant")
+
+    def take(self, x, index, axis):
+        return self.b.op("Gather", [x, self.b.constant(index.astype(np.int64), "index")], axis=axis)
+
+    def transpose(self, x, perm):
+        return self.b.op("Transpose", [x], perm=perm)
+
+    def finish(self, ctx, x):
+        return x
+
+
 def _conv_transpose(ctx: LowerCtx, node):
     """conv_transpose1d/2d/3d (and (_)convolution with transposed=True) as one convolution and a
     pixel shuffle: output position u = l * stride + k * dilation (before the padding's crop) is, per
@@ -152,30 +187,32 @@ def _conv_transpose(ctx: LowerCtx, node):
     args = node_args(node)
     x, w, bias = args[:3]
     if node.kind() in GENERIC_CONVOLUTIONS:
-        stride, padding, dilation, out_pad, groups = (ctx.const(args[i]) for i in (3, 4, 5, 7, 8))
-    else:
-        stride, padding, out_pad, groups, dilation = (ctx.const(a) for a in args[3:8])
-    weight = torch.as_tensor(w.toIValue()).detach().numpy()   # [C_in, C_out / groups, *kernel]
-    spatial = weight.ndim - 2
+        stride, padding, dilation, groups = (ctx.const(args[i]) for i in (3, 4, 5, 8))
+    else:   # output_padding (argument 5) shows in the output's shape
+        stride, padding, groups, dilation = (ctx.const(args[i]) for i in (3, 4, 6, 7))
+    w_shape = ctx.shape(w)   # [C_in, C_out / groups, *kernel]
+    spatial = len(w_shape) - 2
     stride, padding, dilation = (_spatial_list(v, spatial) for v in (stride, padding, dilation))
-    c_in, c_out = weight.shape[0], weight.shape[1] * groups
-    # per spatial dim: tap index table [stride, reach + 1] (index k = kernel: an added zero tap)
-    reach = [d * (k - 1) // s for k, s, d in zip(weight.shape[2:], stride, dilation)]
-    phased = np.pad(weight.reshape(groups, c_in // groups, c_out // groups, *weight.shape[2:]),
-                    [(0, 0)] * 3 + [(0, 1)] * spatial)
-    for t, (k, s, d, a_max) in enumerate(zip(weight.shape[2:], stride, dilation, reach)):
-        taps = np.full((s, a_max + 1), k)
+    c_in, c_out = w_shape[0], w_shape[1] * groups
+    reach = [d * (k - 1) // s for k, s, d in zip(w_shape[2:], stride, dilation)]   # taps per phase - 1
+    # a constant weight is regrouped here, a run-time one by the same steps in the engine
+    ops = _NumpyOps() if w.node().kind() == "prim::Constant" else _OnnxOps(ctx)
+    phased = ops.pad(ops.reshape(ops.weight(ctx, w), [groups, c_in // groups, c_out // groups, *w_shape[2:]]),
+                     3, spatial)
+    for t, (k, s, d, a_max) in enumerate(zip(w_shape[2:], stride, dilation, reach)):
+        taps = np.full((s, a_max + 1), k)   # [phase, tap] -> kernel index (k: the added zero tap)
         for tap in range(k):
             a, r = divmod(tap * d, s)
             taps[r, a_max - a] = tap
-        phased = np.take(phased, taps, axis=3 + 2 * t)   # that dim becomes (phase, tap)
+        phased = ops.take(phased, taps, 3 + 2 * t)   # that dim becomes (phase, tap)
     # [g, in, out, s1, j1, s2, j2, ...] -> [g, out, s1, s2, ..., in, j1, j2, ...]
     perm = [0, 2] + [3 + 2 * t for t in range(spatial)] + [1] + [4 + 2 * t for t in range(spatial)]
     phases = int(np.prod(stride))
-    regrouped = np.ascontiguousarray(phased.transpose(perm)).reshape(c_out * phases, c_in // groups, *(a + 1 for a in reach))
+    regrouped = ops.finish(ctx, ops.reshape(ops.transpose(phased, perm),
+                                            [c_out * phases, c_in // groups, *(a + 1 for a in reach)]))
     unbatched = len(ctx.shape(x)) == spatial + 1
     inp = ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints([0])]) if unbatched else ctx.tensor(x)
-    z = ctx.b.op("Conv", [inp, ctx.b.constant(regrouped, "w")], strides=[1] * spatial, pads=reach * 2,
+    z = ctx.b.op("Conv", [inp, regrouped], strides=[1] * spatial, pads=reach * 2,
                  dilations=[1] * spatial, group=groups)
     n, lengths = ([1] if unbatched else ctx.shape(x)[:1])[0], ctx.shape(x)[-spatial:]
     cells = [length + a for length, a in zip(lengths, reach)]   # z's positions per phase
@@ -199,9 +236,7 @@ def _conv_transpose_check(node):
     args = node_args(node)
     if node.output().type().dtype() != torch.float32:
         return "convolution on a dtype other than float32"
-    if args[1].node().kind() != "prim::Constant":
-        return "transposed convolution with a weight computed at run time (its taps are regrouped at compile time)"
-    if static_shape_of(args[0]) is None or static_shape_of(node.output()) is None:
+    if any(static_shape_of(v) is None for v in (args[0], args[1], node.output())):
         return "transposed convolution of a tensor with run-time sizes"
     return None
 
