@@ -349,9 +349,13 @@ def emit_reduce(em, node, dest):
         if lanes is not None:   # the row's blocks become rows: the threads share a global pool's channels
             dest = blocked(dest, rows, lanes)
             rows += 1
-        if em.kernels.group is not None and len(em.kernels.group.rows) > rows:
+        joined = em.kernels.group
+        if joined is not None and (len(joined.rows) > rows or (not small and len(joined.rows) != rows)):
             # its row loop runs over this output row too ([1, 49] rows of a layer norm before a
-            # [1, 49, 64] -> [1, 49, 1] mean read 49 floats apart): one scalar window per element
+            # [1, 49, 64] -> [1, 49, 1] mean read 49 floats apart): one scalar window per element;
+            # or, summing in double, it would leave two dims past the rows where the row of
+            # partial sums takes one (a group norm's per-channel sums at batch 20, blocked
+            # [20, 4, 1, 1, 16], after a kernel over rows (20,): the engine failed to compile)
             em.kernels.close_group()
         em.kernels.emit_loop(comment + " (window form)", dest, None, work, rows=rows,
                              make=lambda c, d, _, w, g: _window_reduce_kernel(em, node, c, d, w, g, order,

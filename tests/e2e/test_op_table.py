@@ -36,6 +36,7 @@ B = torch.randn(32)
 K = torch.randn(8, 4, 3, 3)   # conv kernels
 K1 = torch.randn(6, 4, 5)
 K2 = torch.randn(3, 8, 1, 1)  # a 1x1 conv after a pooling of K's output
+K64 = torch.randn(64, 4, 3, 3) / 6, torch.randn(64, 64, 3, 3) / 24   # a group norm between channels-last convs
 BN = [torch.randn(8), torch.rand(8) + 0.5, torch.randn(8), torch.randn(8)]   # mean, var, weight, bias
 
 # integer division and powers: negative operands, values past 2**53, wrapping like eager
@@ -148,6 +149,9 @@ CASES = {
     "conv2d_groups": (lambda x: F.conv2d(x, K[:, :2], groups=2, padding=(0, 1)), [f32(1, 4, 6, 6)]),
     "conv2d_depthwise": (lambda x: F.conv2d(x, K[:4, :1], groups=4, padding=1), [f32(1, 4, 6, 6)]),
     "conv2d_unbatched": (lambda x: F.conv2d(x, K), [f32(4, 5, 5)]),
+    # per-channel statistics summed along the channels in blocks, at batch > 1 (failed to compile)
+    "conv_group_norm_conv_batch4": (lambda x: F.conv2d(F.relu(F.group_norm(F.conv2d(x, K64[0], padding=1), 8)), K64[1]),
+                                    [f32(4, 4, 10, 10)]),
     "conv_transpose2d_upsample": (lambda x: F.relu(F.conv_transpose2d(x, K[:4], B[:4], stride=2, padding=1, output_padding=1)),
                                   [f32(2, 4, 5, 6)]),
     "conv_transpose1d_hop_groups": (lambda x: F.conv_transpose1d(x, K[:4, :, 0], None, stride=3, groups=2), [f32(1, 4, 7)]),
