@@ -371,7 +371,7 @@ def _channels_last(p: Plan) -> set:
                                                          _reads_channels_innermost(p, node, node.args[:1], chosen)):
             chosen.add(node)
         elif node.rank in (3, 4) and node.op in ("ew", "pad") and (
-                _computed_from(p, node, chosen, ("ew",)) or
+                _computed_from(p, node, chosen, ("ew", "gather")) or
                 _reads_channels_innermost(p, node, node.args, chosen) and (node.rank == 4 or _feeds_conv(node, p.users))):
             chosen.add(node)
         elif (node.op == "reduce" and 1 not in node.attrs["axes"] and node in p.window_form

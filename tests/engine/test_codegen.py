@@ -264,6 +264,27 @@ def test_1d_convolutions_and_the_values_between_them_are_stored_channels_last():
                        "BLADE_CONV_INPUT_CHANNELS_LAST"], layouts
 
 
+def test_an_upsampling_between_convolutions_stays_channels_last(tmp_path):
+    """DPT's and UperNet's heads: a bilinear resize (gathers along H and W, weighted and summed)
+    of a channels-last convolution, read by the next one. Stored NCHW, each pass's loop read the
+    convolution across its layout and the next convolution read NCHW through oneDNN (DPT's
+    224x224 32-channel 3x3: 6.2 -> 4.9 ms, the model 0.78 -> 0.89 of ONNX Runtime)."""
+    width = np.repeat(np.arange(7), 2).astype(np.int64)   # nearest, 2x along W
+    case = graph_case("conv-upsample-conv", [
+        node("Conv", ["x", "w0"], ["c0"]), node("Conv", ["c0", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        node("Gather", ["c1", "i"], ["up"], axis=3),
+        node("Mul", ["up", "s"], ["scaled"]), node("Conv", ["scaled", "w2"], ["y"], pads=[1, 1, 1, 1])],
+        {"x": ((1, 8, 5, 7), "float32")}, ["y"],
+        {"w0": np.random.default_rng(2).standard_normal((8, 8, 1, 1)).astype(np.float32),
+         "w1": np.random.default_rng(3).standard_normal((16, 8, 3, 3)).astype(np.float32),
+         "w2": np.random.default_rng(4).standard_normal((16, 16, 3, 3)).astype(np.float32),
+         "i": width, "s": np.float32(0.5)}, rtol=1e-4, atol=1e-3)
+    planned = plan.make_plan(ir.lower_onnx(case.model))
+    (scaled,) = [n for n in planned.materialized if n.op == "ew" and n.rank == 4]
+    assert planned.orders.get(scaled) == buffers.CHANNELS_LAST
+    assert source_of(case).source.count("BLADE_CONV_INPUT_CHANNELS_LAST") == 2, "both read channels-last"
+    check_case(case, compile_cases([case], tmp_path)[case.name])
+
 def test_a_group_norm_between_convolutions_stays_channels_last():
     """PoolFormer's group norm over a channels-last convolution: its affine output, computed from
     the conv through the [N, G, C / G, H, W] reshapes and the inline normalization, is stored
