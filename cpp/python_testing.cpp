@@ -248,6 +248,8 @@ void bind_testing(pybind11::module_& m) {
         "(off by default); forgets the choices made so far.", py::arg("allowed"));
   m.def("packed_weight_count", &packed_weight_count,
         "How many weights engines packed (GEMM, convolution) in this process so far.");
+  m.def("timed_conv_shapes", &timed_conv_shapes,
+        "How many convolution shapes a timing has decided the way of in this process so far.");
   m.def("gemm_onednn_usable", &onednn_usable,
         "Whether libtorch's oneDNN matmul runs on this CPU (else the oneDNN GEMM modes fall back to MKL).");
   m.def("parallel_for_chunks", &parallel_for_chunks,

@@ -191,7 +191,7 @@ ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
 // there Winograd may take from kWinogradMinTilesThreaded tiles (ResNet-18 b1 at 2 threads with its
 // three 512-channel 3x3 convolutions on Winograd: 3.7% and 8% off the whole model on an AMD EPYC,
 // two runs, each in one process, alternating; at 1 thread, CPU time, the same switch cost 8%), and
-// whether it does is timed per shape (winograd_wins: on an Intel Xeon oneDNN's was 2x faster there).
+// whether it does is timed per shape (first_is_faster: on an Intel Xeon oneDNN's was 2x faster there).
 constexpr int64_t kWinogradMinChannels = 64;
 constexpr int64_t kWinogradMinTiles = 32;
 constexpr int64_t kWinogradMinTilesThreaded = 16;
@@ -305,6 +305,28 @@ void conv_winograd(const Conv3x3Shape& shape, const float* input, const int64_t*
   winograd_kernel.calls.fetch_add(1, std::memory_order_relaxed);
 }
 
+constexpr int kChoiceTimings = 3;  // timed calls each, after each way's first (packing) call
+constexpr int64_t kWinogradChoice = 0, kPatchChoice = 1;  // first_is_faster keys' first entry
+
+bool first_is_faster(std::vector<int64_t> key, int64_t outputs, int64_t weight_bytes, const float* weight,
+                     const std::function<void(float*)>& first, const std::function<void(float*)>& second);
+void conv_library(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
+                  const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
+                  const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
+                  Activation act);
+
+// Where the patch kernel may lose to oneDNN's, one timing per process and shape decides
+// (first_is_faster): a gathered window (not 1x1) of at least 32 input channels into fewer than 64
+// output channels (one or two 32-channel panels, few multiplies per gathered value). On an Intel
+// Xeon (AVX-512, 2 threads) oneDNN ran such 3x3 convolutions 5-22% faster (DPT's head: 32 -> 32
+// at 224x224 4.85 -> 4.31 ms, 64 -> 32 at 112x112 2.36 -> 1.81), where from fewer input channels
+// (16 -> 32: 1.3x; a 3-channel stem: 2.7x) or into 64 (even) the patch kernel held. Not inside a
+// parallel region or in serial mode (winograd_marginal's guards): the patch kernel there.
+bool patch_marginal(const PatchConvShape& shape) {
+  return shape.kernel_h * shape.kernel_w > 1 && shape.in_channels >= 32 && shape.out_channels < 64 &&
+         !serial_here() && !at::in_parallel_region();
+}
+
 // Every convolution Winograd does not run: the runtime's other kernels, else oneDNN or ATen.
 void conv_other(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
                 const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
@@ -341,14 +363,38 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
   }
   if (patch_kernel.enabled.load(std::memory_order_relaxed)) {
     if (const auto shape = patch_conv_shape(spatial, input_shape, weight_shape, strides, pads, dilations, groups, layout)) {
-      const at::Tensor panels = relaid_weight(weight, -3 /* patch */, weight_shape,
-                                              [&] { return patch_conv_weight(weight, *shape); });
-      patch_conv(*shape, input, panels.const_data_ptr<float>(), bias, sum, act, output);
-      patch_kernel.calls.fetch_add(1, std::memory_order_relaxed);
-      return;
+      const auto run_patch = [&](float* out) {
+        const at::Tensor panels = relaid_weight(weight, -3 /* patch */, weight_shape,
+                                                [&] { return patch_conv_weight(weight, *shape); });
+        patch_conv(*shape, input, panels.const_data_ptr<float>(), bias, sum, act, out);
+      };
+      const auto run_library = [&](float* out) {
+        conv_library(spatial, input_shape, input, weight_shape, weight, bias, strides, pads, dilations, groups, out,
+                     layout, sum, act);
+      };
+      const std::vector<int64_t> key = {kPatchChoice, shape->batch, shape->in_channels, shape->in_h, shape->in_w,
+                                        shape->out_channels, shape->kernel_h, shape->kernel_w, shape->stride_h,
+                                        shape->stride_w, shape->dilation_h, shape->dilation_w, shape->pad_top,
+                                        shape->pad_left, shape->out_h, shape->out_w, layout};
+      const int64_t weight_bytes = shape->out_channels * shape->depth() * static_cast<int64_t>(sizeof(float));
+      const int64_t outputs = shape->batch * shape->out_h * shape->out_w * shape->out_channels;
+      if (!patch_marginal(*shape) || first_is_faster(key, outputs, weight_bytes, weight, run_patch, run_library)) {
+        run_patch(output);
+        patch_kernel.calls.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
     }
   }
   if (pointwise()) return;
+  conv_library(spatial, input_shape, input, weight_shape, weight, bias, strides, pads, dilations, groups, output, layout,
+               sum, act);
+}
+
+// oneDNN's convolution on a weight packed once, else ATen's.
+void conv_library(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
+                  const float* weight, const float* bias, const int64_t* strides, const int64_t* pads,
+                  const int64_t* dilations, int64_t groups, float* output, int32_t layout, const float* sum,
+                  Activation act) {
   const bool out_channels_last = (layout & BLADE_CONV_OUTPUT_CHANNELS_LAST) != 0;
   at::Tensor x = engine_tensor(input, at::IntArrayRef(input_shape, 2 + spatial),
                                (layout & BLADE_CONV_INPUT_CHANNELS_LAST) != 0);
@@ -400,7 +446,6 @@ void conv_other(int32_t spatial, const int64_t* input_shape, const float* input,
 // ResNet-18 b1's three 512-channel 3x3 convolutions at 7x7 (16 tiles), 2 threads: on an AMD EPYC
 // (AVX2) Winograd took 3.7-8% off the whole model; on an Intel Xeon (AVX-512) it took 2.37 ms a
 // convolution where oneDNN's took 1.23 (ONNX Runtime's 1.36), 13% of the model.
-constexpr int kWinogradTimings = 3;  // timed calls each, after each way's first (packing) call
 
 // Not inside a parallel region (an engine's own loop): a timing holds a lock while its
 // convolutions use the thread pool, which a pool thread waiting on that lock would deadlock; such
@@ -410,39 +455,44 @@ bool winograd_marginal(const Conv3x3Shape& shape) {
          winograd_tiles(shape, 2) < kWinogradMinTiles;
 }
 
-struct WinogradTimings {
-  std::mutex mutex;  // held while a shape is timed: two timings at once would time each other
-  std::map<std::array<int64_t, 10>, bool> wins;
+struct TimedChoices {
+  // held while a shape is timed: two timings at once would time each other (recursive: a timed way
+  // may be a convolution that times its own choice)
+  std::recursive_mutex mutex;
+  std::map<std::vector<int64_t>, bool> first_wins;
 };
 
-WinogradTimings& winograd_timings() {
-  static WinogradTimings timings;
-  return timings;
+TimedChoices& timed_choices() {
+  static TimedChoices choices;
+  return choices;
 }
 
-bool winograd_wins(const Conv3x3Shape& shape, int64_t weight_bytes, const float* weight,
-                   const std::function<void(float*)>& winograd, const std::function<void(float*)>& other) {
-  const std::array<int64_t, 10> key = {shape.batch, shape.in_h, shape.in_w, shape.in_channels, shape.out_channels,
-                                       shape.pad_top, shape.pad_left, shape.out_h, shape.out_w, at::get_num_threads()};
-  WinogradTimings& timings = winograd_timings();
-  std::lock_guard<std::mutex> lock(timings.mutex);
-  if (const auto it = timings.wins.find(key); it != timings.wins.end()) return it->second;
+// Whether `first` computes the convolution keyed `key` (its kind, shape and threads) faster than
+// `second`, timed once per process and key (winograd_marginal, patch_marginal): each runs a few
+// times on the call's own operands into a scratch output of `outputs` floats, packing its weight
+// into packs of its own that are dropped afterwards (so only the winner's packs live in the engine).
+bool first_is_faster(std::vector<int64_t> key, int64_t outputs, int64_t weight_bytes, const float* weight,
+                     const std::function<void(float*)>& first, const std::function<void(float*)>& second) {
+  key.push_back(at::get_num_threads());
+  TimedChoices& choices = timed_choices();
+  std::lock_guard<std::recursive_mutex> lock(choices.mutex);
+  if (const auto it = choices.first_wins.find(key); it != choices.first_wins.end()) return it->second;
   PackedWeights own;  // the timing's packs, freed when it ends
   own.add_constant(weight, weight_bytes);
   const PackingScope scope(&own);
-  at::Tensor scratch = at::empty({shape.batch * shape.out_h * shape.out_w * shape.out_channels}, at::kFloat);
+  at::Tensor scratch = at::empty({outputs}, at::kFloat);
   float* out = scratch.mutable_data_ptr<float>();
-  winograd(out);  // each way's first call packs
-  other(out);
+  first(out);  // each way's first call packs
+  second(out);
   std::array<double, 2> best = {std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity()};
-  for (int i = 0; i < kWinogradTimings; ++i) {
+  for (int i = 0; i < kChoiceTimings; ++i) {
     for (int way = 0; way < 2; ++way) {
       const auto start = std::chrono::steady_clock::now();
-      (way == 0 ? winograd : other)(out);
+      (way == 0 ? first : second)(out);
       best[way] = std::min(best[way], std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }
-  return timings.wins[key] = best[0] <= best[1];
+  return choices.first_wins[key] = best[0] <= best[1];
 }
 
 void conv(int32_t spatial, const int64_t* input_shape, const float* input, const int64_t* weight_shape,
@@ -477,7 +527,10 @@ void conv(int32_t spatial, const int64_t* input_shape, const float* input, const
       conv_winograd(*shape, input, weight_shape, weight, bias, sum, act, out);
     };
     const int64_t weight_bytes = weight_shape[0] * weight_shape[1] * 9 * static_cast<int64_t>(sizeof(float));
-    if (!winograd_marginal(*shape) || winograd_wins(*shape, weight_bytes, weight, run_winograd, run_other)) {
+    const std::vector<int64_t> key = {kWinogradChoice, shape->batch, shape->in_h, shape->in_w, shape->in_channels,
+                                      shape->out_channels, shape->pad_top, shape->pad_left, shape->out_h, shape->out_w};
+    const int64_t outputs = shape->batch * shape->out_h * shape->out_w * shape->out_channels;
+    if (!winograd_marginal(*shape) || first_is_faster(key, outputs, weight_bytes, weight, run_winograd, run_other)) {
       return run_winograd(output);
     }
   }
@@ -631,6 +684,12 @@ bool PackedWeights::has(const Key& key) {
 }
 
 int64_t packed_weight_count() { return packs_made.load(std::memory_order_relaxed); }
+
+int64_t timed_conv_shapes() {
+  TimedChoices& choices = timed_choices();
+  std::lock_guard<std::recursive_mutex> lock(choices.mutex);
+  return static_cast<int64_t>(choices.first_wins.size());
+}
 
 PackingScope::PackingScope(PackedWeights* weights) : previous_(current_weights) { current_weights = weights; }
 PackingScope::~PackingScope() { current_weights = previous_; }

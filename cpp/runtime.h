@@ -44,6 +44,10 @@ int64_t gemm_kernel_calls(const std::string& kernel);
 // Weights packed into any engine's PackedWeights in this process so far: for tests of when packing happens.
 int64_t packed_weight_count();
 
+// Convolution shapes whose way (Winograd or not, the patch kernel or oneDNN) one timing decided in
+// this process so far: for tests of when a shape is timed.
+int64_t timed_conv_shapes();
+
 // Whether oneDNN's kernels (a primitive JIT-compiled and cached per exact shape) may run the GEMMs
 // of engines with run-time sizes where the panels kernel can. Off by default: such an engine meets
 // a new shape on almost every call and oneDNN's caches kept 1-5 MiB for each, so a server's memory
