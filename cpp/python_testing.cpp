@@ -248,6 +248,9 @@ void bind_testing(pybind11::module_& m) {
         "(off by default); forgets the choices made so far.", py::arg("allowed"));
   m.def("packed_weight_count", &packed_weight_count,
         "How many weights engines packed (GEMM, convolution) in this process so far.");
+  m.def("set_patch_timing", &set_patch_timing,
+        "Times the patch kernel against oneDNN where it may lose (default), or always takes it where it applies.",
+        py::arg("on"));
   m.def("timed_conv_shapes", &timed_conv_shapes,
         "How many convolution shapes a timing has decided the way of in this process so far.");
   m.def("gemm_onednn_usable", &onednn_usable,

@@ -322,9 +322,11 @@ void conv_library(int32_t spatial, const int64_t* input_shape, const float* inpu
 // at 224x224 4.85 -> 4.31 ms, 64 -> 32 at 112x112 2.36 -> 1.81), where from fewer input channels
 // (16 -> 32: 1.3x; a 3-channel stem: 2.7x) or into 64 (even) the patch kernel held. Not inside a
 // parallel region or in serial mode (winograd_marginal's guards): the patch kernel there.
+std::atomic<bool> patch_timing{true};  // set_patch_timing
+
 bool patch_marginal(const PatchConvShape& shape) {
-  return shape.kernel_h * shape.kernel_w > 1 && shape.in_channels >= 32 && shape.out_channels < 64 &&
-         !serial_here() && !at::in_parallel_region();
+  return patch_timing.load(std::memory_order_relaxed) && shape.kernel_h * shape.kernel_w > 1 &&
+         shape.in_channels >= 32 && shape.out_channels < 64 && !serial_here() && !at::in_parallel_region();
 }
 
 // Every convolution Winograd does not run: the runtime's other kernels, else oneDNN or ATen.
@@ -684,6 +686,8 @@ bool PackedWeights::has(const Key& key) {
 }
 
 int64_t packed_weight_count() { return packs_made.load(std::memory_order_relaxed); }
+
+void set_patch_timing(bool on) { patch_timing.store(on, std::memory_order_relaxed); }
 
 int64_t timed_conv_shapes() {
   TimedChoices& choices = timed_choices();

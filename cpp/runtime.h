@@ -48,6 +48,10 @@ int64_t packed_weight_count();
 // this process so far: for tests of when a shape is timed.
 int64_t timed_conv_shapes();
 
+// Whether the patch kernel is timed against oneDNN where it may lose (patch_marginal; default) or
+// always taken where it applies: for tests of the patch kernel itself.
+void set_patch_timing(bool on);
+
 // Whether oneDNN's kernels (a primitive JIT-compiled and cached per exact shape) may run the GEMMs
 // of engines with run-time sizes where the panels kernel can. Off by default: such an engine meets
 // a new shape on almost every call and oneDNN's caches kept 1-5 MiB for each, so a server's memory

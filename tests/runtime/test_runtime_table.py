@@ -595,9 +595,13 @@ def test_conv_patch(case, with_bias, with_sum, activation, pack, output_channels
     expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, activation)
     out = patch_output(shape, output_channels_last)
     before = _testing.conv_kernel_calls("patch")
-    _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
-                  [stride] * 2, pads, [dilation] * 2, 1, out, 2 * int(output_channels_last) | int(input_channels_last),
-                  pack, residual, activation, -0.5, 0.75)
+    _testing.set_patch_timing(False)  # the patch kernel wherever it applies, not oneDNN if that times faster
+    try:
+        _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
+                      [stride] * 2, pads, [dilation] * 2, 1, out, 2 * int(output_channels_last) | int(input_channels_last),
+                      pack, residual, activation, -0.5, 0.75)
+    finally:
+        _testing.set_patch_timing(True)
     assert _testing.conv_kernel_calls("patch") == before + 1
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -738,6 +742,7 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
     out = patch_output(shape, output_channels_last)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    _testing.set_patch_timing(False)  # the patch kernel wherever it applies, not oneDNN if that times faster
     try:
         _testing.force_serial_for(0)  # a stall seen on a loaded machine would make it one thread
         before = _testing.conv_kernel_calls("patch")
@@ -747,6 +752,7 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
         assert _testing.conv_kernel_calls("patch") == before + int(taken)
     finally:
         torch.set_num_threads(before_threads)
+        _testing.set_patch_timing(True)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     return out
 
