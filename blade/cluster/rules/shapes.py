@@ -329,6 +329,7 @@ def _unfold_check(node):
         return "aten::unfold with windows of more than 64 steps (a slice each)"
     return None
 
+
 def _cat_check(node):
     producer = node_args(node)[0].node()
     if producer.kind() != "prim::ListConstruct":
