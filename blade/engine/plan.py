@@ -370,7 +370,7 @@ def _channels_last(p: Plan) -> set:
                                                          _computed_from(p, node, chosen, ("ew", "view")) or
                                                          _reads_channels_innermost(p, node, node.args[:1], chosen)):
             chosen.add(node)
-        elif node.rank in (3, 4) and node.op in ("ew", "pad") and (
+        elif node.rank in (3, 4) and node.op in ("ew", "pad", "concat") and (
                 _computed_from(p, node, chosen, ("ew", "gather")) or
                 _reads_channels_innermost(p, node, node.args, chosen) and (node.rank == 4 or _feeds_conv(node, p.users))):
             chosen.add(node)
@@ -486,7 +486,7 @@ def _feeds_conv(node: Node, users: dict) -> bool:
         user = stack.pop()
         if user.op == "conv":
             return True
-        if user not in seen and user.op in ("ew", "pad", "view", "reduce"):
+        if user not in seen and user.op in ("ew", "pad", "view", "reduce", "gather", "concat"):
             seen.add(user)
             stack.extend(users.get(user, []))
     return False
