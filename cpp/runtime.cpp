@@ -182,7 +182,8 @@ ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
 
 // Winograd where it is exact enough and pays: 3x3, stride 1, no dilation or groups, channels-last
 // in and out (the layout blade picks for convolutions that feed convolutions), a constant weight
-// (transformed once per engine), at least kWinogradMinChannels channels each way (below that the
+// (transformed once per engine), at least kWinogradMinChannels channels each way (from
+// kWinogradTimedMinChannels it is timed against the other kernels, winograd_marginal; below, the
 // transforms cost more than the multiplies they save) and kWinogradMinTiles 2x2 output tiles: the
 // GEMMs stream a transformed weight 16/9 the size of the original, and with few tiles they are
 // bound by that stream (ResNet's 512-channel 7x7 stage, 16 tiles: on one core slower than oneDNN,
@@ -193,6 +194,7 @@ ConvKernelSwitch* conv_kernel_switch(const std::string& kernel) {
 // two runs, each in one process, alternating; at 1 thread, CPU time, the same switch cost 8%), and
 // whether it does is timed per shape (first_is_faster: on an Intel Xeon oneDNN's was 2x faster there).
 constexpr int64_t kWinogradMinChannels = 64;
+constexpr int64_t kWinogradTimedMinChannels = 24;
 constexpr int64_t kWinogradMinTiles = 32;
 constexpr int64_t kWinogradMinTilesThreaded = 16;
 
@@ -202,7 +204,7 @@ std::optional<Conv3x3Shape> winograd_shape(int32_t spatial, const int64_t* input
   const int32_t channels_last = BLADE_CONV_INPUT_CHANNELS_LAST | BLADE_CONV_OUTPUT_CHANNELS_LAST;
   if (!winograd_kernel.enabled.load(std::memory_order_relaxed) || spatial != 2 || layout != channels_last || groups != 1 ||
       weight_shape[2] != 3 || weight_shape[3] != 3 || strides[0] != 1 || strides[1] != 1 || dilations[0] != 1 ||
-      dilations[1] != 1 || weight_shape[0] < kWinogradMinChannels || weight_shape[1] < kWinogradMinChannels ||
+      dilations[1] != 1 || weight_shape[0] < kWinogradTimedMinChannels || weight_shape[1] < kWinogradTimedMinChannels ||
       current_weights == nullptr || !current_weights->is_constant(weight)) {
     return std::nullopt;
   }
@@ -449,12 +451,19 @@ void conv_library(int32_t spatial, const int64_t* input_shape, const float* inpu
 // (AVX2) Winograd took 3.7-8% off the whole model; on an Intel Xeon (AVX-512) it took 2.37 ms a
 // convolution where oneDNN's took 1.23 (ONNX Runtime's 1.36), 13% of the model.
 
+// So are 24-63 channels either way (DPT's and Depth Anything's heads): on the AVX-512 Xeon, 2
+// threads, channels-last, F(4x4) ran 32 -> 32 at 224x224 in 3.34 ms where the best other kernel
+// took 4.50 (oneDNN), 64 -> 32 / 32 -> 64 / 24 -> 24 at 112x112 1.13-1.48x faster, 48 -> 48 at
+// 56x56 1.16x, on one thread 1.36-1.71x; but 32 -> 32 at 28x28 / 14x14 0.80x / 0.45x of the patch
+// kernel (few tiles split over the threads), and from 16 channels it lost (32 -> 16: 0.85x).
 // Not inside a parallel region (an engine's own loop): a timing holds a lock while its
 // convolutions use the thread pool, which a pool thread waiting on that lock would deadlock; such
-// a call keeps the rule from before (Winograd from kWinogradMinTilesThreaded tiles).
+// a call keeps the rule from before (Winograd from kWinogradMinTilesThreaded tiles; on one thread,
+// as there, Winograd won at every few-channel shape measured).
 bool winograd_marginal(const Conv3x3Shape& shape) {
-  return at::get_num_threads() > 1 && !serial_here() && !at::in_parallel_region() &&
-         winograd_tiles(shape, 2) < kWinogradMinTiles;
+  const bool may_time = !serial_here() && !at::in_parallel_region();
+  if (shape.in_channels < kWinogradMinChannels || shape.out_channels < kWinogradMinChannels) return may_time;
+  return at::get_num_threads() > 1 && may_time && winograd_tiles(shape, 2) < kWinogradMinTiles;
 }
 
 struct TimedChoices {

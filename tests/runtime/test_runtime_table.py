@@ -1,5 +1,6 @@
 """The BladeRuntime table engines call back into: sgemm against numpy over its whole contract, and
 parallel_for's chunking on ATen's pool."""
+import contextlib
 import itertools
 
 import pytest
@@ -254,7 +255,7 @@ def test_conv_winograd4_declines_non_finite_input(bad, where):
 
 
 @pytest.mark.parametrize("threads, n, c_in, h, w, pack", [(1, 1, 64, 7, 7, True), (2, 1, 64, 7, 5, True),
-                                                            (2, 1, 32, 12, 12, True), (2, 1, 64, 12, 12, False)])
+                                                            (2, 1, 16, 12, 12, True), (2, 1, 64, 12, 12, False)])
 def test_conv_winograd_not_taken(threads, n, c_in, h, w, pack):
     """Few tiles (16 for 7x7 on one thread, 12 for 7x5 on two), few channels or a weight that is no
     engine constant: oneDNN's conv."""
@@ -301,13 +302,47 @@ def test_conv_winograd_few_tiles_threaded_is_timed(threads):
     assert torch.equal(serial, without)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_conv_winograd_few_channels_is_timed(threads):
+    """24-63 channels either way (DPT's head: 32 -> 32 at 224x224) is where Winograd won at some
+    shapes and lost at others on an Intel Xeon: the first call at the shape times it against the
+    other kernels (each's first call packs, then 3 timed calls each) and the faster serves the shape
+    from then on; serially (oversubscribed, one thread's rule) Winograd, untimed."""
+    torch.manual_seed(8)
+    c_out = 38 + threads  # a shape of its own per parameter: the process decides each shape once
+    x, weight, bias = torch.randn(1, 24, 20, 20), torch.randn(c_out, 24, 3, 3) / 15, torch.randn(c_out)
+    expected = torch.conv2d(x.double(), weight.double(), bias.double(), padding=1)
+    with torch_threads(threads):
+        _testing.force_serial_for(0)
+        decided, calls = _testing.timed_conv_shapes(), _testing.conv_kernel_calls("winograd")
+        first, without = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True)
+        timed = _testing.conv_kernel_calls("winograd") - calls
+        assert _testing.timed_conv_shapes() == decided + 1 and timed in (4, 5), timed
+        won = timed == 5
+        _testing.force_serial_for(0)
+        calls = _testing.conv_kernel_calls("winograd")
+        again, _ = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True)
+        assert _testing.conv_kernel_calls("winograd") - calls == int(won)  # decided: no more timing
+        try:
+            _testing.force_serial_for(10_000)
+            calls = _testing.conv_kernel_calls("winograd")
+            serial, _ = conv_with_and_without_winograd(x, weight, bias, [1, 1, 1, 1], expected.shape, True)
+            assert _testing.conv_kernel_calls("winograd") - calls == 1
+        finally:
+            _testing.force_serial_for(0)
+    assert_winograd_close(first, expected, False)
+    torch.testing.assert_close(without.double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(first, again)
+    assert torch.equal(first, without) != won
+
+
 def test_conv_patch_into_few_channels_is_timed():
     """A gathered window of >= 32 input channels into < 64 output channels (DPT's head: 32 -> 32 at
     224x224) is where oneDNN ran 5-22% faster than the patch kernel on an Intel Xeon: the first
     call at the shape times the two (first_is_faster) and the faster serves it from then on. Either
     computes the convolution; the decision holds on later calls."""
     torch.manual_seed(6)
-    x, weight, bias = torch.randn(1, 40, 13, 11), torch.randn(24, 40, 3, 3) / 19, torch.randn(24)
+    x, weight, bias = torch.randn(1, 40, 13, 11), torch.randn(20, 40, 3, 3) / 19, torch.randn(20)  # < 24: no Winograd
     expected = torch.conv2d(x.double(), weight.double(), bias.double(), padding=1)
     args = (x, weight, bias, [1, 1], [1, 1, 1, 1], [1, 1], 1, expected.shape, True)
     _testing.force_serial_for(0)  # serially the patch kernel runs untimed
@@ -577,6 +612,19 @@ def patch_output(shape, channels_last):
     return torch.full(shape, float("nan")).contiguous(memory_format=memory_format)
 
 
+@contextlib.contextmanager
+def patch_kernel_wherever_it_applies():
+    """The patch kernel wherever it applies: not oneDNN or Winograd where either may time faster
+    (patch_marginal, winograd_marginal), so a test's shape takes the kernel it tests."""
+    _testing.set_patch_timing(False)
+    _testing.set_conv_kernel_enabled("winograd", False)
+    try:
+        yield
+    finally:
+        _testing.set_patch_timing(True)
+        _testing.set_conv_kernel_enabled("winograd", True)
+
+
 @pytest.mark.parametrize("case", PATCH_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-o{c[1]}k{c[2]}s{c[3]}d{c[5]}")
 @pytest.mark.parametrize("with_bias, with_sum, activation", [(True, False, 0), (False, True, 1), (True, True, 2),
                                                              (True, True, 3)])
@@ -595,13 +643,10 @@ def test_conv_patch(case, with_bias, with_sum, activation, pack, output_channels
     expected = patch_reference(x, weight, bias, stride, pads, dilation, residual, activation)
     out = patch_output(shape, output_channels_last)
     before = _testing.conv_kernel_calls("patch")
-    _testing.set_patch_timing(False)  # the patch kernel wherever it applies, not oneDNN if that times faster
-    try:
+    with patch_kernel_wherever_it_applies():
         _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
                       [stride] * 2, pads, [dilation] * 2, 1, out, 2 * int(output_channels_last) | int(input_channels_last),
                       pack, residual, activation, -0.5, 0.75)
-    finally:
-        _testing.set_patch_timing(True)
     assert _testing.conv_kernel_calls("patch") == before + 1
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -742,17 +787,16 @@ def check_patch_conv(x_shape, c_out, kernel, stride, pads, dilation, input_chann
     out = patch_output(shape, output_channels_last)
     before_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
-    _testing.set_patch_timing(False)  # the patch kernel wherever it applies, not oneDNN if that times faster
     try:
-        _testing.force_serial_for(0)  # a stall seen on a loaded machine would make it one thread
-        before = _testing.conv_kernel_calls("patch")
-        _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight, bias,
-                      list(stride), pads, list(dilation), 1, out, 2 * int(output_channels_last) | int(input_channels_last),
-                      True, residual, activation, -0.5, 0.75)
-        assert _testing.conv_kernel_calls("patch") == before + int(taken)
+        with patch_kernel_wherever_it_applies():
+            _testing.force_serial_for(0)  # a stall seen on a loaded machine would make it one thread
+            before = _testing.conv_kernel_calls("patch")
+            _testing.conv(x.contiguous(memory_format=torch.channels_last) if input_channels_last else x, weight,
+                          bias, list(stride), pads, list(dilation), 1, out,
+                          2 * int(output_channels_last) | int(input_channels_last), True, residual, activation, -0.5, 0.75)
+            assert _testing.conv_kernel_calls("patch") == before + int(taken)
     finally:
         torch.set_num_threads(before_threads)
-        _testing.set_patch_timing(True)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     return out
 
