@@ -32,6 +32,7 @@ import torch.fx
 from blade.cluster.aliasing import written_attributes, written_constants
 from blade.cluster.out_of_place import rewrite_writes_to_temporaries
 from blade.cluster.rules.base import is_size_arithmetic
+from blade.conv_sums import merge_conv_sums
 from blade.executor import unoptimized
 from blade.fold import fold_input_independent
 from blade.guards import wrapped_scalars
@@ -574,6 +575,7 @@ def _prepare(scripted, inputs: list, written: list, probes: list) -> torch.jit.S
     if written:  # the graph then runs eagerly (tt_infer's fallback), which writes the model's own state
         raise FrontendError(f"the graph writes {len(written)} tensor(s) that freezing turned into "
                             f"constants: %{written[0].debugName()}")
+    merge_conv_sums(frozen.graph)   # after the batch-norm folds: a re-parameterizable block's branches
     _concat_shared_input_linears(frozen.graph)  # after CSE: a projection used twice is one linear
     _assign_types(frozen, inputs)
     if probes:

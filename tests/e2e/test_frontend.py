@@ -38,6 +38,72 @@ def test_linears_sharing_an_input_become_one_sliced_linear():
         assert_close(blade.compile_model(model, (x,))(x)[0], model(x))
 
 
+class RepBlock(torch.nn.Module):
+    """A re-parameterizable block (FAST's TextNet, ACNet): 3x3, 3x1 and 1x3 convolutions of one
+    input, each batch-normed, plus a batch norm of the input itself where the shape allows."""
+
+    def __init__(self, channels, stride=1, groups=1, dilation=1, spatial=2):
+        super().__init__()
+        conv, norm = (torch.nn.Conv2d, torch.nn.BatchNorm2d) if spatial == 2 else (torch.nn.Conv1d, torch.nn.BatchNorm1d)
+        kernels = [(3, 3), (3, 1), (1, 3)] if spatial == 2 else [(3,), (1,)]
+        self.branches = torch.nn.ModuleList(
+            torch.nn.Sequential(conv(channels, channels, k, stride, [dilation * (n // 2) for n in k], dilation=dilation,
+                                     groups=groups, bias=False), norm(channels)) for k in kernels)
+        self.identity = norm(channels) if stride == 1 else None
+        for module in self.modules():
+            if isinstance(module, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d)):
+                module.running_mean.normal_()
+                module.running_var.uniform_(0.5, 2)
+                module.weight.data.normal_()
+                module.bias.data.normal_()
+
+    def forward(self, x):
+        y = sum(branch(x) for branch in self.branches)
+        return torch.relu(y + self.identity(x) if self.identity is not None else y)
+
+
+@pytest.mark.parametrize("block", [dict(), dict(stride=2), dict(groups=4), dict(dilation=2), dict(spatial=1)],
+                         ids=["plain", "stride2", "groups4", "dilated", "conv1d"])
+def test_convolutions_summed_over_one_input_become_one_convolution(block):
+    torch.manual_seed(0)
+    spatial = block.get("spatial", 2)
+    model = torch.nn.Sequential(RepBlock(16, **block), torch.nn.Conv2d(16, 8, 1) if spatial == 2 else
+                                torch.nn.Conv1d(16, 8, 1)).eval()
+    x = torch.randn(2, 16, *([12, 10] if spatial == 2 else [30]))
+    frontend = to_torchscript(torch.fx.symbolic_trace(model), [x])
+    # the block's branches and identity: one convolution, then the 1x1 (not summed with anything)
+    assert kinds(frontend.graph).count(f"aten::conv{spatial}d") == 2, frontend.graph
+    assert {"aten::add", "aten::batch_norm"}.isdisjoint(kinds(frontend.graph))
+    with torch.no_grad():
+        assert_close(frontend.module(x), model(x))
+        assert_close(torch.compile(model, backend="tt_infer")(x), model(x))
+
+
+class UnmergeableSums(torch.nn.Module):
+    """Sums the rewrite must leave apart: a branch also read elsewhere, dilations a kernel cannot
+    be embedded across (the same output extent), and convolutions of different inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 1)
+        self.wide, self.narrow = torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2), torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.c, self.d = torch.nn.Conv2d(8, 8, 1), torch.nn.Conv2d(8, 8, 1)
+
+    def forward(self, x, z):
+        shared = self.a(x)
+        return shared + self.b(x) + shared.mean(), self.wide(x) + self.narrow(x), self.c(x) + self.d(z)
+
+
+def test_sums_that_are_not_one_convolution_are_left_apart():
+    torch.manual_seed(0)
+    model, x, z = UnmergeableSums().eval(), torch.randn(1, 8, 9, 9), torch.randn(1, 8, 9, 9)
+    frontend = to_torchscript(torch.fx.symbolic_trace(model), [x, z])
+    assert kinds(frontend.graph).count("aten::conv2d") == 6, frontend.graph
+    with torch.no_grad():
+        for got, want in zip(frontend.module(x, z), model(x, z)):
+            assert_close(got, want)
+
+
 # Kinds the lowering table has no rule for, because the frontend never produces them:
 # (function, inputs, the kind it would be, the kind TorchScript computes it as or None)
 F = torch.nn.functional
