@@ -6,7 +6,9 @@ add them up. With the weights frozen that sum is one convolution: each term's ke
 widest term's window (zero taps elsewhere), the identity as the centre tap of each channel, the
 biases added. One 3x3 convolution then reads the input once where four passes read it four times
 (TextNet's 64-channel stage at 112x112: 3x3 3.1 ms, 3x1 1.5, 1x3 1.3, then the sums). The result
-differs from the separate terms by rounding only, as torch's own conv/batch-norm fold does."""
+differs from the separate terms by rounding only, as torch's own conv/batch-norm fold does; the
+merged kernel's zero taps lie in the widest term's window, which that term reads too, so outputs
+are non-finite where the terms' sum is (an infinity there may come out NaN: 0 * inf)."""
 import torch
 
 CONVOLUTIONS = ("aten::conv1d", "aten::conv2d", "aten::conv3d")
