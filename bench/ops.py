@@ -108,6 +108,8 @@ CALLS = {
     "aten::bitwise_or#int": ("int", lambda x, y: x | y.to(torch.int32)),
     "aten::bitwise_xor#int": ("int", lambda x, y: x ^ y.to(torch.int32)),
     "aten::bitwise_not#int": ("int", lambda x, y: ~x),
+    "aten::remainder": ("int", lambda x, y: x % 1000),      # integers only (floats stay in TorchScript)
+    "aten::fmod": ("int", lambda x, y: torch.fmod(x, y.to(torch.int32).abs() + 1)),
     "aten::to": ("real", lambda x, y: x.to(F64)),
     "aten::type_as": ("real", lambda x, y: x.type_as(y.double())),
     "aten::sum": ("real", lambda x, y: x.sum(-1)),

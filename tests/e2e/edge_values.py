@@ -142,6 +142,8 @@ CALLS = {
     "aten::div": [Call("binary", lambda x, y: torch.div(x, y)),
                   Call("binary", lambda x, y: torch.div(x, y, rounding_mode="floor")),
                   Call("binary", lambda x, y: torch.div(x, y, rounding_mode="trunc"))],
+    **{kind: [Call("binary", lambda x, y, op=op: op(x, y)), Call("unary", lambda x, op=op: op(x, 7))]
+       for kind, op in (("aten::remainder", torch.remainder), ("aten::fmod", torch.fmod))},
     "aten::pow": [Call("binary", lambda x, y: torch.pow(x, y)),
                   Call("unary", lambda x: torch.pow(x, 2.5)),      # the general pow
                   Call("unary", lambda x: torch.pow(x, 3)),        # multiplies

@@ -45,6 +45,7 @@ ROWS_NOT_COMPARED = {"aten::layer_norm#0": ([5, 8], HUGE_NORM_ROWS), "aten::inst
 # (aten kind, input dtype) -> a substring of the reason the report gives for leaving it out
 REFUSED = {
     **{(kind, "bool"): "of a bool tensor" for kind in ("aten::max", "aten::min", "aten::argmax", "aten::argmin")},
+    **{(kind, dtype): "only integers" for kind in ("aten::remainder", "aten::fmod") for dtype in ("float32", "float64")},
 }
 
 

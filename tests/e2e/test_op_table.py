@@ -89,6 +89,13 @@ CASES = {
     "div_trunc_int_negative_large": (lambda x, y: torch.div(x, y, rounding_mode="trunc"), [ints(I64_BIG[:-1]), ints(I64_DIVISORS[:-1])]),
     "div_floor_int_scalar_negative": (lambda x: torch.div(x, -3, rounding_mode="floor"), [ints(I64_BIG)]),
     "div_floor_int32_edges": (lambda x, y: torch.div(x, y, rounding_mode="floor"), [ints(I32_EDGES, torch.int32), ints(I32_DIVISORS, torch.int32)]),
+    # Python's and C's remainders of integers (eager's INT_MIN % -1 traps: left out, as for trunc)
+    "remainder_int_negative_large": (torch.remainder, [ints(I64_BIG[:-1]), ints(I64_DIVISORS[:-1])]),
+    "fmod_int_negative_large": (torch.fmod, [ints(I64_BIG[:-1]), ints(I64_DIVISORS[:-1])]),
+    "remainder_int32_edges": (torch.remainder, [ints(I32_EDGES[:3] + I32_EDGES[4:], torch.int32),
+                                                ints(I32_DIVISORS[:3] + I32_DIVISORS[4:], torch.int32)]),
+    "remainder_int_scalar_hash": (lambda x: ((x + 1) * 2654435761) % 16384, [i64(4, 8, high=1000)]),   # CANINE's
+    "remainder_scalar_dividend": (lambda x: torch.remainder(-7, x), [ints([3, -3, 7, -7, 1, 2])]),
     "rsub_scalar_alpha_int": (lambda x: torch.rsub(x, 5, alpha=3), [i64(4, 8)]),
     "rsub_alpha": (lambda x, y: torch.rsub(x, y, alpha=2.5), [f32(4, 8), f32(4, 8)]),
     "add_mul_int_overflow_wraps": (lambda x, y: (x + 2**62) * y * 7, [ints(I64_BIG), ints(I64_DIVISORS)]),

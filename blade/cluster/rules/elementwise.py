@@ -4,6 +4,7 @@ clamps, comparisons, selection (where, masked_fill), bitwise ops and casts; the 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from blade.cluster.rules.base import LowerCtx, Rule, constant_value, is_tensor, node_args, out_dtype, promoted_dtype
 
@@ -87,13 +88,39 @@ def _integer_division(ctx: LowerCtx, a: str, b: str, mode: str, dtype) -> str:
     quotient = ctx.b.op("Div", [a, b])
     if mode == "trunc":
         return quotient
-    zero = ctx.scalar(0, dtype)
     remainder = ctx.b.op("Sub", [a, ctx.b.op("Mul", [quotient, b])])
-    signs_differ = ctx.b.op("Not", [ctx.b.op("Equal", [ctx.b.op("Less", [remainder, zero]),
-                                                       ctx.b.op("Less", [b, zero])])])
-    inexact = ctx.b.op("Not", [ctx.b.op("Equal", [remainder, zero])])
-    step_down = ctx.b.op("And", [inexact, signs_differ])
+    step_down = _off_sign(ctx, remainder, b, dtype)
     return ctx.b.op("Where", [step_down, ctx.b.op("Sub", [quotient, ctx.scalar(1, dtype)]), quotient])
+
+
+def _off_sign(ctx: LowerCtx, remainder: str, divisor: str, dtype) -> str:
+    """Where a truncated remainder is nonzero with a sign other than the divisor's: there floor
+    division is one below truncation, and Python's remainder is the truncated one plus the divisor."""
+    zero = ctx.scalar(0, dtype)
+    signs_differ = ctx.b.op("Not", [ctx.b.op("Equal", [ctx.b.op("Less", [remainder, zero]),
+                                                       ctx.b.op("Less", [divisor, zero])])])
+    return ctx.b.op("And", [ctx.b.op("Not", [ctx.b.op("Equal", [remainder, zero])]), signs_differ])
+
+
+def _integer_remainder(ctx: LowerCtx, node):
+    """torch.fmod (C's remainder: the dividend's sign) and torch.remainder (Python's %: the
+    divisor's) of integers: a - trunc(a / b) * b, the engine's integer Div failing the call on a
+    zero divisor as eager raises; remainder then adds the divisor where the signs differ."""
+    args = node_args(node)
+    dtype = out_dtype(node)
+    a, b = ctx.as_dtype(args[0], dtype), ctx.as_dtype(args[1], dtype)
+    truncated = ctx.b.op("Sub", [a, ctx.b.op("Mul", [ctx.b.op("Div", [a, b]), b])])
+    if node.kind() == "aten::fmod":
+        return [truncated]
+    return [ctx.b.op("Where", [_off_sign(ctx, truncated, b, dtype), ctx.b.op("Add", [truncated, b]), truncated])]
+
+
+def _integer_remainder_check(node):
+    dtype = node.output().type().dtype()
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return (f"{node.kind()} with a {dtype} result: only integers (a float remainder is C's fmod, a "
+                "scalar loop in an engine where eager's is vectorized)")
+    return None
 
 
 def _float_division(ctx: LowerCtx, a: str, b: str, mode: str, dtype) -> str:
@@ -112,9 +139,7 @@ def _float_floor_division(ctx: LowerCtx, a: str, b: str, q: str, dtype) -> str:
     op, zero = ctx.b.op, ctx.scalar(0, dtype)
     mod = op("Mod", [a, b], fmod=1)
     div = op("Div", [op("Sub", [a, mod]), b])
-    signs_differ = op("Not", [op("Equal", [op("Less", [b, zero]), op("Less", [mod, zero])])])
-    step_down = op("And", [op("Not", [op("Equal", [mod, zero])]), signs_differ])
-    div = op("Where", [step_down, op("Sub", [div, ctx.scalar(1, dtype)]), div])
+    div = op("Where", [_off_sign(ctx, mod, b, dtype), op("Sub", [div, ctx.scalar(1, dtype)]), div])
     floored = op("Floor", [div])
     rounds_up = op("Greater", [op("Sub", [div, floored]), ctx.scalar(0.5, dtype)])
     floored = op("Where", [rounds_up, op("Add", [floored, ctx.scalar(1, dtype)]), floored])
@@ -252,6 +277,8 @@ RULES: dict[str, Rule] = {
     "aten::maximum": Rule(binary("Max")),
     "aten::minimum": Rule(binary("Min")),
     "aten::pow": Rule(_pow),
+    "aten::remainder": Rule(_integer_remainder, _integer_remainder_check),
+    "aten::fmod": Rule(_integer_remainder, _integer_remainder_check),
     # unary math
     "aten::neg": Rule(unary("Neg")),
     "aten::abs": Rule(unary("Abs")),
