@@ -214,7 +214,7 @@ def _conv_transpose(ctx: LowerCtx, node):
     inp = ctx.b.op("Unsqueeze", [ctx.tensor(x), ctx.b.ints([0])]) if unbatched else ctx.tensor(x)
     z = ctx.b.op("Conv", [inp, regrouped], strides=[1] * spatial, pads=reach * 2,
                  dilations=[1] * spatial, group=groups)
-    n, lengths = ([1] if unbatched else ctx.shape(x)[:1])[0], ctx.shape(x)[-spatial:]
+    n, lengths = 1 if unbatched else ctx.shape(x)[0], ctx.shape(x)[-spatial:]
     cells = [length + a for length, a in zip(lengths, reach)]   # z's positions per phase
     z = reshape_exact(ctx, z, [n, c_out, *stride, *cells])
     z = ctx.b.op("Transpose", [z], perm=[0, 1] + [p for t in range(spatial) for p in (2 + spatial + t, 2 + t)])
@@ -234,11 +234,10 @@ def _conv_transpose(ctx: LowerCtx, node):
 
 def _conv_transpose_check(node):
     args = node_args(node)
-    if node.output().type().dtype() != torch.float32:
-        return "convolution on a dtype other than float32"
-    if any(static_shape_of(v) is None for v in (args[0], args[1], node.output())):
-        return "transposed convolution of a tensor with run-time sizes"
-    return None
+    refused = _conv_check(node)
+    if refused is None and any(static_shape_of(v) is None for v in (args[0], args[1], node.output())):
+        refused = "transposed convolution of a tensor with run-time sizes"
+    return refused
 
 
 GENERIC_CONVOLUTIONS = ("aten::convolution", "aten::_convolution")   # transposed or not: argument 6
