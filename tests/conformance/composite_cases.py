@@ -276,6 +276,13 @@ COMPOSITE_CASES = [
               (make((3, 4), dt, noncontig=True), make((3, 4), dt))], ("i32", "i64", "bool")),
           ("scalar", lambda dt: [(make((3, 4), dt), True), (make((3, 4), dt), False)], ("bool",)),
           ("int_scalar", lambda dt: [(make((3, 4), dt), 6), (make((3, 4), dt), -1)], ("i32", "i64")))],
+    # integer remainders (floats stay in TorchScript): divisors of both signs, never zero (eager raises)
+    *[Composite(kind, fn, lambda dt: [
+        (make((3, 4), dt), make((3, 4), dt, positive=True)), (make((3, 4), dt), -make((3, 4), dt, positive=True)),
+        (make((3, 1), dt), make((4,), dt, positive=True)), (make((0, 4), dt), make((4,), dt, positive=True)),
+        (make((3, 4), dt, noncontig=True), make((3, 4), dt, positive=True)), (make((3, 4), dt), 7),
+        (make((3, 4), dt), -3)], ("i32", "i64")) for kind, fn in (("aten::remainder", torch.remainder),
+                                                                   ("aten::fmod", torch.fmod))],
     Composite("aten::bitwise_not", lambda x: ~x, lambda dt: [
         (make((3, 4), dt),), (make((0,), dt),), (make((), dt),), (make((3, 4), dt, noncontig=True),)],
         ("i32", "i64", "bool")),
