@@ -452,10 +452,12 @@ void conv_library(int32_t spatial, const int64_t* input_shape, const float* inpu
 // convolution where oneDNN's took 1.23 (ONNX Runtime's 1.36), 13% of the model.
 
 // So are 24-63 channels either way (DPT's and Depth Anything's heads): on the AVX-512 Xeon, 2
-// threads, channels-last, F(4x4) ran 32 -> 32 at 224x224 in 3.34 ms where the best other kernel
-// took 4.50 (oneDNN), 64 -> 32 / 32 -> 64 / 24 -> 24 at 112x112 1.13-1.48x faster, 48 -> 48 at
-// 56x56 1.16x, on one thread 1.36-1.71x; but 32 -> 32 at 28x28 / 14x14 0.80x / 0.45x of the patch
-// kernel (few tiles split over the threads), and from 16 channels it lost (32 -> 16: 0.85x).
+// threads, channels-last, medians of 6 alternating runs against the best other kernel: 24 -> 24
+// and 32 -> 64 at 112x112 1.30x / 1.35x, 32 -> 128 at 56x56 1.39x; 32 -> 32 at 224x224, 64 -> 32
+// at 112x112 and 48 -> 48 at 56x56 even (0.97-1.03: memory-bound, single runs swung either way
+// with the machine's load); 32 -> 32 at 28x28 / 14x14 0.80x / 0.45x of the patch kernel (few
+// tiles split over the threads); from 16 channels it lost (32 -> 16: 0.85x). On one thread
+// (single runs) F(4x4) was 1.36-1.71x faster at every such shape tried.
 // Not inside a parallel region (an engine's own loop): a timing holds a lock while its
 // convolutions use the thread pool, which a pool thread waiting on that lock would deadlock; such
 // a call keeps the rule from before (Winograd from kWinogradMinTilesThreaded tiles; on one thread,

@@ -364,11 +364,12 @@ def test_op(name):
     compile_and_check(fn, [make() for make in makers], min_cluster_size=1)
 
 
-@pytest.mark.parametrize("mode", ["floor", "trunc"])
+@pytest.mark.parametrize("mode", ["floor", "trunc", "remainder", "fmod"])
 def test_integer_division_by_zero_raises_like_eager(mode):
-    """Eager raises ZeroDivisionError for an integer floor/trunc division by zero; so does the engine."""
+    """Eager raises ZeroDivisionError for an integer floor/trunc division or remainder by zero; so
+    does the engine."""
     def divide(x, y):
-        return torch.div(x, y, rounding_mode=mode)
+        return getattr(torch, mode)(x, y) if mode in ("remainder", "fmod") else torch.div(x, y, rounding_mode=mode)
     x, y, zero_inside = torch.tensor([5, -5, 7]), torch.tensor([2, 3, -2]), torch.tensor([2, 0, -2])
     compile_and_check(divide, [x, y], min_cluster_size=1)
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
