@@ -323,12 +323,17 @@ void conv_library(int32_t spatial, const int64_t* input_shape, const float* inpu
 // Xeon (AVX-512, 2 threads) oneDNN ran such 3x3 convolutions 5-22% faster (DPT's head: 32 -> 32
 // at 224x224 4.85 -> 4.31 ms, 64 -> 32 at 112x112 2.36 -> 1.81), where from fewer input channels
 // (16 -> 32: 1.3x; a 3-channel stem: 2.7x) or into 64 (even) the patch kernel held. Not inside a
-// parallel region or in serial mode (winograd_marginal's guards): the patch kernel there.
+// parallel region or in serial mode (may_time_here): the patch kernel there.
 std::atomic<bool> patch_timing{true};  // set_patch_timing
+
+// Whether this call may time a shape (first_is_faster): not in serial mode, and not inside a
+// parallel region (an engine's own loop), where a timing's lock held while its convolutions use
+// the thread pool would deadlock a pool thread waiting on it.
+bool may_time_here() { return !serial_here() && !at::in_parallel_region(); }
 
 bool patch_marginal(const PatchConvShape& shape) {
   return patch_timing.load(std::memory_order_relaxed) && shape.kernel_h * shape.kernel_w > 1 &&
-         shape.in_channels >= 32 && shape.out_channels < 64 && !serial_here() && !at::in_parallel_region();
+         shape.in_channels >= 32 && shape.out_channels < 64 && may_time_here();
 }
 
 // Every convolution Winograd does not run: the runtime's other kernels, else oneDNN or ATen.
@@ -458,14 +463,12 @@ void conv_library(int32_t spatial, const int64_t* input_shape, const float* inpu
 // with the machine's load); 32 -> 32 at 28x28 / 14x14 0.80x / 0.45x of the patch kernel (few
 // tiles split over the threads); from 16 channels it lost (32 -> 16: 0.85x). On one thread
 // (single runs) F(4x4) was 1.36-1.71x faster at every such shape tried.
-// Not inside a parallel region (an engine's own loop): a timing holds a lock while its
-// convolutions use the thread pool, which a pool thread waiting on that lock would deadlock; such
-// a call keeps the rule from before (Winograd from kWinogradMinTilesThreaded tiles; on one thread,
-// as there, Winograd won at every few-channel shape measured).
+// Where a call may not time (may_time_here) it keeps the rule from before (Winograd from
+// kWinogradMinTilesThreaded tiles; on one thread, as there, Winograd won at every few-channel
+// shape measured).
 bool winograd_marginal(const Conv3x3Shape& shape) {
-  const bool may_time = !serial_here() && !at::in_parallel_region();
-  if (shape.in_channels < kWinogradMinChannels || shape.out_channels < kWinogradMinChannels) return may_time;
-  return at::get_num_threads() > 1 && may_time && winograd_tiles(shape, 2) < kWinogradMinTiles;
+  if (shape.in_channels < kWinogradMinChannels || shape.out_channels < kWinogradMinChannels) return may_time_here();
+  return at::get_num_threads() > 1 && may_time_here() && winograd_tiles(shape, 2) < kWinogradMinTiles;
 }
 
 struct TimedChoices {
