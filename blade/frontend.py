@@ -36,6 +36,7 @@ from blade.conv_sums import merge_conv_sums
 from blade.executor import unoptimized
 from blade.fold import fold_input_independent
 from blade.guards import wrapped_scalars
+from blade.native_layers import unfused
 
 log = logging.getLogger("blade")
 
@@ -153,6 +154,7 @@ def _respell(node: torch.fx.Node) -> None:
         node.args = tuple(node.args) + extra
     if node.op != "call_function":
         return
+    unfused(node)
     if node.target is operator.getitem:
         node.args = (node.args[0], _without_ellipsis(*node.args))
     node.target = SCRIPTABLE_FUNCTIONS.get(node.target, node.target)

@@ -161,3 +161,41 @@ def test_values_torchscript_types_differently_keep_eager_dtypes(name, min_cluste
     with torch.no_grad():
         got = torch.compile(fn, backend="tt_infer", options={"min_cluster_size": min_cluster_size})(x)
     assert_close(got, fn(x))
+
+
+@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
+def test_transformer_encoder_fast_path_is_spelled_out_for_engines(norm_first, activation):
+    """nn.TransformerEncoderLayer in eval without grad is one native call (torch's fast path),
+    which no engine takes: blade/native_layers.py spells it out, and every op reaches an engine."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, activation=activation, norm_first=norm_first,
+                                             batch_first=True)
+    model, x = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval(), torch.randn(2, 7, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = blade.explain(model, x)
+        assert explanation.coverage == 1.0 and "_transformer_encoder_layer_fwd" not in str(explanation), explanation
+        assert_close(torch.compile(model, backend="tt_infer")(x), model(x))
+        assert_close(blade.compile_model(model, (x,))(x)[0], model(x))
+
+
+class PaddedEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x, padding):
+        return self.encoder(x, src_key_padding_mask=padding)
+
+
+def test_transformer_encoder_fast_path_with_a_mask_stays_native():
+    """The native layer reads masks its own way (a float mask as booleans, fully masked rows as
+    zeros): a masked call is left as it is, and still matches eager."""
+    torch.manual_seed(0)
+    model = PaddedEncoder().eval()
+    x, padding = torch.randn(2, 7, 32), torch.tensor([[False] * 5 + [True] * 2, [False] * 7])
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert "_transformer_encoder_layer_fwd" in str(blade.explain(model, x, padding))
+        assert_close(torch.compile(model, backend="tt_infer")(x, padding), model(x, padding))
