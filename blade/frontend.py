@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from blade.cluster.aliasing import written_attributes, written_constants
+from blade.cluster.aliasing import fold_identity_tests, written_attributes, written_constants
 from blade.cluster.out_of_place import rewrite_writes_to_temporaries
 from blade.cluster.rules.base import is_size_arithmetic
 from blade.conv_sums import merge_conv_sums
@@ -350,16 +350,20 @@ def _regroup(graph: torch.Graph, x: torch.Value, ins: list, outs: list):
 
 def _specialize_sizes(graph: torch.Graph) -> None:
     """aten::size/dim/numel of a tensor become constants where the sizes they read are static (a
-    run-time size, None in the value's type, stays computed)."""
+    run-time size, None in the value's type, stays computed); so do its dtype and whether it is a
+    float (F.multi_head_attention_forward's mask checks)."""
     for node in list(graph.nodes()):
         kind = node.kind()
-        if kind not in ("aten::size", "aten::dim", "aten::numel"):
+        if kind not in ("aten::size", "aten::dim", "aten::numel", "prim::dtype", "aten::is_floating_point"):
             continue
         inputs = list(node.inputs())
         shape = known_sizes(inputs[0])
         if shape is None:
             continue
-        if kind == "aten::dim":
+        dtype = inputs[0].type().dtype()
+        if kind in ("prim::dtype", "aten::is_floating_point"):
+            value = None if dtype is None else dtype if kind == "prim::dtype" else dtype.is_floating_point
+        elif kind == "aten::dim":
             value = len(shape)
         elif kind == "aten::numel":
             value = 1 if None not in shape else None
@@ -573,6 +577,7 @@ def _prepare(scripted, inputs: list, written: list, probes: list) -> torch.jit.S
     for fold in FROZEN_FOLDS:
         fold(frozen.graph)
     _clean(frozen.graph)
+    _fold_read_only_attributes(frozen, written)
     written = written_constants(frozen.graph)
     if written:  # the graph then runs eagerly (tt_infer's fallback), which writes the model's own state
         raise FrontendError(f"the graph writes {len(written)} tensor(s) that freezing turned into "
@@ -582,14 +587,51 @@ def _prepare(scripted, inputs: list, written: list, probes: list) -> torch.jit.S
     _assign_types(frozen, inputs)
     if probes:
         _forget_run_time_sizes(frozen, inputs, probes)
-    _specialize_sizes(frozen.graph)
-    torch._C._jit_pass_constant_propagation(frozen.graph)
+    _specialize(frozen, inputs, probes)
     _unroll_constant_loops(frozen.graph)
     if probes:
         _sizes_per_use(frozen.graph, inputs, probes)
     torch._C._jit_pass_dce(frozen.graph)
     _assign_types(frozen, inputs)  # again: constant propagation made new, untyped values
     return frozen
+
+
+def _fold_read_only_attributes(frozen: torch.jit.ScriptModule, preserved: list) -> None:
+    """Tensor attributes freezing left as reads -> constants, where the inlined graph does not
+    write them. Freezing keeps any attribute it cannot prove unwritten: F.multi_head_attention_
+    forward's in_proj_weight stayed a read, an engine input instead of constant weights."""
+    graph = frozen.graph
+    self_value = next(iter(graph.inputs()))
+    kept = written_attributes(graph) | set(preserved)
+    for node in list(graph.nodes()):
+        if node.kind() != "prim::GetAttr" or node.inputsAt(0) is not self_value or node.s("name") in kept:
+            continue
+        value = frozen._c.getattr(node.s("name"))
+        if isinstance(value, torch.Tensor):
+            with graph.insert_point_guard(node):
+                node.output().replaceAllUsesWith(graph.insertConstant(value))
+            node.destroy()
+
+
+MAX_SPECIALIZE_ROUNDS = 4
+
+
+def _specialize(frozen: torch.jit.ScriptModule, inputs: list, probes: list) -> None:
+    """Static sizes, dtypes and tensor identities become constants, and the branches they decide
+    are inlined. Inlining a branch brings its nodes (untyped until measured) to the top level,
+    where they may read more of the same (F.multi_head_attention_forward checks ``query.dim()``,
+    then ``key.dim()`` inside that branch): measured and specialized again, a few rounds."""
+    graph = frozen.graph
+    for _ in range(MAX_SPECIALIZE_ROUNDS):
+        branches = len(graph.findAllNodes("prim::If"))
+        _specialize_sizes(graph)
+        fold_identity_tests(graph)
+        torch._C._jit_pass_constant_propagation(graph)
+        if len(graph.findAllNodes("prim::If")) == branches:
+            return  # no branch was inlined: nothing new at the top level
+        _assign_types(frozen, inputs)
+        if probes:
+            _forget_run_time_sizes(frozen, inputs, probes)
 
 
 def _unroll_constant_loops(graph: torch.Graph) -> None:

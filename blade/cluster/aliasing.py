@@ -102,8 +102,8 @@ def aliased_inputs(node: torch.Node) -> list:
     inputs = list(node.inputs())
     if node.kind() in UNPACKING_KINDS:
         return inputs
-    if node.kind() in CONVERSION_KINDS and _makes_fresh_tensor(node):
-        return []
+    if node.kind() in CONVERSION_KINDS:  # (type_as's schema does not say it, but it returns self too)
+        return [] if _makes_fresh_tensor(node) else inputs[:1]
     if list(node.blocks()):  # control flow returns whatever its blocks return: assume any of it
         return inputs + [v for block in node.blocks() for v in block.returnNode().inputs()]
     schema = _schema(node)
@@ -227,3 +227,36 @@ def written_constants(graph: torch.Graph) -> list:
     nested module's running statistics), which every call and every run of the compiler would
     then write, shared."""
     return [v for v in _written_values(graph) if v.node().kind() == "prim::Constant"]
+
+
+IDENTITY_TESTS = {"aten::__is__": True, "aten::__isnot__": False}
+
+
+def fold_identity_tests(graph: torch.Graph) -> int:
+    """``a is b`` on tensors -> a constant where the graph decides it: True for one value, False
+    for values that cannot share storage (different alias sets) unless both may be the caller's
+    tensors (graph inputs or module state), which the caller could pass twice. F.multi_head_
+    attention_forward asks ``query is key`` to choose how to project; left in TorchScript, the
+    projections sat in its branches, out of engines. Returns how many tests were folded."""
+    nodes = list(graph.nodes())
+    sets = AliasSets(nodes)
+    callers = {sets.find(v) for node in nodes for v in node.outputs() if _is_state(v)}
+    callers |= {sets.find(v) for v in graph.inputs()}
+    folded = 0
+    for node in nodes:
+        if node.kind() not in IDENTITY_TESTS or not all(isinstance(v.type(), torch.TensorType) for v in node.inputs()):
+            continue
+        a, b = node.inputs()
+        if a is b:
+            same = True
+        elif sets.find(a) is not sets.find(b) and not {sets.find(a), sets.find(b)} <= callers and \
+                all(_schema(v.node()) is not None or v.node().kind() in ("prim::Param", "prim::GetAttr")
+                    for v in (a, b)):
+            same = False
+        else:
+            continue
+        with graph.insert_point_guard(node):
+            node.output().replaceAllUsesWith(graph.insertConstant(same == IDENTITY_TESTS[node.kind()]))
+        node.destroy()
+        folded += 1
+    return folded

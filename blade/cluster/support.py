@@ -30,7 +30,7 @@ FAMILIES = (elementwise, reductions, conv, linalg, shapes, indexing, creation)
 
 # Kinds the frontend never hands the partitioner have no rule (tests/e2e/test_frontend.py checks
 # each): TorchScript normalizes aten::true_divide to div and aten::concat to cat; freezing drops
-# aten::detach and eval-mode aten::dropout / feature_dropout (training mode was refused anyway);
+# eval-mode aten::dropout / feature_dropout (training mode was refused anyway);
 # constant propagation folds creation ops without tensor arguments (aten::zeros, ones, full,
 # arange) into constants: their rules are for run-time sizes.
 LOWERING: dict[str, Rule] = {kind: rule for family in FAMILIES for kind, rule in family.RULES.items()}

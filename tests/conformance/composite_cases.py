@@ -174,6 +174,18 @@ def _pad_samples(spatial: int, reflect: bool):
     return samples
 
 
+def _mha_detached_mask(x, scores):
+    """x.detach() survives freezing only where the graph compares tensors with ``is`` (torch's
+    EliminateNoOps then skips the graph): F.multi_head_attention_forward does, so the mask's
+    detach reaches the partitioner here. The diagonal is never masked (no fully masked row)."""
+    length, embed = x.shape[0], x.shape[-1]
+    weight = torch.linspace(-0.5, 0.5, 3 * embed * embed, dtype=x.dtype).reshape(3 * embed, embed)
+    mask = (scores > 0).detach() & ~torch.eye(length, dtype=torch.bool)
+    return F.multi_head_attention_forward(x, x, x, embed, 2, weight, None, None, None, False, 0.0,
+                                          weight[:embed], None, training=False, need_weights=False,
+                                          attn_mask=mask)[0]
+
+
 def _split_samples(dt):
     return [(make((4, 8), dt), 3, 1), (make((4, 8), dt), [3, 5], -1), (make((4, 8), dt), 8, 1),
             (make((0, 4), dt), 2, 0), (make((4, 6), dt, noncontig=True), 4, -2)]
@@ -220,6 +232,8 @@ COMPOSITE_CASES = [
     Composite("aten::contiguous", viewed(lambda x: x.contiguous()), lambda dt: [
         (make((3, 4), dt, noncontig=True),), (make((3, 4), dt),), (make((2, 3, 4), dt, noncontig=True),),
         (make((0, 3), dt, noncontig=True),)]),
+    Composite("aten::detach", _mha_detached_mask, lambda dt: [
+        (make((5, 2, 4), dt), make((5, 5), dt)), (make((3, 1, 8), dt), make((3, 3), dt))], FLOATS),
     Composite("aten::narrow", viewed(lambda x, dim, start, length: x.narrow(dim, start, length)), lambda dt: [
         (make((4, 6), dt), 1, 2, 3), (make((4, 6), dt), -1, -4, 2), (make((4, 6), dt), 0, 1, 0),
         (make((1, 6), dt), 0, 0, 1), (make((4, 6), dt, noncontig=True), 0, 1, 2)]),

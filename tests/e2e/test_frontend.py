@@ -110,7 +110,6 @@ F = torch.nn.functional
 NEVER_PRODUCED = {
     "true_divide": (lambda x: torch.true_divide(x, x + 1), "aten::true_divide", "aten::div"),
     "concat": (lambda x: torch.concat([x, x]) * 2, "aten::concat", "aten::cat"),
-    "detach": (lambda x: x.detach() * 2, "aten::detach", None),
     "dropout": (lambda x: F.dropout(x, 0.5, training=False) * 2, "aten::dropout", None),
     "feature_dropout": (lambda x: F.dropout2d(x, 0.5, training=False) * 2, "aten::feature_dropout", None),
     "zeros": (lambda x: x + torch.zeros(4), "aten::zeros", None),
@@ -199,3 +198,52 @@ def test_transformer_encoder_fast_path_with_a_mask_stays_native():
     with torch.no_grad():
         assert "_transformer_encoder_layer_fwd" in str(blade.explain(model, x, padding))
         assert_close(torch.compile(model, backend="tt_infer")(x, padding), model(x, padding))
+
+
+class CausalDecoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.decoder = torch.nn.TransformerDecoder(layer, 2)
+
+    def forward(self, x, memory):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.decoder(x, memory, tgt_mask=mask, tgt_is_causal=True)
+
+
+def test_multi_head_attention_branches_fold_into_one_engine():
+    """nn.MultiheadAttention reaches TorchScript as F.multi_head_attention_forward, scripted whole:
+    its rank and dtype checks (one inside another), its ``query is key`` choice of projection and
+    its in_proj_weight (which freezing keeps as a read) are all decided at compile time, so the
+    projections sit in the engine with constant weights: one engine, every op in it."""
+    torch.manual_seed(0)
+    model, x, memory = CausalDecoder().eval(), torch.randn(2, 6, 32), torch.randn(2, 9, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = blade.explain(model, x, memory)
+        assert explanation.engines == 1 and explanation.coverage == 1.0, explanation
+        assert_close(torch.compile(model, backend="tt_infer")(x, memory), model(x, memory))
+        assert_close(blade.compile_model(model, (x, memory))(x, memory)[0], model(x, memory))
+
+
+def _identity_tests(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    fresh = a + 1
+    view = fresh.view(-1)
+    out = a * 2
+    if fresh is a:        # a fresh value is never a caller's tensor: False
+        out = out + 1
+    if view is fresh:     # a view shares storage: not decided
+        out = out + 2
+    if a is b:            # two inputs the caller may pass as one: not decided
+        out = out + 4
+    if fresh is fresh:    # one value: True
+        out = out + 8
+    return out
+
+
+def test_identity_tests_fold_where_the_graph_decides_them():
+    from blade.cluster.aliasing import fold_identity_tests
+    graph = torch.jit.script(_identity_tests).graph
+    assert fold_identity_tests(graph) == 2
+    remaining = [node for node in graph.nodes() if node.kind() == "aten::__is__"]
+    assert len(remaining) == 2, graph

@@ -353,6 +353,7 @@ RULES: dict[str, Rule] = {
     "aten::expand_as": Rule(_expand),
     "aten::contiguous": Rule(identity),
     "aten::clone": Rule(identity),
+    "aten::detach": Rule(identity),   # (freezing drops it, unless the graph compares tensors with `is`)
     "aten::slice": Rule(_slice, size_args=True),
     "aten::size": Rule(_size, _size_check),
     "aten::arange": Rule(_arange, _arange_check, size_args=True),
