@@ -206,7 +206,7 @@ NOT_EDGE_TESTED = {
     **{kind: _SHAPES for kind in (
         "aten::view", "aten::reshape", "aten::flatten", "aten::unflatten", "aten::view_as", "aten::reshape_as", "aten::permute",
         "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::expand_as",
-        "aten::contiguous", "aten::clone",
+        "aten::contiguous", "aten::clone", "aten::detach",
         "aten::slice", "aten::narrow", "aten::unfold", "aten::select", "aten::cat", "aten::embedding",
         "aten::index", "aten::index_select", "aten::gather", "aten::tril", "aten::triu", "aten::repeat", "aten::repeat_interleave",
         "aten::roll", "aten::flip", "aten::stack", "aten::unbind", "aten::split", "aten::split_with_sizes", "aten::chunk",
