@@ -178,26 +178,34 @@ def test_transformer_encoder_fast_path_is_spelled_out_for_engines(norm_first, ac
         assert_close(blade.compile_model(model, (x,))(x)[0], model(x))
 
 
-class PaddedEncoder(torch.nn.Module):
-    def __init__(self):
+class MaskedEncoder(torch.nn.Module):
+    def __init__(self, causal: bool):
         super().__init__()
         layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.encoder, self.causal = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), causal
 
     def forward(self, x, padding):
-        return self.encoder(x, src_key_padding_mask=padding)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1]).isinf() if self.causal else None
+        # both bool (a mix warns) and the causal hint given (else the encoder compares the mask's
+        # values): dynamo breaks the graph at either
+        return self.encoder(x, mask=mask, src_key_padding_mask=padding, is_causal=self.causal or None)
 
 
-def test_transformer_encoder_fast_path_with_a_mask_stays_native():
-    """The native layer reads masks its own way (a float mask as booleans, fully masked rows as
-    zeros): a masked call is left as it is, and still matches eager."""
+@pytest.mark.parametrize("causal", [False, True], ids=["padding", "causal_and_padding"])
+def test_transformer_encoder_fast_path_with_masks_is_spelled_out(causal):
+    """The native layer reads its (float -inf/0) masks as booleans: a key padding mask (mask type
+    1) or a causal mask merged with it (type 2); a query whose keys are all masked is NaN there,
+    and so here (the second sequence is all padding)."""
     torch.manual_seed(0)
-    model = PaddedEncoder().eval()
-    x, padding = torch.randn(2, 7, 32), torch.tensor([[False] * 5 + [True] * 2, [False] * 7])
+    model = MaskedEncoder(causal).eval()
+    x, padding = torch.randn(3, 7, 32), torch.tensor([[False] * 5 + [True] * 2, [True] * 7, [False] * 7])
     torch._dynamo.reset()
     with torch.no_grad():
-        assert "_transformer_encoder_layer_fwd" in str(blade.explain(model, x, padding))
-        assert_close(torch.compile(model, backend="tt_infer")(x, padding), model(x, padding))
+        explanation = blade.explain(model, x, padding)
+        assert explanation.coverage == 1.0 and "_transformer_encoder_layer_fwd" not in str(explanation), explanation
+        want = model(x, padding)
+        assert want[1].isnan().all() and not want[0].isnan().any()
+        assert_close(torch.compile(model, backend="tt_infer")(x, padding), want)
 
 
 class CausalDecoder(torch.nn.Module):
