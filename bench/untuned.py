@@ -224,10 +224,47 @@ def univnet():
                                                                                          torch.randn(1, 50, 64))
 
 
+class _PaddedEncoder(torch.nn.Module):
+    """torch.nn's own encoder as users build it: eval without grad takes the native fast path."""
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+
+    def forward(self, x, padding):
+        return self.encoder(x, src_key_padding_mask=padding)
+
+
+def torch_encoder():
+    padding = torch.zeros(2, SEQ, dtype=torch.bool)
+    padding[0, 100:] = True
+    return ("nn.TransformerEncoder (4L, 256, padding mask, batch 2, seq 128)", _PaddedEncoder(),
+            (torch.randn(2, SEQ, 256), padding))
+
+
+class _CausalDecoder(torch.nn.Module):
+    """torch.nn's own decoder: nn.MultiheadAttention's scripted F.multi_head_attention_forward."""
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerDecoderLayer(256, 4, 1024, dropout=0.0, batch_first=True)
+        self.decoder = torch.nn.TransformerDecoder(layer, 3)
+
+    def forward(self, x, memory):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.decoder(x, memory, tgt_mask=mask, tgt_is_causal=True)
+
+
+def torch_decoder():
+    return ("nn.TransformerDecoder (3L, 256, causal, 64 over 128)", _CausalDecoder(),
+            (torch.randn(1, 64, 256), torch.randn(1, SEQ, 256)))
+
+
 MODELS = {f.__name__: f for f in (roberta, qwen2, gpt_neox, bart, whisper_encoder, deit, swin, segformer, resnet50,
                                    regnet, efficientnet, mobilevit, deberta, bloom, mistral, beit, levit, poolformer,
                                    convnextv2, mobilenet_v1, wav2vec2, hubert, speech2text, squeezebert, pvt_v2,
-                                   focalnet, bit, univnet)}
+                                   focalnet, bit, univnet, torch_encoder, torch_decoder)}
 
 
 def _first(out):
