@@ -202,7 +202,7 @@ NOT_EDGE_TESTED = {
         "aten::max_pool1d", "aten::max_pool2d", "aten::avg_pool1d", "aten::avg_pool2d",
         "aten::adaptive_avg_pool1d", "aten::adaptive_avg_pool2d", "aten::upsample_nearest1d",
         "aten::upsample_nearest2d", "aten::upsample_linear1d", "aten::upsample_bilinear2d", "aten::im2col",
-        "aten::col2im", "aten::grid_sampler")},
+        "aten::col2im")},
     **{kind: _SHAPES for kind in (
         "aten::view", "aten::reshape", "aten::flatten", "aten::unflatten", "aten::view_as", "aten::reshape_as", "aten::permute",
         "aten::transpose", "aten::t", "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::expand_as",

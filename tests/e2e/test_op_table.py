@@ -67,15 +67,6 @@ def sdpa_mask(keep_row: int, dtype=torch.bool):
     return make
 
 
-def grid_points(batch: int = 2):
-    """A [batch, 4, 6, 2] sampling grid over [-1.3, 1.3] (some points outside the image), with a
-    point on a corner and one whose x is NaN."""
-    grid = torch.rand(batch, 4, 6, 2) * 2.6 - 1.3
-    grid[0, 0, 0] = torch.tensor([-1.0, 1.0])
-    grid[0, 1, 2, 0] = float("nan")
-    return grid
-
-
 CASES = {
     # arithmetic: tensor/scalar, broadcasting, alpha, type promotion
     "add": (lambda x, y: x + y, [f32(4, 8), f32(8)]),
@@ -303,10 +294,6 @@ CASES = {
                                       [f32(5, 3), lambda: torch.tensor([1, 1, 0]), f32(5, 3)]),
     "gather": (lambda x, i: torch.gather(x, 1, i) * 2, [f32(3, 5), lambda: torch.tensor([[0, 4], [1, 3], [2, 2]])]),
     "gather_dim0": (lambda x, i: torch.gather(x, 0, i) + 1, [f32(4, 3), lambda: torch.tensor([[3, 0, 1]])]),
-    # grid_sample, bilinear: points inside, on the border, outside (zeros), one NaN coordinate
-    "grid_sample": (lambda x, g: F.grid_sample(x, g, align_corners=False) * 2, [f32(2, 3, 5, 7), lambda: grid_points()]),
-    "grid_sample_align_border": (lambda x, g: F.grid_sample(x, g, padding_mode="border", align_corners=True) + 1,
-                                 [f32(1, 4, 6, 3), lambda: grid_points(1)]),
     "tril": (lambda x: torch.tril(x * 2), [f32(2, 5, 6)]),
     "triu_diag": (lambda x: torch.triu(x + 1, diagonal=1), [f32(5, 4)]),
     "repeat": (lambda x: x.repeat(2, 1, 3) * 2, [f32(3, 4)]),

@@ -1,5 +1,5 @@
 """Indexing and data-movement rules: embedding, index, index_select, gather (indices range-checked
-at run time), tril/triu, repeat, repeat_interleave, roll, flip, diff and grid_sampler."""
+at run time), tril/triu, repeat, repeat_interleave, roll, flip and diff."""
 from __future__ import annotations
 
 import numpy as np
@@ -304,73 +304,6 @@ def _roll_axis(ctx: LowerCtx, name: str, dim: int, shift: int, n) -> str:
     return slice_onnx(ctx, twice, dim, k, ctx.b.op("Add", [k, n]))
 
 
-def _grid_sampler(ctx: LowerCtx, node):
-    """F.grid_sample, bilinear with zero or border padding (deformable attention's sampling): each
-    output point reads the four input pixels around its unnormalized grid coordinates (x along W,
-    y along H; with border padding first clipped into the image), each taken where it lies inside
-    the image and 0 elsewhere, weighted by the opposite distances: ((nw + ne) + sw) + se, the order
-    and arithmetic of torch's CPU kernel (GridSamplerKernel.cpp), through one flat Gather per
-    corner. A NaN or infinite coordinate gives NaN weights, so NaN out, as there (border padding
-    clips NaN to 0 first, as there)."""
-    x, grid, _, padding, align_corners = node_args(node)[:5]
-    (n, c, h, w) = ctx.shape(x)
-    dtype = ctx.dtype(x)
-    flat = ctx.b.op("Reshape", [ctx.tensor(x), ctx.b.ints([-1])])
-    plane = ctx.b.constant((np.arange(n * c, dtype=np.int64) * h * w).reshape(n, c, 1, 1), "plane")
-
-    def coordinate(axis: int, size: int) -> str:  # [n, 1, out_h, out_w]: the grid's x or y, unnormalized
-        g = ctx.b.op("Gather", [ctx.tensor(grid), ctx.scalar(axis, np.int64)], axis=3)
-        g = ctx.b.op("Unsqueeze", [g, ctx.b.ints([1])])
-        one_more = ctx.b.op("Add", [g, ctx.scalar(1, dtype)])
-        if ctx.const(align_corners):
-            return ctx.b.op("Mul", [one_more, ctx.scalar((size - 1) / 2, dtype)])
-        return ctx.b.op("Sub", [ctx.b.op("Mul", [one_more, ctx.scalar(size / 2, dtype)]), ctx.scalar(0.5, dtype)])
-
-    def inside(corner: str, size: int) -> str:  # float compares: False for NaN
-        return ctx.b.op("And", [ctx.b.op("GreaterOrEqual", [corner, ctx.scalar(0, dtype)]),
-                                ctx.b.op("LessOrEqual", [corner, ctx.scalar(size - 1, dtype)])])
-
-    def clipped(p: str, size: int) -> str:  # border padding: into [0, size - 1], NaN to 0 (as torch's)
-        p = ctx.b.op("Where", [ctx.b.op("GreaterOrEqual", [p, ctx.scalar(0, dtype)]), p, ctx.scalar(0, dtype)])
-        return ctx.b.op("Where", [ctx.b.op("LessOrEqual", [p, ctx.scalar(size - 1, dtype)]), p,
-                                  ctx.scalar(size - 1, dtype)])
-
-    px, py = coordinate(0, w), coordinate(1, h)
-    if ctx.const(padding) == 1:
-        px, py = clipped(px, w), clipped(py, h)
-    west, north = ctx.b.op("Floor", [px]), ctx.b.op("Floor", [py])
-    east, south = ctx.b.op("Add", [west, ctx.scalar(1, dtype)]), ctx.b.op("Add", [north, ctx.scalar(1, dtype)])
-    to_west, to_north = ctx.b.op("Sub", [px, west]), ctx.b.op("Sub", [py, north])
-    to_east = ctx.b.op("Sub", [ctx.scalar(1, dtype), to_west])
-    to_south = ctx.b.op("Sub", [ctx.scalar(1, dtype), to_north])
-    total = None
-    for column, row, weight in ((west, north, ctx.b.op("Mul", [to_south, to_east])),
-                                (east, north, ctx.b.op("Mul", [to_south, to_west])),
-                                (west, south, ctx.b.op("Mul", [to_north, to_east])),
-                                (east, south, ctx.b.op("Mul", [to_north, to_west]))):
-        valid = ctx.b.op("And", [inside(column, w), inside(row, h)])
-        offset = ctx.b.op("Add", [ctx.b.op("Mul", [row, ctx.scalar(w, dtype)]), column])
-        offset = ctx.b.op("Where", [valid, offset, ctx.scalar(0, dtype)])  # (only in-range values cast)
-        index = ctx.b.op("Add", [plane, ctx.cast(offset, dtype, np.dtype("int64"))])
-        value = ctx.b.op("Where", [valid, ctx.b.op("Gather", [flat, index], axis=0), ctx.scalar(0, dtype)])
-        term = ctx.b.op("Mul", [value, weight])
-        total = term if total is None else ctx.b.op("Add", [total, term])
-    return [total]
-
-
-def _grid_sampler_check(node):
-    x, grid, interpolation, padding, align_corners = node_args(node)[:5]
-    if not all(is_constant(v) for v in (interpolation, padding, align_corners)):
-        return "grid_sampler with run-time modes"
-    if constant_value(interpolation) != 0 or constant_value(padding) not in (0, 1):
-        return "grid_sampler other than bilinear with zero or border padding (nearest, bicubic, reflection)"
-    if x.type().dim() != 4 or grid.type().dim() != 4:
-        return "grid_sampler of a 5-D (volumetric) input"
-    if x.type().dtype() not in (torch.float32, torch.float64):
-        return "grid_sampler of a non-float input"
-    return None
-
-
 RULES: dict[str, Rule] = {
     "aten::embedding": Rule(_embedding),
     "aten::index": Rule(_index, _index_check, tensor_lists=True),
@@ -383,7 +316,6 @@ RULES: dict[str, Rule] = {
     "aten::diff": Rule(_diff, _diff_check),
     "aten::roll": Rule(_roll),
     "aten::flip": Rule(_flip),
-    "aten::grid_sampler": Rule(_grid_sampler, _grid_sampler_check),
 }
 
 # Ops whose rules read through _index_in_range: an index from the model's data that is out of
