@@ -84,6 +84,12 @@ def has_side_effects(node: torch.Node) -> bool:
 CONVERSION_KINDS = {"aten::to", "aten::type_as"}
 
 
+# Ops whose schema promises a new tensor but which return their input itself in some cases:
+# dropout when not training (or p == 0), to_dense of a dense tensor.
+RETURNS_ITS_INPUT = {"aten::dropout", "aten::feature_dropout", "aten::alpha_dropout",
+                     "aten::feature_alpha_dropout", "aten::to_dense"}
+
+
 def _makes_fresh_tensor(node: torch.Node) -> bool:
     """A conversion that provably returns a new tensor: its dtype changes, or it was asked to copy."""
     source, result = node.inputsAt(0).type(), node.output().type()
@@ -104,6 +110,8 @@ def aliased_inputs(node: torch.Node) -> list:
         return inputs
     if node.kind() in CONVERSION_KINDS:  # (type_as's schema does not say it, but it returns self too)
         return [] if _makes_fresh_tensor(node) else inputs[:1]
+    if node.kind() in RETURNS_ITS_INPUT:
+        return inputs[:1]
     if list(node.blocks()):  # control flow returns whatever its blocks return: assume any of it
         return inputs + [v for block in node.blocks() for v in block.returnNode().inputs()]
     schema = _schema(node)
