@@ -208,15 +208,16 @@ def test_transformer_encoder_fast_path_with_masks_is_spelled_out(causal):
         assert_close(torch.compile(model, backend="tt_infer")(x, padding), want)
 
 
-class CausalDecoder(torch.nn.Module):
+class PaddedMemoryDecoder(torch.nn.Module):
+    """A decoder reading a padded memory: nn.MultiheadAttention's key padding mask path."""
+
     def __init__(self):
         super().__init__()
         layer = torch.nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
         self.decoder = torch.nn.TransformerDecoder(layer, 2)
 
-    def forward(self, x, memory):
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
-        return self.decoder(x, memory, tgt_mask=mask, tgt_is_causal=True)
+    def forward(self, x, memory, padding):
+        return self.decoder(x, memory, memory_key_padding_mask=padding)
 
 
 def test_multi_head_attention_branches_fold_into_one_engine():
@@ -225,13 +226,15 @@ def test_multi_head_attention_branches_fold_into_one_engine():
     its in_proj_weight (which freezing keeps as a read) are all decided at compile time, so the
     projections sit in the engine with constant weights: one engine, every op in it."""
     torch.manual_seed(0)
-    model, x, memory = CausalDecoder().eval(), torch.randn(2, 6, 32), torch.randn(2, 9, 32)
+    model, x, memory = PaddedMemoryDecoder().eval(), torch.randn(2, 6, 32), torch.randn(2, 9, 32)
+    padding = torch.tensor([[False] * 7 + [True] * 2, [False] * 9])
     torch._dynamo.reset()
     with torch.no_grad():
-        explanation = blade.explain(model, x, memory)
+        explanation = blade.explain(model, x, memory, padding)
         assert explanation.engines == 1 and explanation.coverage == 1.0, explanation
-        assert_close(torch.compile(model, backend="tt_infer")(x, memory), model(x, memory))
-        assert_close(blade.compile_model(model, (x, memory))(x, memory)[0], model(x, memory))
+        assert_close(torch.compile(model, backend="tt_infer")(x, memory, padding), model(x, memory, padding))
+        assert_close(blade.compile_model(model, (x, memory, padding))(x, memory, padding)[0],
+                     model(x, memory, padding))
 
 
 def _identity_tests(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
