@@ -3,7 +3,7 @@ archive against ONNX Runtime at its defaults and eager, in one process per model
 
     PYTHONPATH=$PWD .venv/bin/python bench/untuned.py [--models roberta,regnet] [--rounds 9] [--out bench/UNTUNED.md]
 
-Per model (transformers config, random weights, seed 0, convolutions, linears and batch norms
+Per model (a transformers config or torch.nn layers, random weights, seed 0, convolutions, linears and batch norms
 re-initialised as bench/families.py does so that outputs do not vanish, eval, torch.no_grad, 2
 threads): the
 archive (`blade.export` then `blade.load`, bench/backends.py) and ONNX Runtime (default session
