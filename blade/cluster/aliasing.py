@@ -258,8 +258,7 @@ def fold_identity_tests(graph: torch.Graph) -> int:
         if a is b:
             same = True
         elif sets.find(a) is not sets.find(b) and not {sets.find(a), sets.find(b)} <= callers and \
-                all(_schema(v.node()) is not None or v.node().kind() in ("prim::Param", "prim::GetAttr")
-                    for v in (a, b)):
+                all(_schema(v.node()) is not None or _is_state(v) for v in (a, b)):
             same = False
         else:
             continue
