@@ -72,7 +72,8 @@ class Profile:
             lines.append("GEMM kernels chosen per bucket of call shapes (this process; best sampled call per candidate):")
         for choice in self.gemm_choices:
             timed = ", ".join(f"{name} {us:.1f} us" for name, us in choice["microseconds"])
-            lines.append(f"  {choice['kernel']:14s} {choice['shape']}  ({timed}; {choice['timings']} calls sampled)")
+            state = "" if choice["settled"] else ", still sampling"
+            lines.append(f"  {choice['kernel']:14s} {choice['shape']}  ({timed}; {choice['timings']} calls sampled{state})")
         return "\n".join(lines)
 
 

@@ -109,6 +109,18 @@ ShapeKey bucket_key(const GemmArgs& g, bool b_constant, unsigned kernels) {
           at::get_num_threads(), at::in_parallel_region(), kernels};
 }
 
+// B constant: the weight whose calls sample one candidate. Each candidate samples on a weight of
+// its own where the bucket has several, so one engine call samples every candidate and each
+// candidate packs one weight only (the others wait for the winner). One weight sampling them all in
+// turn settled a bucket in 4x the engine calls, and meanwhile the other weights ran a pack-free
+// kernel: GPT-2 small's 24 weights of [128, 768] @ [768, 2304|3072] ran 23 of them 2x slower for
+// its first 24 calls (102 ms a call, 65 ms settled).
+struct Sampler {
+  const float* b = nullptr;        // the weight
+  uint64_t call = 0;               // the engine call (call_epoch) that last ran it
+  std::set<const float*> since;    // the bucket's other weights called since it last ran
+};
+
 // What the calls of one bucket of shapes measured, and the kernel they chose. The kernel is read
 // without any lock on every call once settled; until then `mutex` guards the samples.
 struct Choice {
@@ -124,9 +136,7 @@ struct Choice {
   std::array<double, kKernels> ns_per_flop;  // per candidate: its best sample; NaN: none yet
   std::array<double, kKernels> us;          // that sample's call, us
   ShapeKey sampled{};                       // the exact shape of the latest sample
-  const float* sampling_b = nullptr;        // B constant: the one weight whose calls sample
-  uint64_t sampling_b_call = 0;             // the engine call (call_epoch) that last ran it
-  std::set<const float*> since_sampling_b;  // the bucket's other weights called since it last ran
+  std::array<Sampler, kKernels> samplers;   // B constant: per candidate, the weight whose calls sample it
   std::set<std::array<int64_t, 4>> ran;     // (kernel, m, n, k) run so far: a repeat is warm
   std::array<int, kKernels> cold{};         // first calls (packing, JIT-compiling) left unrecorded
   std::map<ShapeKey, uint64_t> met;         // exact shapes of the bucket -> the engine call that first met it
@@ -289,9 +299,9 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // candidate with the fewest samples on its own operands and times it (the result is the call's
 // result, every candidate computes the same GEMM), so no call waits on a timing. A kernel's first
 // call at a shape packs B or JIT-compiles: it is not a sample (unless every call is a new shape:
-// after kMaxSamples such calls, they count). With a constant B only the calls on one weight
-// sample, and the bucket's other weights run pack-free kernels until it settles: a weight is
-// packed by the winner only, not by each candidate. Each candidate keeps its best call per flop
+// after kMaxSamples such calls, they count). With a constant B each candidate samples on one
+// weight (Sampler), and the bucket's other weights run pack-free kernels until it settles: a
+// weight is packed by its candidate and the winner only, not by each candidate. Each candidate keeps its best call per flop
 // (shapes of a bucket differ in size; the best of several drops a call that waited on a thread
 // preempted by another process). kSamples calls each settle the bucket unless the winner's best
 // looks like a stall (over 1 ms at under 20 GFLOP/s, as when other jobs hold every core): then
@@ -315,9 +325,51 @@ constexpr double kRejectRatio = 1.5;
 
 double flops(const GemmArgs& g) { return 2.0 * g.batch * g.m * g.n * g.k; }
 
-// The kernel this call samples; -1: the bucket has settled meanwhile, -2: the call is not on the
-// weight that samples.
-// -3: the call is not on that weight and its shape is new to the bucket: run `measured` (the
+// The candidates whose sampling weight b is (choice.mutex held). A sampling weight's engine may
+// never run again (its module was freed, or dynamo recompiled the graph into a new one with its own
+// weights): after kSamplerIdleCalls engine calls without it, or once another weight ran twice since
+// it last did, the weight at hand samples its candidate instead, or the bucket would never settle
+// and every weight would run the unmeasured pack-free kernel for good. A weight that samples
+// nothing takes a candidate from a weight that samples several (the first weight met takes them
+// all, the bucket's next weights one each), the one that weight has issued the fewest calls to.
+unsigned samples_on_locked(Choice& choice, const float* b) {
+  const uint64_t now = call_epoch.load(std::memory_order_relaxed);
+  std::map<const float*, int> shared;  // sampling weight -> how many candidates it samples
+  unsigned held = 0;
+  for (int k = 0; k < kKernels; ++k) {
+    if (!(choice.kernels & bit(Kernel(k)))) continue;
+    Sampler& sampler = choice.samplers[k];
+    if (sampler.b != b) {
+      if (sampler.since.size() >= kMaxWeightsNoted) sampler.since.clear();
+      const bool cycled = !sampler.since.insert(b).second;
+      if (sampler.b == nullptr || now - sampler.call > kSamplerIdleCalls || cycled) sampler.b = b;
+    }
+    if (sampler.b == b) {
+      sampler.call = now;
+      sampler.since.clear();
+      held |= bit(Kernel(k));
+    }
+    ++shared[sampler.b];
+  }
+  if (held != 0) return held;
+  int taken = -1;
+  for (int k = 0; k < kKernels; ++k) {
+    if ((choice.kernels & bit(Kernel(k))) && shared[choice.samplers[k].b] > 1 &&
+        (taken < 0 || choice.issued[k] < choice.issued[taken])) {
+      taken = k;
+    }
+  }
+  if (taken < 0) return 0;
+  Sampler& sampler = choice.samplers[taken];
+  sampler.b = b;
+  sampler.call = now;
+  sampler.since.clear();
+  return bit(Kernel(taken));
+}
+
+// The kernel this call samples; -1: the bucket has settled meanwhile, -2: the call is not on a
+// weight that samples (samples_on_locked).
+// -3: the call is not on such a weight and its shape is new to the bucket: run `measured` (the
 // measured kernel without JIT, -1: none), which packs that weight only as the likely winner.
 // `shapes_vary`: an engine with run-time sizes. Where none of its candidates JITs (oneDNN is no
 // candidate there where the panels kernel runs), whether an earlier call met the exact shape decides
@@ -330,24 +382,12 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, bool shapes_
   if (choice.settled.load(std::memory_order_relaxed)) return -1;
   const bool any_jit = ((choice.kernels | choice.rejected) & kJitKernels) != 0;
   const bool met = !shapes_vary || any_jit ? met_before_locked(choice, exact) : false;
+  unsigned held = choice.kernels;  // the candidates this call may sample
   if (b_constant) {
-    // The sampling weight's engine may never run again (its module was freed, or dynamo recompiled
-    // the graph into a new one with its own weights): after kSamplerIdleCalls engine calls without
-    // it, the weight at hand samples instead, or the bucket would never settle and every weight
-    // would run the unmeasured pack-free kernel for good.
-    const uint64_t now = call_epoch.load(std::memory_order_relaxed);
-    if (choice.sampling_b != g.b) {
-      if (choice.since_sampling_b.size() >= kMaxWeightsNoted) choice.since_sampling_b.clear();
-      const bool cycled = !choice.since_sampling_b.insert(g.b).second;
-      if (choice.sampling_b == nullptr || now - choice.sampling_b_call > kSamplerIdleCalls || cycled) {
-        choice.sampling_b = g.b;
-      }
-    }
-    if (choice.sampling_b == g.b) {
-      choice.sampling_b_call = now;
-      choice.since_sampling_b.clear();
-    }
-    if (choice.sampling_b != g.b) {
+    held = samples_on_locked(choice, g.b);
+    // At a new shape a weight whose candidates all JIT samples nothing (the call compiles nothing).
+    const bool runnable = met || (held & ~kJitKernels) != 0;
+    if (held == 0 || !runnable) {
       // In an engine with run-time sizes the evidence for the other weights is a settled neighbour's
       // (its samples are many; the bucket's own first ones are single calls, see run_chosen).
       measured = shapes_vary ? settled_neighbours_locked(choice) : measured_without_jit_locked(choice);
@@ -362,7 +402,7 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, bool shapes_
   for (const bool allow_jit : {met, true}) {  // at a new shape the kernels without JIT, if any
     for (int i = 0; i < kKernels; ++i) {
       const int k = (choice.first + i) % kKernels;  // ties: the likely winner first, the call's own result
-      if ((choice.kernels & bit(Kernel(k))) && (allow_jit || !jits(k)) && (pick < 0 || fewer(k, pick))) pick = k;
+      if ((held & bit(Kernel(k))) && (allow_jit || !jits(k)) && (pick < 0 || fewer(k, pick))) pick = k;
     }
     if (pick >= 0) break;
   }
@@ -522,7 +562,7 @@ void run_chosen(const GemmArgs& g, bool b_constant, bool shapes_vary, PackedWeig
   int measured = -1;
   const int kernel = next_sample(*choice, g, b_constant, shapes_vary, exact, measured);
   if (kernel == -1) return run_or_mkl(settled_kernel(*choice, exact), g, weights);
-  // A weight that is not the bucket's sampling one, already packed for the panels kernel (at load,
+  // A weight that samples no candidate, already packed for the panels kernel (at load,
   // in an engine with run-time sizes; else by another bucket): panels packs nothing more and trails
   // MKL's pack-free kernel by 2-2.5x on BERT's row counts, so it runs there until the bucket
   // settles, unless the evidence says otherwise. In an engine with run-time sizes that evidence is
@@ -654,7 +694,7 @@ std::vector<GemmChoice> gemm_choices() {
     for (int k = 0; k < kKernels; ++k) calls += choice->samples[k];
     if (calls == 0) continue;  // its first call is still running
     GemmChoice entry{describe(choice->sampled, key), kKernelNames[choice->kernel.load(std::memory_order_relaxed)],
-                     {}, calls};
+                     {}, calls, choice->settled.load(std::memory_order_acquire)};
     for (int k = 0; k < kKernels; ++k) {
       if (!std::isnan(choice->us[k])) entry.microseconds.emplace_back(kKernelNames[k], choice->us[k]);
     }

@@ -39,11 +39,12 @@ PYBIND11_MODULE(_C, m) {
       row["kernel"] = choice.kernel;
       row["microseconds"] = choice.microseconds;
       row["timings"] = choice.timings;
+      row["settled"] = choice.settled;
       rows.append(row);
     }
     return rows;
   }, "The GEMM kernel the runtime chose per call shape in this process (BLADE_GEMM), with each timed "
-     "candidate's best call in microseconds.");
+     "candidate's best call in microseconds; 'settled' False while its calls still sample the candidates.");
 
   auto testing = m.def_submodule("_testing", "Hooks into the runtime for blade's own tests.");
   blade::bind_testing(testing);

@@ -30,6 +30,7 @@ struct GemmChoice {
   std::string kernel;
   std::vector<std::pair<std::string, double>> microseconds;  // per candidate sampled: its best call (per flop)
   int timings;  // the calls sampled (each ran one candidate)
+  bool settled;  // false: still sampling (its calls run the candidates in turn)
 };
 std::vector<GemmChoice> gemm_choices();
 
