@@ -8,6 +8,7 @@ backends absorbs that, not ORT's settings), Inductor as `torch.compile`'s defaul
 """
 from __future__ import annotations
 
+import copy
 import io
 import os
 import platform
@@ -107,7 +108,10 @@ def median_call_s(fn, inputs, calls: int) -> float:
 
 
 def onnxruntime_cpu(model, inputs):
-    flat = FlatOutputs(model).eval()
+    # A copy: an exporter may write to the model it exports (HF Swin stores its clamped window size
+    # as a tensor while the TorchScript exporter traces), and the backends timed after it then
+    # compiled a changed model (dynamo saw a tensor branch, and blade.export refused).
+    flat = FlatOutputs(copy.deepcopy(model)).eval()
     candidates, errors = {}, {}
     for name, export in EXPORTERS.items():
         try:
