@@ -261,10 +261,37 @@ def torch_decoder():
             (torch.randn(1, 64, 256), torch.randn(1, SEQ, 256)))
 
 
+# At the published models' own sizes (each config's defaults): GEMM-bound 768-wide layers and
+# 9 MiB weights the small rows above do not have (GPT-2 small ran behind eager here while its GEMM
+# choice was still sampling, the small rows never showed it).
+def bert_base():
+    import transformers
+    cfg = transformers.BertConfig()
+    return "BERT-base (12L, 768, seq 128)", transformers.BertModel(cfg, add_pooling_layer=False), (_tokens(cfg),)
+
+
+def gpt2_small():
+    import transformers
+    cfg = transformers.GPT2Config(use_cache=False)
+    return "GPT-2 small (12L, 768, seq 128)", transformers.GPT2Model(cfg), (_tokens(cfg),)
+
+
+def vit_base():
+    import transformers
+    cfg = transformers.ViTConfig()
+    return "ViT-B/16 (224x224)", transformers.ViTModel(cfg, add_pooling_layer=False), (_image(),)
+
+
+def resnet50_full():
+    import transformers
+    return "ResNet-50 (224x224)", transformers.ResNetModel(transformers.ResNetConfig()), (_image(),)
+
+
 MODELS = {f.__name__: f for f in (roberta, qwen2, gpt_neox, bart, whisper_encoder, deit, swin, segformer, resnet50,
                                    regnet, efficientnet, mobilevit, deberta, bloom, mistral, beit, levit, poolformer,
                                    convnextv2, mobilenet_v1, wav2vec2, hubert, speech2text, squeezebert, pvt_v2,
-                                   focalnet, bit, univnet, torch_encoder, torch_decoder)}
+                                   focalnet, bit, univnet, torch_encoder, torch_decoder, bert_base, gpt2_small,
+                                   vit_base, resnet50_full)}
 
 
 def _first(out):
