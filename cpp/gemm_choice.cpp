@@ -135,6 +135,7 @@ struct Choice {
   std::array<int, kKernels> samples{};      // of those, recorded (first calls at a shape are not)
   std::array<double, kKernels> ns_per_flop;  // per candidate: its best sample; NaN: none yet
   std::array<double, kKernels> us;          // that sample's call, us
+  double bytes_per_flop = 0;                // of the latest sample: operand bytes / flops
   ShapeKey sampled{};                       // the exact shape of the latest sample
   std::array<Sampler, kKernels> samplers;   // B constant: per candidate, the weight whose calls sample it
   std::set<std::array<int64_t, 4>> ran;     // (kernel, m, n, k) run so far: a repeat is warm
@@ -264,11 +265,14 @@ unsigned candidates(const GemmArgs& g, bool b_constant, bool shapes_vary, unsign
 // every row count; an MKL pack beside it would be a second copy for one row count (5.5-6.8 MiB
 // allocated per weight), made by whichever call first ran MKL on the weight (a tiny GEMM, a bucket's
 // sample). MKL ran every other row count unpacked anyway, and its samples now time what it runs.
+// A GEMV (one row) packs nothing either, nor claims the weight's pack: it reads each weight element
+// once, and MKL's packed path streamed a decode step's [1, 896] @ [896, 9728]^T 13% slower than its
+// unpacked one (0.85 vs 0.75 ms, 2 threads), which already runs at the memory's speed.
 constexpr int64_t kPackRowsTag = -3;  // PackedWeights key slot 1 (MKL: trans_b, Winograd: -1, oneDNN: -2)
 
 PackedWeights* mkl_packing(const GemmArgs& g, PackedWeights* weights) {
   if (weights == nullptr || !weights->is_constant(g.b)) return weights;
-  if (weights->shapes_vary()) return nullptr;
+  if (weights->shapes_vary() || (g.batch == 1 && g.m == 1)) return nullptr;
   const PackedWeights::Key key = {reinterpret_cast<int64_t>(g.b), kPackRowsTag, g.trans_b, g.n, g.k, g.ldb};
   const at::Tensor rows = weights->get(key, [&] { return at::full({1}, g.m, at::kLong); });
   return rows.const_data_ptr<int64_t>()[0] == g.m ? weights : nullptr;
@@ -301,11 +305,14 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 // call at a shape packs B or JIT-compiles: it is not a sample (unless every call is a new shape:
 // after kMaxSamples such calls, they count). With a constant B each candidate samples on one
 // weight (Sampler), and the bucket's other weights run pack-free kernels until it settles: a
-// weight is packed by its candidate and the winner only, not by each candidate. Each candidate keeps its best call per flop
-// (shapes of a bucket differ in size; the best of several drops a call that waited on a thread
-// preempted by another process). kSamples calls each settle the bucket unless the winner's best
-// looks like a stall (over 1 ms at under 20 GFLOP/s, as when other jobs hold every core): then
-// sampling goes on, up to kMaxSamples calls each.
+// weight is packed by its candidate and the winner only, not by each candidate. Each candidate
+// keeps its best call per flop (shapes of a bucket differ in size; the best of several drops a call
+// that waited on a thread preempted by another process). kSamples calls each settle the bucket
+// unless the winner's best looks like a stall (over 1 ms at under 20 GFLOP/s and under 10 GB/s of
+// operands read and written, as when other jobs hold every core): then sampling goes on, up to
+// kMaxSamples calls each. A GEMV is memory-bound: a decode step's [1, 2048] @ [2048, 11264]^T
+// streams its 92 MB weight at ~35 GB/s, 20 GFLOP/s, and without the bandwidth test it sampled 12
+// calls a candidate, its other weights running pack-free meanwhile.
 constexpr int kSamples = 5, kMaxSamples = 12;
 // Engine calls (of any engine, process-wide) after which a sampling weight that did not run is
 // replaced: far more than the engine calls one model call makes.
@@ -316,7 +323,7 @@ constexpr uint64_t kSamplerIdleCalls = 64;
 // then settled depended on whether the next pack landed at the old address, 1 in 3 ran MKL's
 // pack-free kernel on every Winograd GEMM for good, 2x slower). At most this many weights noted.
 constexpr size_t kMaxWeightsNoted = 512;
-constexpr double kSuspectUs = 1000, kSuspectGflops = 20;
+constexpr double kSuspectUs = 1000, kSuspectGflops = 20, kSuspectGBps = 10;
 // A candidate whose best of kRejectSamples calls is over kRejectRatio times the leader's best cannot
 // win: it is sampled no more. Sampled to kSamples, such a candidate (MKL on attention's batched
 // GEMMs trails the panels kernel 2-5x) made a new bucket's first calls 2-2.5x the settled call.
@@ -430,7 +437,8 @@ void settle_if_sampled(Choice& choice) {
   }
   choice.kernel.store(winner, std::memory_order_relaxed);  // the leader so far serves other threads meanwhile
   const double gflops = 1.0 / choice.ns_per_flop[winner];
-  const bool suspect = choice.us[winner] > kSuspectUs && gflops < kSuspectGflops;
+  const bool suspect = choice.us[winner] > kSuspectUs && gflops < kSuspectGflops &&
+                       gflops * choice.bytes_per_flop < kSuspectGBps;
   if (fewest >= kMaxSamples || (fewest >= kSamples && !suspect)) {
     choice.ran.clear();
     choice.settled.store(true, std::memory_order_release);
@@ -452,6 +460,7 @@ void record(Choice& choice, int kernel, const GemmArgs& g, const ShapeKey& exact
     return;
   }
   const double ns_per_flop = seconds * 1e9 / flops(g);
+  choice.bytes_per_flop = sizeof(float) * static_cast<double>(g.batch) * (g.m * g.k + g.k * g.n + g.m * g.n) / flops(g);
   ++choice.samples[kernel];
   if (!(choice.ns_per_flop[kernel] <= ns_per_flop)) {  // also replaces NaN (no sample yet)
     choice.ns_per_flop[kernel] = ns_per_flop;
