@@ -374,8 +374,21 @@ unsigned samples_on_locked(Choice& choice, const float* b) {
   return bit(Kernel(taken));
 }
 
+// The kernel with the best sample so far; -1: none yet (choice.mutex held).
+int leader_locked(const Choice& choice) {
+  int best = -1;
+  for (int k = 0; k < kKernels; ++k) {
+    if (std::isnan(choice.ns_per_flop[k])) continue;
+    if (best < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[best]) best = k;
+  }
+  return best;
+}
+
 // The kernel this call samples; -1: the bucket has settled meanwhile, -2: the call is not on a
-// weight that samples (samples_on_locked).
+// weight that samples (samples_on_locked), at a shape met before: run a pack-free kernel, of the
+// library of `measured`, the leader so far (-1: none yet). A pack-free MKL call ran GPT-2's
+// [128, 768] @ [768, 3072] in 1.5 ms, oneDNN's matmul in 3.1 (an Intel Xeon; on an AMD EPYC oneDNN
+// leads).
 // -3: the call is not on such a weight and its shape is new to the bucket: run `measured` (the
 // measured kernel without JIT, -1: none), which packs that weight only as the likely winner.
 // `shapes_vary`: an engine with run-time sizes. Where none of its candidates JITs (oneDNN is no
@@ -397,8 +410,12 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, bool shapes_
     if (held == 0 || !runnable) {
       // In an engine with run-time sizes the evidence for the other weights is a settled neighbour's
       // (its samples are many; the bucket's own first ones are single calls, see run_chosen).
+      if (met) {
+        measured = leader_locked(choice);
+        return -2;
+      }
       measured = shapes_vary ? settled_neighbours_locked(choice) : measured_without_jit_locked(choice);
-      return met ? -2 : -3;
+      return -3;
     }
   }
   int pick = -1;
@@ -584,7 +601,10 @@ void run_chosen(const GemmArgs& g, bool b_constant, bool shapes_vary, PackedWeig
   if ((kernel == -2 || (kernel == -3 && measured < 0)) && panels_ready) {
     return run(kPanels, g, weights);
   }
-  if (kernel == -2) return run_or_mkl(kernels & bit(kOnednnMatmul) ? kOnednnMatmul : kMkl, g, nullptr);  // packs nothing
+  if (kernel == -2) {  // packs nothing: oneDNN's matmul where oneDNN leads (or nothing sampled yet), else MKL
+    const bool onednn = (kernels & bit(kOnednnMatmul)) && (measured < 0 || jits(measured));
+    return run_or_mkl(onednn ? kOnednnMatmul : kMkl, g, nullptr);
+  }
   if (kernel == -3) return measured >= 0 ? run(Kernel(measured), g, weights) : run(kMkl, g, nullptr);  // compiles nothing
   const auto start = std::chrono::steady_clock::now();
   try {

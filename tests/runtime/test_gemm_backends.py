@@ -235,6 +235,32 @@ def test_auto_samples_each_candidate_on_a_weight_of_its_own():
 
 @pytest.mark.usefixtures("one_thread")
 @needs_onednn
+def test_weights_that_do_not_sample_run_the_leaders_library_unpacked():
+    """While a bucket samples, a weight that samples no candidate runs a kernel that packs and
+    compiles nothing: oneDNN's matmul where a oneDNN kernel leads the samples so far, else MKL
+    (GPT-2's [128, 768] @ [768, 3072] pack-free: MKL 1.5 ms, oneDNN's matmul 3.1 on an Intel Xeon)."""
+    gemms = weights_of_one_bucket(CANDIDATES + 1)
+    _testing.set_gemm_backend("auto")
+    try:
+        for _ in range(3):  # rounds as engine calls make them: first calls, then samples
+            for gemm in gemms:
+                gemm(40)
+        for gemm in gemms[:CANDIDATES]:
+            gemm(40)
+        (choice,) = choices_serving("rows 33-64")
+        before = kernel_calls()
+        gemms[-1](40)
+        ran = ran_since(before)
+    finally:
+        _testing.set_gemm_backend("")
+    if choice["settled"]:
+        pytest.skip(f"settled already (candidates rejected): {choice}")
+    leader = min(choice["microseconds"], key=lambda entry: entry[1])[0]
+    assert ran == {"onednn-matmul" if leader.startswith("onednn") else "mkl": 1}, (choice, ran)
+
+
+@pytest.mark.usefixtures("one_thread")
+@needs_onednn
 def test_auto_samples_every_candidate_on_a_bucket_of_one_weight():
     """A bucket of one weight (one Linear of its shape) samples every candidate on it, in turn."""
     gemm = FixedGemm()
