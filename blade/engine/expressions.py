@@ -243,12 +243,17 @@ class Values:
         computed inline from stored values) reads down to stride 1 (or 0: broadcast), each dim's
         stride the next one's times its size, so index (0, ..., 0, r) reads element r of the run;
         else None."""
+        axes = [a for a in node.attrs["axes"] if node.args[0].shape[a] != 1]
+        return axes if node.attrs["kind"] not in ARG_REDUCE and len(axes) >= 2 and self.window_is_one_run(node) else None
+
+    def window_is_one_run(self, node: Node) -> bool:
+        """Whether a reduce node's window, one dim or several, is one run of memory as window_run
+        reads it: its reduced dims (but those of size 1) consecutive, static, and every load of its
+        input reads them nested down to stride 1 (or 0)."""
         src = node.args[0]
         axes = [a for a in node.attrs["axes"] if src.shape[a] != 1]
-        if (node.attrs["kind"] in ARG_REDUCE or len(axes) < 2 or axes != list(range(axes[0], axes[-1] + 1))
-                or not all(isinstance(src.shape[a], int) for a in axes)):
-            return None
-        return axes if self._reads_as_one_run(src, axes) else None
+        return (bool(axes) and axes == list(range(axes[0], axes[-1] + 1))
+                and all(isinstance(src.shape[a], int) for a in axes) and self._reads_as_one_run(src, axes))
 
     def _reads_as_one_run(self, value: Node, axes: list) -> bool:
         """Whether value, read at an index whose `axes` are (0, ..., 0, r), is value at the index
