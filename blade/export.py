@@ -72,7 +72,7 @@ def capture_graph(model, example_inputs: tuple, example_kwargs: dict | None = No
     try:
         # frozen_heap: dynamo's symbolic capture allocates enough for full collections to cost
         # a quarter of its time walking the process's older objects (blade/heap.py)
-        with torch.no_grad(), warnings.catch_warnings(), _tensor_attributes_kept(model), frozen_heap():
+        with torch.no_grad(), warnings.catch_warnings(), _model_state_kept(model), frozen_heap():
             warnings.simplefilter("ignore", FutureWarning)  # torch._dynamo.export's notice
             # Static shapes unless dynamic_shapes says otherwise. Without dynamic dims dynamo's
             # dim-constraint solver has nothing to do, and on some models (transformers' ResNet)
@@ -168,17 +168,42 @@ def _drop_usage_logging(graph: torch.fx.Graph) -> None:
 
 
 @contextlib.contextmanager
-def _tensor_attributes_kept(model):
-    """torch._dynamo.export leaves a buffer the model writes (``self.count += 1``) rebound to the
-    fake tensor it traced with; bind every buffer and parameter back to the model's own tensor."""
+def _model_state_kept(model):
+    """torch._dynamo.export leaves what the model writes while traced bound to the fake tensors it
+    traced with: a buffer it writes (``self.count += 1``), or a cache it fills (LeViT's
+    ``attention_bias_cache`` dict: after blade.export every eager call of the user's model read a
+    FakeTensor from it, 240 ms a call and a SymFloat for an answer). Everything is put back as it
+    was before the capture, as torch.export's non-strict mode does: buffers and parameters and
+    plain attributes rebound, dicts and lists among them refilled with their old contents,
+    attributes the capture added dropped."""
     modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
-    before = [(slots, name, tensor) for module in modules
-              for slots in (module._buffers, module._parameters) for name, tensor in list(slots.items())]
+    slots_before = [(slots, name, tensor) for module in modules
+                    for slots in (module._buffers, module._parameters) for name, tensor in list(slots.items())]
+    attributes_before = [(module, {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS})
+                         for module in modules]
+    contents_before = [(value, dict(value) if isinstance(value, dict) else list(value))
+                       for _, attributes in attributes_before for value in attributes.values()
+                       if type(value) in (dict, list)]
     try:
         yield
     finally:
-        for slots, name, tensor in before:
+        for slots, name, tensor in slots_before:
             slots[name] = tensor
+        for module, attributes in attributes_before:
+            for name in [k for k in vars(module) if k not in attributes and k not in _MODULE_INTERNALS]:
+                delattr(module, name)
+            vars(module).update(attributes)
+        for container, contents in contents_before:
+            if isinstance(container, dict):
+                container.clear()
+                container.update(contents)
+            else:
+                container[:] = contents
+
+
+# What every nn.Module keeps in its __dict__ (parameters, buffers, submodules, hooks, training):
+# torch's own bookkeeping, which _model_state_kept leaves to torch.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
 def compile_model(model, example_inputs: tuple, config: Config | None = None, *,

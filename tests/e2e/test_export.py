@@ -183,6 +183,39 @@ def test_loaded_archive_is_called_like_the_model(tmp_path):
         loaded(args[0], args[1], 5, **kwargs)
 
 
+class _FillsACache(torch.nn.Module):
+    """A model that fills a cache and notes what it last saw while it runs (transformers' LeViT
+    caches its attention biases per device in eval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.linspace(-1, 1, 8))
+        self.cache, self.seen = {}, []
+
+    def forward(self, x):
+        if "cpu" not in self.cache:
+            self.cache["cpu"] = self.bias.exp() * 2
+        self.seen.append(x.shape[0])
+        self.last_input = x
+        return (x + self.cache["cpu"]).relu()
+
+
+def test_export_leaves_the_model_as_it_was(tmp_path):
+    """torch._dynamo.export leaves what the model wrote while traced holding its fake tensors (the
+    cache filled with a FakeTensor, the attribute bound to one): after blade.export the user's
+    model is as it was before, and its eager calls compute what they did (LeViT: 240 ms a call and a
+    SymFloat for an answer after blade.export)."""
+    model, x = _FillsACache().eval(), torch.randn(4, 8)
+    path = str(tmp_path / "cache.blade.pt")
+    blade.export(model, (x,), path)
+    assert model.cache == {} and model.seen == [] and not hasattr(model, "last_input")
+    with torch.no_grad():
+        want = (x + model.bias.exp() * 2).relu()
+        torch.testing.assert_close(model(x), want)
+        assert type(model.cache["cpu"]) is torch.Tensor and model.seen == [4]
+        torch.testing.assert_close(blade.load(path)(x), want)
+
+
 def test_transformers_output_class_is_rebuilt_in_a_fresh_process(tmp_path):
     """A transformers model's ModelOutput comes back as that class in a process that never
     imported transformers itself (blade.load imports the class's module by its registered name)."""
