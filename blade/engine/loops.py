@@ -335,8 +335,11 @@ def emit_reduce(em, node, dest):
     # (an NCHW global pool: 5x5 floats per channel, read 25 floats apart along the row; a layer
     # norm's 32 channels, SegFormer-b0's first stage) is summed along the run instead, vectorized,
     # the rows split across the threads. In window form that layer norm's sums over [16384, 32]
-    # read a float per cache line 32 times over, on one thread: 3.8 ms a sum.
-    small = node in em.plan.window_form and not em.values.window_is_one_run(node)
+    # read a float per cache line 32 times over, on one thread: 3.8 ms a sum. Only into a row-major
+    # output: one the plan laid out channels-last for the window form (ConvNeXt's layer norm over
+    # channels-last channels) keeps that form, which loops in the output's memory order.
+    along_run = em.values.window_is_one_run(node) and memory_order(dest) == tuple(range(len(dest.shape)))
+    small = node in em.plan.window_form and not along_run
     if small or _large_window_along_row(em, node, dest):
         # A small window (pooling, a short axis) per output: accumulate into the output row with
         # the window loops outside, so the innermost loop runs along an output dim (in memory
