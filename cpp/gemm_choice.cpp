@@ -161,15 +161,20 @@ int settled_neighbours_locked(const Choice& choice) {
   return neighbours >= 0 && ((choice.kernels | choice.rejected) & bit(Kernel(neighbours))) ? neighbours : -1;
 }
 
+// The kernel among `among` with the best sample per flop; -1 when none of them sampled.
+int fastest_sampled_locked(const Choice& choice, unsigned among) {
+  int best = -1;
+  for (int k = 0; k < kKernels; ++k) {
+    if (!(among & bit(Kernel(k))) || std::isnan(choice.ns_per_flop[k])) continue;
+    if (best < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[best]) best = k;
+  }
+  return best;
+}
+
 // The fastest kernel without JIT by the bucket's samples, else by its nearest settled neighbour's;
 // -1 when neither sampled one.
 int measured_without_jit_locked(const Choice& choice) {
-  const unsigned runnable = choice.kernels | choice.rejected;
-  int best = -1;
-  for (int k = 0; k < kKernels; ++k) {
-    if (!(runnable & bit(Kernel(k))) || jits(k) || std::isnan(choice.ns_per_flop[k])) continue;
-    if (best < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[best]) best = k;
-  }
+  const int best = fastest_sampled_locked(choice, (choice.kernels | choice.rejected) & ~kJitKernels);
   return best >= 0 ? best : settled_neighbours_locked(choice);
 }
 
@@ -374,16 +379,6 @@ unsigned samples_on_locked(Choice& choice, const float* b) {
   return bit(Kernel(taken));
 }
 
-// The kernel with the best sample so far; -1: none yet (choice.mutex held).
-int leader_locked(const Choice& choice) {
-  int best = -1;
-  for (int k = 0; k < kKernels; ++k) {
-    if (std::isnan(choice.ns_per_flop[k])) continue;
-    if (best < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[best]) best = k;
-  }
-  return best;
-}
-
 // The kernel this call samples; -1: the bucket has settled meanwhile, -2: the call is not on a
 // weight that samples (samples_on_locked), at a shape met before: run a pack-free kernel, of the
 // library of `measured`, the leader so far (-1: none yet). A pack-free MKL call ran GPT-2's
@@ -411,7 +406,7 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, bool shapes_
       // In an engine with run-time sizes the evidence for the other weights is a settled neighbour's
       // (its samples are many; the bucket's own first ones are single calls, see run_chosen).
       if (met) {
-        measured = leader_locked(choice);
+        measured = fastest_sampled_locked(choice, (1u << kKernels) - 1);  // the leader so far, any kernel
         return -2;
       }
       measured = shapes_vary ? settled_neighbours_locked(choice) : measured_without_jit_locked(choice);
@@ -435,13 +430,8 @@ int next_sample(Choice& choice, const GemmArgs& g, bool b_constant, bool shapes_
 }
 
 void settle_if_sampled(Choice& choice) {
-  int winner = -1, fewest = kMaxSamples;
-  for (int k = 0; k < kKernels; ++k) {
-    if (choice.kernels & bit(Kernel(k)) && choice.samples[k] > 0 &&
-        (winner < 0 || choice.ns_per_flop[k] < choice.ns_per_flop[winner])) {
-      winner = k;
-    }
-  }
+  const int winner = fastest_sampled_locked(choice, choice.kernels);
+  int fewest = kMaxSamples;
   if (winner < 0) return;
   for (int k = 0; k < kKernels; ++k) {
     if (!(choice.kernels & bit(Kernel(k)))) continue;
